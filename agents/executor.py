@@ -1,0 +1,40 @@
+"""Executor: turns the planner's sub-goal into a concrete tool call, runs it and logs it in memory.
+
+With a policy the model writes the tool input; without one the sub-goal itself is the input. A tool
+error (bad input, crash, timeout) is recorded in the step and the memory, and the episode goes on."""
+
+from __future__ import annotations
+
+import time
+
+from masgraph.agents.formats import parse_tool_input
+from masgraph.agents.prompting import render
+from masgraph.agents.registry import register_agent
+from masgraph.agents.tools.registry import describe
+from masgraph.memory.action_log import Action
+from masgraph.node import NodeContext, NodeOutput
+from masgraph.trace import ToolCall
+
+
+@register_agent("executor")
+async def executor(ctx: NodeContext) -> NodeOutput:
+    plan = next((out.data for _, out in ctx.inputs if "sub_goal" in out.data), {})
+    sub_goal = plan.get("sub_goal") or ctx.query
+    tool = plan.get("tool") if plan.get("tool") in ctx.tools else next(iter(ctx.tools))
+    parse_error = None
+    if ctx.node_spec.policy is not None:
+        completion = await ctx.generate(render(ctx, "executor", tool=tool, sub_goal=sub_goal,
+                                               tool_description=describe(ctx.spec.tools, [tool])))
+        tool_input, parse_error = parse_tool_input(completion.text, tool)
+    else:
+        tool_input = sub_goal
+    t0 = time.perf_counter()
+    output = error = None
+    try:
+        output = await ctx.tools[tool](tool_input)
+    except Exception as exc:  # the tool's failure is data for the planner, not a crash of the run
+        error = f"{type(exc).__name__}: {exc}" if type(exc).__name__ != "ToolError" else str(exc)
+    call = ToolCall(tool=tool, input=tool_input, output=output, error=error, duration_s=time.perf_counter() - t0)
+    ctx.memory.append(Action(ctx.node, sub_goal, tool, tool_input, output, error))
+    return NodeOutput(text=output if error is None else f"Error: {error}", route="error" if error else "ok",
+                      tool=call, parse_error=parse_error, data={"sub_goal": sub_goal, "tool": tool})

@@ -1,0 +1,28 @@
+"""Agents by registered name, resolved in one place (the graph's YAML never holds import strings)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from masgraph.node import Agent
+from masgraph.spec import GraphSpec
+
+AGENTS: dict[str, Agent] = {}
+
+
+def register_agent(name: str) -> Callable[[Agent], Agent]:
+    """Register an async `(NodeContext) -> NodeOutput` function under `name` (used as `agent:` in YAML)."""
+    def deco(fn: Agent) -> Agent:
+        AGENTS[name] = fn
+        return fn
+    return deco
+
+
+def load_builtin_agents() -> None:
+    from masgraph.agents import executor, generator, memory, planner, verifier  # noqa: F401 (they register)
+
+
+def resolve_agents(spec: GraphSpec) -> dict[str, Agent]:
+    """The body of every node: its `agent:` if set, else its role's built-in agent (checked at compile)."""
+    load_builtin_agents()
+    return {name: AGENTS[node.agent or node.role] for name, node in spec.nodes.items()}

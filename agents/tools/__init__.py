@@ -1,0 +1,1 @@
+"""Tools agents call; installed as masgraph.agents.tools."""

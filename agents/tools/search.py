@@ -1,0 +1,66 @@
+"""Search tool: BM25 keyword search over a local JSONL corpus ({"id", "title", "text"} per line)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from masgraph.agents.tools.registry import ToolError, register_kind
+
+
+
+def _tokens(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class Corpus:
+    """An in-memory BM25 index (k1=1.5, b=0.75) over a list of documents."""
+
+    def __init__(self, docs: list[dict[str, str]]):
+        self.docs = docs
+        self.tfs = [Counter(_tokens(d.get("title", "") + " " + d["text"])) for d in docs]
+        self.lens = [sum(tf.values()) for tf in self.tfs]
+        self.avg = sum(self.lens) / max(len(docs), 1)
+        df = Counter(t for tf in self.tfs for t in tf)
+        n = len(docs)
+        self.idf = {t: math.log(1 + (n - c + 0.5) / (c + 0.5)) for t, c in df.items()}
+
+    def search(self, query: str, k: int = 2) -> list[dict[str, str]]:
+        q = _tokens(query)
+        scores = []
+        for i, tf in enumerate(self.tfs):
+            s = sum(self.idf.get(t, 0.0) * tf[t] * 2.5 / (tf[t] + 1.5 * (0.25 + 0.75 * self.lens[i] / self.avg))
+                    for t in q if t in tf)
+            if s > 0:
+                scores.append((s, i))
+        return [self.docs[i] for _, i in sorted(scores, key=lambda x: (-x[0], x[1]))[:k]]
+
+
+@lru_cache(maxsize=8)
+def load_corpus(path: str) -> Corpus:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Corpus([json.loads(line) for line in f if line.strip()])
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ToolError(f"cannot load search corpus {path}: {exc}") from None
+
+
+def default_corpus_path() -> str:
+    from importlib.resources import files
+    return str(files("masgraph.data") / "kb.jsonl")
+
+
+@register_kind("search", "searches the local knowledge base and returns the best matching passages, e.g. Input: Ilsa Varn")
+def make_search(options: dict[str, Any]):
+    path = str(options.get("corpus") or default_corpus_path())
+    k = int(options.get("top_k", 2))
+
+    async def search(query: str) -> str:
+        hits = load_corpus(path).search(query, k)
+        return "\n".join(f"[{h.get('title', h['id'])}] {h['text']}" for h in hits) or "no results"
+    return search

@@ -1,0 +1,9 @@
+"""masgraph: multi-agent LLM systems as declarative graphs, run concurrently and trained with RL."""
+
+import os as _os
+
+# Some VMs advertise AMX but trap on its instructions (SIGILL inside oneDNN bf16 matmuls, seen on
+# this project's machines); capping oneDNN at AVX512-BF16 keeps bf16 working everywhere.
+_os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+__version__ = "0.1.0"

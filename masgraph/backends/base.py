@@ -1,0 +1,59 @@
+"""The backend contract: `async complete(requests) -> completions`, with token ids and logprobs when it can."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from masgraph.spec import SamplingSpec
+
+
+@dataclass
+class Request:
+    """One chat completion request from one node step."""
+
+    messages: list[dict[str, str]]
+    policy: str = "default"
+    adapter: str | None = None
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    seed: int | None = None
+    """Per-request sampling seed (deterministic mode); None draws from the backend's generator."""
+    key: tuple = ()
+    """Stable ordering key (episode, node, turn) used to order batches deterministically."""
+
+
+@dataclass
+class Completion:
+    """What the model produced, token-in / token-out."""
+
+    text: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"
+    prompt_truncated: bool = False
+    policy_version: int = 0
+
+
+class BackendError(RuntimeError):
+    """The backend failed to serve a request (the step fails and is recorded; the run goes on)."""
+
+
+class Backend(Protocol):
+    """Serves completions for many episodes at once."""
+
+    returns_tokens: bool
+
+    async def complete(self, requests: list[Request]) -> list[Completion]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def truncate_middle(ids: list[int], budget: int, marker: list[int]) -> tuple[list[int], bool]:
+    """The context rule: keep the first quarter of the budget (system prompt, task, query) and the rest
+    from the end (latest memory and the assistant header), joined by `marker`; drop the middle."""
+    if len(ids) <= budget:
+        return ids, False
+    head = budget // 4
+    tail = budget - head - len(marker)
+    return ids[:head] + marker + ids[len(ids) - tail:], True

@@ -1,0 +1,44 @@
+"""litellm backend: any hosted API or local OpenAI-compatible server. Text only: no token ids or logprobs,
+so its policies cannot be trainable (checked at compile)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from masgraph.backends.base import BackendError, Completion, Request
+
+
+class LiteLLMBackend:
+    """Calls `litellm.acompletion` for each request, concurrently.
+
+    Example:
+        >>> b = LiteLLMBackend("openai/smol", api_base="http://127.0.0.1:8000/v1")
+    """
+
+    returns_tokens = False
+
+    def __init__(self, model: str, api_base: str | None = None, api_key: str | None = None, timeout_s: float = 120):
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price map at import
+        self.model, self.api_base, self.timeout_s = model, api_base, timeout_s
+        self.api_key = api_key or os.environ.get("MASGRAPH_API_KEY") or ("none" if api_base else None)
+
+    async def complete(self, requests: list[Request]) -> list[Completion]:
+        return list(await asyncio.gather(*(self._one(r) for r in requests)))
+
+    async def _one(self, req: Request) -> Completion:
+        import litellm
+
+        try:
+            resp = await litellm.acompletion(
+                model=self.model, messages=req.messages, api_base=self.api_base, api_key=self.api_key,
+                temperature=req.sampling.temperature, top_p=req.sampling.top_p,
+                max_tokens=req.sampling.max_tokens, timeout=self.timeout_s, seed=req.seed)
+        except Exception as exc:
+            raise BackendError(f"litellm {self.model}: {type(exc).__name__}: {exc}") from None
+        choice = resp.choices[0]
+        return Completion(text=choice.message.content or "", prompt_ids=[], completion_ids=[], logprobs=[],
+                          finish_reason="length" if choice.finish_reason == "length" else "stop")
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,151 @@
+"""The `masgraph` command: run, validate, schema."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from masgraph.errors import MasgraphError, SpecError
+from masgraph.trace import EpisodeFinished, Event
+
+
+class ProgressBar:
+    """A sink that draws one status line: episodes done, accuracy, turns, tokens, rate."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 24):
+        self.total, self.stream, self.width = total, stream, width
+        self.done = self.correct = self.turns = self.tokens = self.failed = 0
+        self.t0 = time.perf_counter()
+        self.draw()
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            tr = event.trace
+            self.done += 1
+            self.correct += (tr.reward or 0.0) >= 0.5
+            self.turns += tr.turns
+            self.tokens += tr.completion_tokens
+            self.failed += tr.status != "ok"
+            self.draw()
+
+    def draw(self) -> None:
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(frac * self.width) + "-" * (self.width - int(frac * self.width))
+        n = max(self.done, 1)
+        rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+        line = (f"\r[{bar}] {self.done}/{self.total}  acc {self.correct / n:.2f}  turns {self.turns / n:.1f}  "
+                f"tok {self.tokens / n:.0f}  failed {self.failed}  {rate:.2f} ep/s")
+        self.stream.write(line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+
+
+def _load_graph(path: str, check_models: bool = True):
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+
+    return compile_spec(load_spec(path), path, check_models=check_models)
+
+
+def _load_task(name: str):
+    from masgraph.tasks import get_task, load_task_file
+
+    return load_task_file(name) if ":" in name else get_task(name)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.files:
+        try:
+            g = _load_graph(path, check_models=not args.no_model_check)
+            print(f"ok  {path}  ({len(g.spec.nodes)} nodes, {len(g.spec.edges)} edges)")
+        except SpecError as exc:
+            bad += 1
+            print(str(exc), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from masgraph.spec import GraphSpec
+
+    print(json.dumps(GraphSpec.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from masgraph.runner import RunConfig, Runner
+
+    graph = _load_graph(args.graph)
+    task = _load_task(args.task)
+    config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
+                       seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir)
+    print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
+    runner = Runner(graph, config)
+    items = task.items(config.split, config.n, config.seed)
+    bar = ProgressBar(len(items) * config.samples)
+
+    async def main():
+        try:
+            return await runner.run_items(task, items, sinks=[bar])
+        finally:
+            await runner.aclose()
+
+    try:
+        result = asyncio.run(main())
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"interrupted: {bar.done} finished episodes are stored under {config.runs_dir}/", file=sys.stderr)
+        return 130
+    bar.close()
+    s = result.summary
+    print(f"graph {s['graph']}  task {s['task']}  episodes {s['episodes']}")
+    print(f"accuracy {s['accuracy']:.3f}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
+          f"completion tokens {s['completion_tokens_mean']:.1f}  failed {s['episodes'] - s['status']['ok']}")
+    print(f"run dir  {result.run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="masgraph", description="Multi-agent LLM graphs: run, validate, train.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a graph on a task and report accuracy")
+    r.add_argument("graph", help="graph YAML file (see graphs/)")
+    r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
+    r.add_argument("--n", type=int, default=16, help="number of items (default 16)")
+    r.add_argument("--split", default="test", choices=["train", "test"])
+    r.add_argument("--samples", type=int, default=1, help="rollouts per item")
+    r.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--deterministic", action="store_true", help="count-formed batches, per-request seeds")
+    r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
+    r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("validate", help="check graph YAML files")
+    v.add_argument("files", nargs="+")
+    v.add_argument("--no-model-check", action="store_true", help="do not check that models are installed")
+    v.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("schema", help="print the JSON Schema of graph files (for editors)")
+    s.set_defaults(fn=cmd_schema)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MasgraphError as exc:  # user errors: a located message, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

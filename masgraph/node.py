@@ -1,0 +1,53 @@
+"""What a node body sees (NodeContext) and returns (NodeOutput); agents are async functions between them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from masgraph.memory.action_log import ActionLog
+from masgraph.spec import GraphSpec
+from masgraph.trace import ToolCall
+
+
+@dataclass
+class NodeOutput:
+    """A node's result: text for downstream nodes, a route label for conditional edges, maybe an answer."""
+
+    text: str = ""
+    route: str | None = None
+    answer: str | None = None
+    tool: ToolCall | None = None
+    parse_error: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Generate = Callable[[list[dict[str, str]]], Awaitable[Any]]  # messages -> backends.base.Completion
+ToolFn = Callable[[str], Awaitable[str]]
+
+
+@dataclass
+class NodeContext:
+    """Everything one node step may read: query, inputs from predecessors, memory, its LLM and tools."""
+
+    node: str
+    spec: GraphSpec
+    query: str
+    turn: int
+    inputs: list[tuple[str, NodeOutput]]
+    """(source node, its output) for each edge that fired into this node in the previous step."""
+    merged: str
+    """The inputs merged by the node's declared rule (or the single input's text)."""
+    memory: ActionLog
+    generate: Generate
+    """Call this node's policy with chat messages; the call is recorded in the step."""
+    tools: dict[str, ToolFn]
+    """The node's tools by name (already bound to their time limits)."""
+
+    @property
+    def node_spec(self) -> Any:
+        return self.spec.nodes[self.node]
+
+
+Agent = Callable[[NodeContext], Awaitable[NodeOutput]]

@@ -1,0 +1,218 @@
+"""GraphSpec: the one pydantic model behind YAML graphs, the Python builder and the editor schema."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class SamplingSpec(_Strict):
+    """How a policy samples; one set per policy."""
+
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    """0 means greedy decoding."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(96, ge=1, le=8192)
+    """Most new tokens per call."""
+
+
+class PolicySpec(_Strict):
+    """A named model endpoint that nodes call: backend + model + optional LoRA adapter + sampling."""
+
+    backend: Literal["hf", "litellm", "scripted"] = "hf"
+    """Which backend serves it. `hf` runs transformers in-process (token ids + logprobs)."""
+    model: str = "smollm2-135m"
+    """Model name: `smollm2-135m` (embedded default), a local HF directory, or a litellm model string."""
+    adapter: str | None = None
+    """Name of this policy's LoRA adapter on the shared base model (hf backend)."""
+    trainable: bool = False
+    """Whether RL trainers update this policy (needs a backend that returns token ids and logprobs)."""
+    api_base: str | None = None
+    """Base URL of an OpenAI-compatible server (litellm / vllm backends)."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling parameters."""
+
+
+class ToolSpec(_Strict):
+    """A tool instance: a registered tool kind plus its options."""
+
+    kind: str
+    """Registered tool kind: `calculator`, `python`, `search`, or a name passed to `register_tool`."""
+    description: str | None = None
+    """Override of the tool's description shown to the model."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit for one call; a call past it fails that step, not the run."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Tool-specific options (e.g. `memory_mb` for python, `corpus` for search)."""
+
+
+class MemoryConfig(_Strict):
+    """The episode's evolving action log (AgentFlow memory), serialised into prompts."""
+
+    kind: Literal["action_log"] = "action_log"
+    """Memory implementation."""
+    max_actions: int = Field(6, ge=1)
+    """Only the last N actions are serialised into prompts (older ones are summarised by count)."""
+    max_result_chars: int = Field(300, ge=16)
+    """Tool results longer than this are truncated (head and tail kept) when serialised."""
+
+
+class _NodeBase(_Strict):
+    agent: str | None = None
+    """Registered agent implementation (default: the role's own)."""
+    policy: str | None = None
+    """Name of the policy (in `policies`) this node calls."""
+    prompt: str | None = None
+    """Prompt template file name under agents/prompts (default: the agent's own)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Per-attempt time limit for the node's step."""
+    retries: int = Field(0, ge=0, le=10)
+    """Extra attempts after a failed step (exception or timeout)."""
+    merge: Literal["concat", "vote", "first"] | None = None
+    """How inputs from parallel predecessors are merged (required on fan-in nodes)."""
+
+
+class PlannerSpec(_NodeBase):
+    """Chooses the next sub-goal and tool from the query, the tools and the memory."""
+
+    role: Literal["planner"] = "planner"
+    tools: list[str] | None = None
+    """Tools the planner may choose from (default: all tools of the graph)."""
+
+
+class ExecutorSpec(_NodeBase):
+    """Turns the planner's sub-goal into a concrete tool call, runs it and logs the result."""
+
+    role: Literal["executor"] = "executor"
+    tools: list[str] = Field(min_length=1)
+    """Tools this executor may call."""
+
+
+class VerifierSpec(_NodeBase):
+    """Reads the memory and says `stop` or `continue` (its route label)."""
+
+    role: Literal["verifier"] = "verifier"
+
+
+class GeneratorSpec(_NodeBase):
+    """Writes the final answer from the query and the memory."""
+
+    role: Literal["generator"] = "generator"
+
+
+class MemoryNodeSpec(_NodeBase):
+    """Curates the action log (deterministic truncation, or an LLM summary when given a policy)."""
+
+    role: Literal["memory"] = "memory"
+
+
+class CustomSpec(_NodeBase):
+    """A user agent registered by name with `masgraph.agents.register_agent`."""
+
+    role: Literal["custom"] = "custom"
+    tools: list[str] = Field(default_factory=list)
+    """Tools the agent may use."""
+
+
+NodeSpec = Annotated[
+    PlannerSpec | ExecutorSpec | VerifierSpec | GeneratorSpec | MemoryNodeSpec | CustomSpec,
+    Field(discriminator="role"),
+]
+
+NEEDS_POLICY = {"planner", "verifier", "generator"}
+
+
+class EdgeSpec(_Strict):
+    """A directed edge; with `when` it fires only if the source's route label equals it."""
+
+    source: str
+    """Source node name."""
+    target: str
+    """Target node name."""
+    when: str | None = None
+    """Route label of the source (e.g. a verifier's `stop` / `continue`)."""
+
+
+class Limits(_Strict):
+    """Bounds that keep every episode finite."""
+
+    max_turns: int | None = Field(None, ge=1, le=1000)
+    """Most passes through any cycle per episode; required when the graph has a cycle."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock limit per episode."""
+    max_steps: int = Field(200, ge=1)
+    """Most node steps per episode (a last-resort bound)."""
+
+
+class GraphSpec(_Strict):
+    """A multi-agent graph: policies, tools, memory, nodes, edges and limits.
+
+    Example:
+        >>> spec = GraphSpec.model_validate({
+        ...     "name": "direct", "policies": {"main": {"backend": "scripted"}},
+        ...     "nodes": {"answer": {"role": "generator", "policy": "main"}},
+        ...     "entry": "answer", "exit": "answer"})
+        >>> spec.nodes["answer"].role
+        'generator'
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Graph name (letters, digits, `_`, `-`, `.`)."""
+    description: str = ""
+    """One line on what the graph does."""
+    policies: dict[str, PolicySpec] = Field(default_factory=dict)
+    """Named policies nodes refer to."""
+    tools: dict[str, ToolSpec] = Field(default_factory=dict)
+    """Named tool instances."""
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """The episode memory."""
+    nodes: dict[str, NodeSpec]
+    """Nodes by name."""
+    edges: list[EdgeSpec] = Field(default_factory=list)
+    """Directed edges."""
+    entry: str
+    """The node each episode starts at."""
+    exit: str
+    """The node whose step ends the episode (normally a generator)."""
+    limits: Limits = Field(default_factory=Limits)
+    """Episode bounds."""
+
+    @model_validator(mode="after")
+    def _check_references(self) -> GraphSpec:
+        names = set(self.nodes)
+        if not names:
+            raise ValueError("`nodes` is empty: declare at least one node")
+        for key in ("entry", "exit"):
+            if getattr(self, key) not in names:
+                raise ValueError(f"{key} {getattr(self, key)!r} is not a node; use one of {sorted(names)}")
+        for i, e in enumerate(self.edges):
+            for end in ("source", "target"):
+                if getattr(e, end) not in names:
+                    raise ValueError(
+                        f"edges[{i}].{end} {getattr(e, end)!r} is not a node; use one of {sorted(names)}"
+                    )
+        for name, node in self.nodes.items():
+            if node.policy is None and node.role in NEEDS_POLICY:
+                raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {sorted(self.policies)})")
+            if node.policy is not None and node.policy not in self.policies:
+                raise ValueError(
+                    f"nodes.{name}.policy {node.policy!r} is not declared; add it under `policies:` "
+                    f"or use one of {sorted(self.policies)}"
+                )
+            if node.role == "custom" and not node.agent:
+                raise ValueError(f"nodes.{name}: a custom node needs `agent:` (a name registered with register_agent)")
+            for tool in getattr(node, "tools", None) or []:
+                if tool not in self.tools:
+                    raise ValueError(
+                        f"nodes.{name}.tools: {tool!r} is not declared; add it under `tools:` "
+                        f"or use one of {sorted(self.tools)}"
+                    )
+        return self

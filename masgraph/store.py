@@ -1,0 +1,98 @@
+"""The run directory: spec snapshot, resolved config, append-only events.jsonl and a results summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from masgraph.spec import GraphSpec
+from masgraph.trace import EVENT_SCHEMA_VERSION, EpisodeFinished, Event, Trace
+
+PACKAGES = ("masgraph", "torch", "transformers", "peft", "pydantic", "networkx", "reasoning-gym", "litellm")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def new_run_dir(root: str | Path, name: str) -> Path:
+    """A fresh, uniquely named directory under root."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(root)
+    for i in range(1000):
+        path = root / f"{name}-{stamp}{f'-{i}' if i else ''}"
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run directory under {root}")
+
+
+class RunStore:
+    """A sink that writes one run directory. Every event is appended to events.jsonl and the file is
+    flushed when an episode ends, so it is readable while the run is going; readers take an episode
+    from its `episode_finished` line, which holds the whole trace.
+
+    Example:
+        >>> store = RunStore(new_run_dir("/tmp/masgraph-doc", "demo"), spec=None, config={"n": 1})
+        >>> store.close({"accuracy": 1.0}); (store.path / "summary.json").exists()
+        True
+    """
+
+    def __init__(self, path: str | Path, spec: GraphSpec | None, config: dict[str, Any]):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        if spec is not None:
+            _atomic_write(self.path / "spec.yaml", yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+        _atomic_write(self.path / "config.json", json.dumps(
+            {"config": config, "versions": package_versions(), "argv": sys.argv,
+             "event_schema_version": EVENT_SCHEMA_VERSION}, indent=2, default=str))
+        self._events = open(self.path / "events.jsonl", "a", encoding="utf-8")
+
+    def emit(self, event: Event) -> None:
+        self._events.write(_line(event))
+        if isinstance(event, EpisodeFinished):
+            self._events.flush()
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if not self._events.closed:
+            self._events.close()
+        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, default=str))
+
+
+def read_traces(path: str | Path) -> Iterator[Trace]:
+    """Finished episodes of a run directory (or an events.jsonl file), in the order they ended."""
+    path = Path(path)
+    file = path / "events.jsonl" if path.is_dir() else path
+    with open(file, encoding="utf-8") as f:
+        for raw in f:
+            if not raw.endswith("\n"):
+                break  # a line still being written
+            rec = json.loads(raw)
+            if rec.get("kind") == "episode_finished":
+                yield Trace.model_validate(rec["trace"])
+
+
+def _line(event: Event) -> str:
+    return '{"v":%d,%s\n' % (EVENT_SCHEMA_VERSION, event.model_dump_json()[1:])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,134 @@
+"""Typed records of an episode (Trace of Steps, each with its LLM call and tool call) and the events that carry them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+EVENT_SCHEMA_VERSION = 1
+
+
+class _Record(BaseModel):
+    model_config = {"extra": "forbid"}
+
+
+class LLMCall(_Record):
+    """One completion exactly as the model saw and produced it (token-in / token-out)."""
+
+    policy: str
+    adapter: str | None = None
+    policy_version: int = 0
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    """Per-token log-probability of each completion id under the sampling distribution."""
+    text: str
+    finish_reason: Literal["stop", "length", "error"] = "stop"
+    prompt_truncated: bool = False
+    """True when the prompt outgrew the context and older memory was dropped."""
+    latency_s: float = 0.0
+
+
+class ToolCall(_Record):
+    """One tool invocation and its result or error."""
+
+    tool: str
+    input: str
+    output: str | None = None
+    error: str | None = None
+    duration_s: float = 0.0
+
+
+class Step(_Record):
+    """One node step of one episode."""
+
+    episode_id: str
+    index: int
+    node: str
+    role: str
+    turn: int
+    """1-based count of this node's runs in the episode (its loop turn)."""
+    route: str | None = None
+    """Label matched against the `when` of outgoing edges."""
+    text: str = ""
+    """The node's output text (what downstream nodes read)."""
+    llm: list[LLMCall] = Field(default_factory=list)
+    tool: ToolCall | None = None
+    bounded: bool = False
+    """The loop's turn bound forced this step's exit edge."""
+    parse_error: str | None = None
+    """The model output did not follow the expected format; the node used its documented fallback."""
+    error: str | None = None
+    """The step failed (exception, timeout, backend error) after all retries."""
+    attempts: int = 1
+    started: float = 0.0
+    duration_s: float = 0.0
+
+
+class Trace(_Record):
+    """A whole episode: the query, every step, the answer, the reward and how it ended."""
+
+    episode_id: str
+    item_id: str
+    query: str
+    steps: list[Step] = Field(default_factory=list)
+    answer: str | None = None
+    reward: float | None = None
+    status: Literal["ok", "error", "timeout", "cancelled"] = "ok"
+    error: str | None = None
+    duration_s: float = 0.0
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def llm_calls(self) -> list[LLMCall]:
+        return [c for s in self.steps for c in s.llm]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.completion_ids) for c in self.llm_calls)
+
+    @property
+    def turns(self) -> int:
+        """Most runs of any node (the number of loop turns taken)."""
+        return max((s.turn for s in self.steps), default=0)
+
+
+class EpisodeStarted(_Record):
+    kind: Literal["episode_started"] = "episode_started"
+    episode_id: str
+    item_id: str
+    query: str
+
+
+class StepFinished(_Record):
+    kind: Literal["step"] = "step"
+    step: Step
+
+
+class EpisodeFinished(_Record):
+    kind: Literal["episode_finished"] = "episode_finished"
+    trace: Trace
+
+
+Event = EpisodeStarted | StepFinished | EpisodeFinished
+
+
+class Sink(Protocol):
+    """Receives events from the scheduler; must be cheap and must not raise."""
+
+    def emit(self, event: Event) -> None: ...
+
+
+class ListSink:
+    """Keeps every event in memory (tests, notebooks)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def traces(self) -> list[Trace]:
+        return [e.trace for e in self.events if isinstance(e, EpisodeFinished)]

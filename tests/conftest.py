@@ -1,0 +1,66 @@
+"""Shared fixtures: the shipped graphs, a scripted backend that answers by node, a runner factory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REPLIES = {
+    "planner": "Sub-goal: 2 + 3\nTool: calculator",
+    "executor": "Input: 2 + 3",
+    "verifier": "Conclusion: STOP",
+    "generator": "Answer: 5",
+    "direct": "Answer: 6",
+    "judge": "Answer: 5",
+    "answer": "Answer: 5",
+}
+
+
+@pytest.fixture
+def root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def graph_files() -> list[Path]:
+    return sorted((ROOT / "graphs").rglob("*.yaml"))
+
+
+@pytest.fixture
+def scripted():
+    """scripted(overrides) -> a ScriptedBackend replying by node name (request key = (ep, node, turn, k))."""
+    from masgraph.backends.scripted import ScriptedBackend
+
+    def make(overrides: dict | None = None, delay_s: float = 0.0) -> ScriptedBackend:
+        table = {**REPLIES, **(overrides or {})}
+
+        def reply(req):
+            r = table[req.key[1]]
+            return r(req) if callable(r) else r
+        return ScriptedBackend(default=reply, delay_s=delay_s)
+    return make
+
+
+@pytest.fixture
+def runner_for(tmp_path):
+    """runner_for(graph, backend, **config) -> a Runner whose every policy is served by `backend`."""
+    from masgraph.runner import RunConfig, Runner
+
+    def make(graph, backend, **config):
+        config.setdefault("runs_dir", str(tmp_path / "runs"))
+        return Runner(graph, RunConfig(**config), backends={"hf": backend, "scripted": backend, "litellm": backend})
+    return make
+
+
+@pytest.fixture
+def run():
+    """Drive a coroutine to completion (tests are sync; the library is async-only)."""
+    return asyncio.run
