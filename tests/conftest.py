@@ -56,6 +56,7 @@ def runner_for(tmp_path):
 
     def make(graph, backend, **config):
         config.setdefault("runs_dir", str(tmp_path / "runs"))
+        config.setdefault("split", "train")
         return Runner(graph, RunConfig(**config), backends={"hf": backend, "scripted": backend, "litellm": backend})
     return make
 
