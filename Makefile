@@ -44,6 +44,7 @@ test-integration: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/integration
 
 bench: setup
+	$(PY) -m pip install -q --disable-pip-version-check -r benchmarks/requirements.txt
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/rollout_throughput.py
 

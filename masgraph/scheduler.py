@@ -84,8 +84,9 @@ class Scheduler:
         self._emit(EpisodeStarted(episode_id=trace.episode_id, item_id=ep.item_id, query=ep.query))
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(self._loop(ep, trace, index), self._spec.limits.episode_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self._spec.limits.episode_timeout_s):
+                await self._loop(ep, trace, index)
+        except TimeoutError:
             trace.status, trace.error = "timeout", f"episode exceeded {self._spec.limits.episode_timeout_s}s"
         except asyncio.CancelledError:
             trace.status, trace.error = "cancelled", "run interrupted"
@@ -162,9 +163,10 @@ class Scheduler:
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, _merge(nspec.merge, inputs), memory,
                               self._generator(ep, index, node, turn, step), self._node_tools[node])
             try:
-                out = await asyncio.wait_for(agent(ctx), nspec.timeout_s)
+                async with asyncio.timeout(nspec.timeout_s):  # no extra task per step, unlike wait_for
+                    out = await agent(ctx)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 step.error = f"node timed out after {nspec.timeout_s}s"
             except Exception as exc:
                 step.error = f"{type(exc).__name__}: {exc}"

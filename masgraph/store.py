@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import yaml
 
 from masgraph.spec import GraphSpec
-from masgraph.trace import EVENT_SCHEMA_VERSION, EpisodeFinished, Event, Trace
+from masgraph.trace import EVENT_SCHEMA_VERSION, EpisodeFinished, Event, StepFinished, Trace
 
 PACKAGES = ("masgraph", "torch", "transformers", "peft", "pydantic", "networkx", "reasoning-gym", "litellm")
 
@@ -44,9 +44,9 @@ def new_run_dir(root: str | Path, name: str) -> Path:
 
 
 class RunStore:
-    """A sink that writes one run directory. Every event is appended to events.jsonl and the file is
-    flushed when an episode ends, so it is readable while the run is going; readers take an episode
-    from its `episode_finished` line, which holds the whole trace.
+    """A sink that writes one run directory. Episode start and end events are appended to events.jsonl
+    and the file is flushed when an episode ends, so it is readable while the run is going; the
+    `episode_finished` line holds the whole trace (every step), which is what readers take.
 
     Example:
         >>> store = RunStore(new_run_dir("/tmp/masgraph-doc", "demo"), spec=None, config={"n": 1})
@@ -65,6 +65,8 @@ class RunStore:
         self._events = open(self.path / "events.jsonl", "a", encoding="utf-8")
 
     def emit(self, event: Event) -> None:
+        if isinstance(event, StepFinished):
+            return  # steps are in the finished episode's trace; writing them twice costs ~25% of a step
         self._events.write(_line(event))
         if isinstance(event, EpisodeFinished):
             self._events.flush()

@@ -80,6 +80,10 @@ class Trace(_Record):
     duration_s: float = 0.0
     meta: dict[str, Any] = Field(default_factory=dict)
 
+    def __repr__(self) -> str:  # short: a full dump of every step is what model_dump_json is for
+        return (f"Trace(episode_id={self.episode_id!r}, status={self.status!r}, steps={len(self.steps)}, "
+                f"answer={self.answer!r}, reward={self.reward!r})")
+
     @property
     def llm_calls(self) -> list[LLMCall]:
         return [c for s in self.steps for c in s.llm]
