@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from masgraph.backends.base import BackendError, Completion, Request, truncate_middle
 from masgraph.model import resolve_model
-
-BASE = "__base__"  # peft's name for "no adapter" in mixed-adapter batches
-
 
 def pick_dtype(reps: int = 20) -> torch.dtype:
     """The faster of bf16 and fp32 for a decode-shaped matmul on this CPU (measured, ~0.1 s).
@@ -48,7 +48,8 @@ class HFBackend:
 
     Concurrent `complete` calls from all episodes are queued and run as one batched decode: the batcher
     takes what is queued, waits up to `batch_wait_ms` for more (never when the batch is full), and
-    decodes them together. In `deterministic` mode a batch is formed by count (it waits for
+    decodes them together. The static part of each prompt (system prompt + few-shot turns) is prefilled
+    once and its KV cache reused, so a batch only prefills what differs per request. In `deterministic` mode a batch is formed by count (it waits for
     `max_batch_size` requests, or `batch_wait_ms` of quiet), rows are ordered by request key, and every
     row samples from its own generator seeded by the request — so results do not depend on arrival order.
 
@@ -87,7 +88,13 @@ class HFBackend:
         self._queue: list[tuple[Request, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0}
+        self._prefix_ids: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._prefix_kv: dict[tuple, Any] = {}
+        # one dedicated thread runs every decode: torch's OpenMP team is per calling thread, and teams of
+        # several pool threads spin against each other on a small CPU (2.2x slower at batch 1, measured)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masgraph-hf")
+        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
+                      "prefix_hits": 0, "prefix_misses": 0}
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(self, name: str, lora: LoraConfigSpec | None = None) -> None:
@@ -143,7 +150,8 @@ class HFBackend:
             if self.deterministic:
                 batch.sort(key=lambda rf: rf[0].key)
             try:
-                results = await asyncio.to_thread(self.generate, [r for r, _ in batch])
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.generate, [r for r, _ in batch])
             except Exception as exc:  # the whole batch fails; each step records it
                 for _, fut in batch:
                     if not fut.done():
@@ -175,71 +183,113 @@ class HFBackend:
 
     def encode(self, messages: list[dict[str, str]], max_new_tokens: int) -> tuple[list[int], bool]:
         """Chat-template token ids of a prompt, middle-truncated to fit the context with room to answer."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        budget = max(self.max_context - max_new_tokens, 64)
+        return truncate_middle(self._template(messages, True), budget, self._marker)
+
+    def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        budget = max(self.max_context - max_new_tokens, 64)
-        return truncate_middle(list(ids), budget, self._marker)
+        return list(ids)
 
-    def _route_adapters(self, adapters: list[str | None]) -> tuple[contextlib.AbstractContextManager, dict]:
-        """A context and forward kwargs that apply each row's adapter: base, one adapter, or a mixed batch."""
-        for a in adapters:
-            if a is not None and a not in self.versions:
-                raise BackendError(f"adapter {a!r} is not loaded on {self.model_name}; loaded: "
-                                   f"{sorted(k for k in self.versions if k)}")
-        if self.model is self.base_model:
-            return contextlib.nullcontext(), {}
-        names = set(adapters)
-        if names == {None}:
-            return self.model.disable_adapter(), {}
-        if len(names) == 1:  # one adapter for the whole batch: cheaper than peft's mixed-batch path
-            self.model.set_adapter(adapters[0])
-            return contextlib.nullcontext(), {}
-        return contextlib.nullcontext(), {"adapter_names": [a or BASE for a in adapters]}
+    def _static_prefix(self, messages: list[dict[str, str]], ids: list[int]) -> tuple[int, ...]:
+        """The prompt's static part (every turn but the last: system prompt and few-shot examples) when it
+        is a token prefix of the full prompt; its KV cache is computed once and reused across calls."""
+        if len(messages) < 2:
+            return ()
+        key = tuple(m["content"] for m in messages[:-1])
+        prefix = self._prefix_ids.get(key)
+        if prefix is None:
+            prefix = self._prefix_ids[key] = tuple(self._template(messages[:-1], False))
+        n = len(prefix)
+        return prefix if 16 <= n < len(ids) and tuple(ids[:n]) == prefix else ()
 
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Decode a batch of requests together (left-padded, KV-cached); blocking."""
+        """Decode a batch of requests (blocking). Rows that share adapter and static prompt prefix decode
+        together on that prefix's cached KV; each group is left-padded and KV-cached."""
         t0 = time.perf_counter()
         encoded = [self.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
-        adapter_ctx, extra = self._route_adapters([r.adapter for r in requests])
-        with adapter_ctx:
-            out_ids, out_lp, finish = self._decode(prompts, requests, extra)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            prefix = () if encoded[i][1] else self._static_prefix(r.messages, prompts[i])
+            groups.setdefault((r.adapter, prefix), []).append(i)
+        decoded: dict[int, tuple[list[int], list[float], str]] = {}
+        for (adapter, prefix), rows in groups.items():
+            with self._adapter_context(adapter):
+                outs = self._decode(prefix, [prompts[i][len(prefix):] for i in rows], [requests[i] for i in rows],
+                                    adapter)
+            decoded.update(zip(rows, outs))
         results = []
         for i, r in enumerate(requests):
-            ids = out_ids[i]
+            ids, lps, finish = decoded[i]
             text_ids = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
             results.append(Completion(
                 text=self.tokenizer.decode(text_ids, skip_special_tokens=True), prompt_ids=prompts[i],
-                completion_ids=ids, logprobs=out_lp[i], finish_reason=finish[i], prompt_truncated=encoded[i][1],
+                completion_ids=ids, logprobs=lps, finish_reason=finish, prompt_truncated=encoded[i][1],
                 policy_version=self.versions.get(r.adapter, 0)))
         self.stats["batches"] += 1
         self.stats["rows"] += len(requests)
-        self.stats["generated_tokens"] += sum(len(x) for x in out_ids)
+        self.stats["generated_tokens"] += sum(len(c.completion_ids) for c in results)
         self.stats["generate_s"] += time.perf_counter() - t0
         return results
 
-    def _decode(self, prompts: list[list[int]], requests: list[Request], extra: dict
-                ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    def _adapter_context(self, adapter: str | None) -> contextlib.AbstractContextManager:
+        if adapter is not None and adapter not in self.versions:
+            raise BackendError(f"adapter {adapter!r} is not loaded on {self.model_name}; loaded: "
+                               f"{sorted(k for k in self.versions if k)}")
+        if self.model is self.base_model:
+            return contextlib.nullcontext()
+        if adapter is None:
+            return self.model.disable_adapter()
+        self.model.set_adapter(adapter)
+        return contextlib.nullcontext()
+
+    def _prefix_cache(self, prefix: tuple[int, ...], adapter: str | None) -> Any:
+        """KV cache of a static prefix at batch 1 (LRU of 16; keyed by adapter version, so an update
+        of the adapter's weights invalidates it)."""
         from transformers import DynamicCache
 
-        B, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # (B, L), left-padded
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.tensor(p)
-            attn[i, L - len(p):] = 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        key = (adapter, self.versions.get(adapter, 0), prefix)
+        cache = self._prefix_kv.pop(key, None)
+        if cache is None:
+            cache = DynamicCache()
+            self.model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.stats["prefix_misses"] += 1
+        else:
+            self.stats["prefix_hits"] += 1
+        self._prefix_kv[key] = cache  # most recently used last
+        while len(self._prefix_kv) > 16:
+            self._prefix_kv.pop(next(iter(self._prefix_kv)))
+        return cache
+
+    def _decode(self, prefix: tuple[int, ...], suffixes: list[list[int]], requests: list[Request],
+                adapter: str | None) -> list[tuple[list[int], list[float], str]]:
+        from transformers import DynamicCache
+
+        B, P, S = len(suffixes), len(prefix), max(len(x) for x in suffixes)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # (B, S): suffixes, left-padded
+        mask = torch.zeros((B, P + S), dtype=torch.long)  # (B, P+S): prefix | pad gap | suffix
+        mask[:, :P] = 1
+        for i, x in enumerate(suffixes):
+            ids[i, S - len(x):] = torch.tensor(x)
+            mask[i, P + S - len(x):] = 1
+        pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)  # (B, S)
+        if P:
+            cache = copy.deepcopy(self._prefix_cache(prefix, adapter))
+            if B > 1:
+                cache.batch_repeat_interleave(B)
+        else:
+            cache = DynamicCache()
         gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self._rng for r in requests]
         limits = [r.sampling.max_tokens for r in requests]
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
         done, finish = [False] * B, ["length"] * B
-        cache = DynamicCache()
         for _ in range(max(limits)):
-            logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                                use_cache=True, logits_to_keep=1, **extra).logits[:, -1, :]  # (B, V)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (B, V)
             picked = self._sample(logits.float(), requests, gens, done)
             for i, pick in enumerate(picked):
                 if pick is None:
@@ -253,9 +303,9 @@ class HFBackend:
             if all(done):
                 break
             ids = torch.tensor([[p[0] if p else self.pad_id] for p in picked])  # (B, 1)
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
             pos = pos[:, -1:] + 1
-        return out_ids, out_lp, finish
+        return list(zip(out_ids, out_lp, finish))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], gens: list[torch.Generator],
                 done: list[bool]) -> list[tuple[int, float] | None]:
