@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +20,7 @@ from masgraph.trace import EVENT_SCHEMA_VERSION, EpisodeFinished, Event, StepFin
 PACKAGES = ("masgraph", "torch", "transformers", "peft", "pydantic", "networkx", "reasoning-gym", "litellm")
 
 
+@lru_cache(maxsize=1)  # metadata lookups scan site-packages (~50 ms); versions do not change in a process
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
