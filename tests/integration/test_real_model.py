@@ -134,3 +134,30 @@ def test_cli_run_end_to_end(root, tmp_path):
     assert "accuracy" in out.stdout and "3/3" in out.stderr
     [run_dir] = tmp_path.iterdir()
     assert (run_dir / "events.jsonl").stat().st_size > 0 and (run_dir / "summary.json").exists()
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_finished_episodes(root, tmp_path):
+    import json
+    import signal
+    import time
+
+    from masgraph.store import read_traces
+
+    proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "run", str(root / "graphs" / "single.yaml"),
+                             "--task", "basic_arithmetic", "--n", "64", "--concurrency", "2",
+                             "--runs-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        runs = list(tmp_path.iterdir())
+        if runs and len(list(read_traces(runs[0]))) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    [run_dir] = tmp_path.iterdir()
+    traces = list(read_traces(run_dir))
+    assert sum(t.status == "ok" for t in traces) >= 2 and len(traces) < 64
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True

@@ -1,0 +1,129 @@
+"""CLI user errors (located, no traceback), user task files, the memory node, the litellm backend on a local
+OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from masgraph.backends.base import Request
+from masgraph.cli import main
+from masgraph.graph import GraphBuilder
+from masgraph.tasks import load_task_file
+
+
+def test_validate_reports_located_errors_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nnodes:\n  a: {role: generator, polcy: p}\nentry: a\nexit: a\n")
+    assert main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:3:24: nodes.a.polcy: unknown key 'polcy'" in err and "did you mean 'policy'" in err
+    assert "Traceback" not in err
+
+
+def test_run_with_unknown_task_is_a_clean_error(root, capsys):
+    assert main(["run", str(root / "graphs" / "single.yaml"), "--task", "nope"]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().err
+
+
+def test_schema_command_prints_json_schema(capsys):
+    assert main(["schema"]) == 0
+    assert json.loads(capsys.readouterr().out)["title"] == "GraphSpec"
+
+
+def test_validate_subprocess_has_no_traceback(root, tmp_path):
+    bad = tmp_path / "loop.yaml"
+    text = (root / "graphs" / "agentflow.yaml").read_text().replace("limits: {max_turns: 3, ", "limits: {")
+    bad.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "masgraph.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 1 and "limits.max_turns" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_user_task_from_a_file(tmp_path):
+    (tmp_path / "mytask.py").write_text(
+        "from masgraph.tasks import Item, Task\n"
+        "class Echo(Task):\n    name = 'echo'\n"
+        "    def generate(self, split, n, seed):\n"
+        "        return [Item(f'{split}-{i}', f'say {i} ({split})', str(i)) for i in range(n)]\n"
+        "    def score(self, item, answer):\n        return float(answer == item.answer)\n")
+    task = load_task_file(f"{tmp_path / 'mytask.py'}:Echo")
+    assert task.items("test", 2)[1].answer == "1"
+    from masgraph.errors import MasgraphError
+    with pytest.raises(MasgraphError, match="not a masgraph.tasks.Task subclass"):
+        load_task_file(f"{tmp_path / 'mytask.py'}:Missing")
+
+
+def test_memory_node_compacts_the_log(scripted, runner_for, run):
+    from masgraph.tasks import Item, Task
+
+    class Two(Task):
+        name = "two"
+
+        def generate(self, split, n, seed):
+            return [Item(f"{split}-{i}", "What is 2 + 3?", "5") for i in range(n)]
+
+        def score(self, item, answer):
+            return float(answer == item.answer)
+
+    graph = (GraphBuilder("mem").add_policy("p", backend="scripted")
+             .add_tool("calculator", kind="calculator")
+             .add_node("planner", role="planner", policy="p")
+             .add_node("executor", role="executor", tools=["calculator"])
+             .add_node("memory", role="memory")
+             .add_node("verifier", role="verifier", policy="p")
+             .add_node("generator", role="generator", policy="p")
+             .add_edge("planner", "executor").add_edge("executor", "memory").add_edge("memory", "verifier")
+             .add_edge("verifier", "planner", when="continue").add_edge("verifier", "generator", when="stop")
+             .set(limits={"max_turns": 4}, memory={"max_actions": 2}).compile())
+    seen = []
+
+    def generator(req):
+        seen.append(req.messages[-1]["content"])
+        return "Answer: 5"
+
+    backend = scripted({"verifier": "Conclusion: CONTINUE", "generator": generator})
+    [tr] = run(runner_for(graph, backend, n=1).run_task(Two())).traces
+    assert tr.status == "ok" and tr.turns == 4
+    assert "Summary: 1 earlier step(s) compacted" in seen[0] and seen[0].count("tool: calculator") == 2
+
+
+class _OpenAIStub(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                 "choices": [{"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": "Answer: " + body["messages"][-1]["content"]}}],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_litellm_backend_against_a_local_openai_compatible_server(run):
+    from masgraph.backends.base import BackendError
+    from masgraph.backends.litellm import LiteLLMBackend
+
+    server = HTTPServer(("127.0.0.1", 0), _OpenAIStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        backend = LiteLLMBackend("openai/stub", api_base=f"http://127.0.0.1:{server.server_port}/v1")
+        out = run(backend.complete([Request([{"role": "user", "content": "hi"}]),
+                                    Request([{"role": "user", "content": "yo"}])]))
+        assert [c.text for c in out] == ["Answer: hi", "Answer: yo"] and out[0].completion_ids == []
+        assert backend.returns_tokens is False
+    finally:
+        server.shutdown()
+    dead = LiteLLMBackend("openai/stub", api_base="http://127.0.0.1:9/v1", timeout_s=2)
+    with pytest.raises(BackendError, match="openai/stub"):
+        run(dead.complete([Request([{"role": "user", "content": "hi"}])]))
