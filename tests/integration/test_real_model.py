@@ -91,23 +91,29 @@ def test_deterministic_mode_reproduces_sampled_runs(root, hf, runner_for, run):
 
 
 def test_named_adapters_share_one_base_and_mix_in_a_batch(hf, run):
-    base_before = {k: v.clone() for k, v in hf.base_model.state_dict().items() if "lora" not in k}
+    def base_tensors():  # peft renames wrapped layers' weights to *.base_layer.*
+        return {k.replace(".base_layer", ""): v.detach().clone() for k, v in hf.base_model.state_dict().items()
+                if "lora" not in k}
+
+    base_before = base_tensors()
     for name in ("mix_a", "mix_b"):
         if name not in hf.versions:
             hf.add_adapter(name)
     with torch.no_grad():  # make mix_b do something
         for n, p in hf.model.named_parameters():
             if "lora_B" in n and "mix_b" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     msgs = [{"role": "user", "content": "Name a color."}]
     reqs = [Request(msgs, adapter=a, sampling=SamplingSpec(max_tokens=8)) for a in (None, "mix_a", "mix_b")]
     mixed = hf.generate(reqs)
     alone = [hf.generate([r])[0] for r in reqs]
     assert [c.completion_ids for c in mixed] == [c.completion_ids for c in alone]
-    assert mixed[0].completion_ids == mixed[1].completion_ids  # fresh adapter == base
-    assert mixed[2].completion_ids != mixed[0].completion_ids
-    after = {k: v for k, v in hf.base_model.state_dict().items() if "lora" not in k}
-    assert all(torch.equal(base_before[k], after[k]) for k in base_before)
+    assert mixed[0].completion_ids == mixed[1].completion_ids  # fresh adapter (B = 0) == base
+    assert max(abs(a - b) for a, b in zip(mixed[0].logprobs, mixed[1].logprobs)) < 1e-4
+    # the perturbed adapter changes what the model computes (first token's logprob, same prompt)
+    assert abs(mixed[2].logprobs[0] - mixed[0].logprobs[0]) > 1e-2 or mixed[2].completion_ids != mixed[0].completion_ids
+    after = base_tensors()
+    assert after.keys() == base_before.keys() and all(torch.equal(base_before[k], after[k]) for k in base_before)
 
 
 def test_overlong_prompt_is_truncated_not_crashed(hf, run):
