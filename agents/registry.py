@@ -26,3 +26,17 @@ def resolve_agents(spec: GraphSpec) -> dict[str, Agent]:
     """The body of every node: its `agent:` if set, else its role's built-in agent (checked at compile)."""
     load_builtin_agents()
     return {name: AGENTS[node.agent or node.role] for name, node in spec.nodes.items()}
+
+
+def known_routes(spec: GraphSpec, node: str) -> set[str] | None:
+    """The route labels a built-in node can emit (for checking edges' `when`); None when unknown (custom)."""
+    n = spec.nodes[node]
+    if n.agent is not None and n.agent != n.role:
+        return None
+    return {
+        "planner": set(n.tools or spec.tools) | {"answer"} if n.role == "planner" else set(),
+        "executor": {"ok", "error"},
+        "verifier": {"stop", "continue"},
+        "generator": {"answer"},
+        "memory": set(),
+    }.get(n.role)

@@ -100,7 +100,7 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
 
 def _registry_problems(spec: GraphSpec) -> list[Problem]:
     """Agents and tool kinds must be registered (built-ins, or user code imported before compile)."""
-    from masgraph.agents.registry import AGENTS, load_builtin_agents
+    from masgraph.agents.registry import AGENTS, known_routes, load_builtin_agents
     from masgraph.agents.tools.registry import TOOL_KINDS, load_builtin_tools
 
     load_builtin_agents()
@@ -111,6 +111,11 @@ def _registry_problems(spec: GraphSpec) -> list[Problem]:
         if key not in AGENTS:
             out.append(Problem(f"nodes.{name}.agent", f"agent {key!r} is not registered",
                                f"use one of {sorted(AGENTS)} or register it with register_agent({key!r})"))
+    for i, e in enumerate(spec.edges):
+        routes = known_routes(spec, e.source) if e.when is not None else None
+        if routes is not None and e.when not in routes:
+            out.append(Problem(f"edges[{i}].when", f"{e.source!r} never emits route {e.when!r}",
+                               f"use one of {sorted(routes)}" if routes else f"drop `when:` ({e.source!r} emits none)"))
     for name, tool in spec.tools.items():
         if tool.kind not in TOOL_KINDS:
             out.append(Problem(f"tools.{name}.kind", f"tool kind {tool.kind!r} is not registered",

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import copy
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,11 @@ class HFBackend:
                  batch_wait_ms: float = 3.0, deterministic: bool = False, max_context: int = 2048,
                  seed: int = 0, threads: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # a 0.1 s load needs no bar; our own progress goes to stderr
+        # peft calls a transformers API deprecated in 5.x; the warning is not actionable for users
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         if threads:
             torch.set_num_threads(threads)
         path = resolve_model(model)

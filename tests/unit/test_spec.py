@@ -138,3 +138,9 @@ def test_node_without_required_policy():
 def test_unreachable_node():
     err = _errors(LOOP.replace("nodes:\n", "nodes:\n  orphan: {role: generator, policy: p}\n"))
     assert any(p.path == "nodes.orphan" for p in err.problems)
+
+
+def test_edge_condition_must_be_a_route_the_source_emits():
+    err = _errors(LOOP.replace("target: generator, when: stop", "target: generator, when: stpo"))
+    [p] = err.problems
+    assert p.path == "edges[3].when" and "never emits route 'stpo'" in p.message and "continue" in p.fix
