@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,8 @@ def problems_from(exc: ValidationError, root: yaml.Node | None = None) -> list[P
     """Turn pydantic errors into located problems with a suggested fix."""
     problems = []
     for err in exc.errors(include_url=False):
-        loc = _strip_tag(list(err["loc"]))
-        path = ".".join(str(p) for p in loc)
+        loc = _strip_tag(list(err["loc"])) or _path_in_message(err)
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         line = col = None
         node = _find(root, loc) if root is not None else None
         if node is not None:
@@ -57,6 +58,19 @@ def problems_from(exc: ValidationError, root: yaml.Node | None = None) -> list[P
 
 
 _ROLES = {"planner", "executor", "verifier", "generator", "memory", "custom"}
+_PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.[\w-]+(?:\[\d+\])?)*)[ :]")
+
+
+def _path_in_message(err: dict) -> list:
+    """Cross-field checks (model_validator) start their message with the key path they are about."""
+    m = _PATH.match(err["msg"].removeprefix("Value error, ")) if err["type"] == "value_error" else None
+    if m is None or "." not in m.group(1) and "[" not in m.group(1) and m.group(1) not in ("entry", "exit"):
+        return []
+    loc: list = []
+    for part in m.group(1).split("."):
+        name, _, idx = part.partition("[")
+        loc += [name] + ([int(idx[:-1])] if idx else [])
+    return loc
 
 
 def _strip_tag(loc: list) -> list:

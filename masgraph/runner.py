@@ -109,7 +109,7 @@ class Runner:
             raise
         finally:
             summary = summarize(traces) | {"task": task.name, "graph": self.graph.spec.name,
-                                           "interrupted": interrupted}
+                                           "interrupted": interrupted, "sink_errors": sched.sink_errors}
             if run_store is not None:
                 run_store.close(summary)
         return RunResult(traces, summary, run_store.path if run_store else None)

@@ -59,7 +59,8 @@ class Scheduler:
         self._out_edges = {n: graph.out_edges(n) for n in self._spec.nodes}
         self._node_tools = {n: {t: tools[t] for t in (getattr(s, "tools", None) or tools) if t in tools}
                             for n, s in self._spec.nodes.items()}
-        self._sink_errors = 0
+        self.sink_errors = 0
+        """Events a sink failed to take (counted, never fatal)."""
 
     async def run(self, episodes: Iterable[EpisodeInput]) -> list[Trace]:
         """Run all episodes under the concurrency limit; every episode yields a Trace, failed ones too."""
@@ -205,7 +206,7 @@ class Scheduler:
             try:
                 sink.emit(event)
             except Exception:  # a broken sink is counted, never fatal
-                self._sink_errors += 1
+                self.sink_errors += 1
 
 
 def _merge(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> str:

@@ -91,7 +91,9 @@ def test_unknown_key_is_located_with_suggestion():
 
 def test_unknown_node_in_edge():
     err = _errors(LOOP.replace("target: generator, when: stop", "target: genrator, when: stop"))
-    assert "edges[3].target 'genrator' is not a node" in str(err)
+    [p] = err.problems
+    assert "edges[3].target 'genrator' is not a node" in p.message and "use one of" in p.message
+    assert p.path == "edges[3].target" and p.line == 15  # located in the file, not just named
 
 
 def test_unbounded_cycle_is_rejected():
