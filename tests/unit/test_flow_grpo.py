@@ -1,0 +1,91 @@
+"""Flow-GRPO math against hand-computed values, and the rows it builds from real Trace objects."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trainers.flow_grpo import (FlowGRPOConfig, _nested_partial, aggregate, build_rows, group_advantages,
+                                         kl_k3, ppo_clip_loss)
+
+
+def test_group_advantages_hand_computed():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=0.0)
+    assert adv.tolist() == pytest.approx([0.8660254, -0.8660254, -0.8660254, 0.8660254])  # std = sqrt(1/3)
+    assert group_advantages(torch.tensor([1.0])).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("ratio,adv,expected", [
+    (1.5, 1.0, -1.3),   # above 1 + eps_high: clipped
+    (1.5, -1.0, 1.5),   # negative advantage: the unclipped (worse) term wins
+    (0.5, 1.0, -0.5),   # below 1 - eps_low with A > 0: unclipped is smaller
+    (0.5, -1.0, 0.8),   # below 1 - eps_low with A < 0: clipped at 0.8
+    (1.1, 2.0, -2.2),   # inside the trust region
+])
+def test_ppo_clip_asymmetric(ratio, adv, expected):
+    loss = ppo_clip_loss(torch.tensor([math.log(ratio)]), torch.tensor([0.0]), torch.tensor(adv), 0.2, 0.3)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_kl_k3_hand_computed():
+    got = kl_k3(torch.tensor([math.log(0.5), math.log(0.3)]), torch.tensor([math.log(0.25), math.log(0.3)]))
+    assert got.tolist() == pytest.approx([0.5 - math.log(0.5) - 1, 0.0], abs=1e-6)
+    assert (kl_k3(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+def test_aggregation_modes():
+    losses = [torch.tensor([1.0, 1.0]), torch.tensor([3.0]), torch.tensor([0.0, 0.0, 0.0, 4.0])]
+    trajs = [0, 0, 1]
+    assert aggregate(losses, trajs, "token-mean").item() == pytest.approx(9 / 7)
+    assert aggregate(losses, trajs, "nested").item() == pytest.approx(1.5)  # mean(mean(1, 3), mean(0,0,0,4))
+
+
+def test_chunked_nested_partials_sum_to_the_aggregate():
+    from masgraph.trainers.flow_grpo import Row
+
+    losses = [torch.tensor([1.0, 1.0]), torch.tensor([3.0]), torch.tensor([0.0, 0.0, 0.0, 4.0])]
+    rows = [Row(t, "n", "a", [], [], [], 0.0, 0) for t in (0, 0, 1)]
+    total = _nested_partial(losses[:1], [0], rows) + _nested_partial(losses[1:], [0, 1], rows)
+    assert total.item() == pytest.approx(aggregate(losses, [0, 0, 1], "nested").item())
+
+
+def _trace(item: str, reward: float | None, calls: dict[str, int], status: str = "ok", ep: str = "") -> Trace:
+    steps = []
+    for node, n in calls.items():
+        for k in range(n):
+            call = LLMCall(policy=node, adapter=node, prompt_ids=[1, 2], completion_ids=[3, 4, 5],
+                           logprobs=[-0.1, -0.2, -0.3], text="x", policy_version=2)
+            steps.append(Step(episode_id=ep, index=len(steps), node=node, role="planner", turn=k + 1, llm=[call]))
+    return Trace(episode_id=ep or f"{item}-{reward}-{len(steps)}", item_id=item, query="q", steps=steps,
+                 reward=reward, status=status)
+
+
+def test_rows_broadcast_reward_and_count_each_trajectory_once():
+    traces = [_trace("q1", 1.0, {"planner": 3, "verifier": 1}), _trace("q1", 0.0, {"planner": 1}),
+              _trace("q2", 1.0, {"planner": 1}), _trace("q2", 1.0, {"planner": 2})]  # q2: zero variance
+    rows = build_rows(traces, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig(adv_eps=0.0))
+    assert [(r.traj, r.node) for r in rows] == [(0, "planner")] * 3 + [(0, "verifier"), (1, "planner")]
+    # per trajectory, not per turn-row: [1, 0] -> +-0.7071 (per-row stats would give mean 0.8)
+    assert [r.advantage for r in rows] == pytest.approx([0.70710678] * 4 + [-0.70710678])
+    assert rows[0].old_logprobs == [-0.1, -0.2, -0.3] and rows[0].policy_version == 2
+    kept = build_rows(traces, {"planner": "planner"}, FlowGRPOConfig(zero_variance="keep"))
+    assert [r.advantage for r in kept if r.traj >= 2] == [0.0, 0.0, 0.0]
+
+
+def test_rows_grouped_by_query_and_node():
+    traces = [_trace("q1", 1.0, {"planner": 1, "verifier": 1}), _trace("q1", 0.0, {"planner": 1})]
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(group_by="query_node"))
+    # the verifier group has a single trajectory: no signal, skipped
+    assert [(r.traj, r.node) for r in rows] == [(0, "planner"), (1, "planner")]
+
+
+def test_stragglers_drop_or_zero():
+    traces = [_trace("q1", 1.0, {"planner": 1}), _trace("q1", None, {"planner": 1}, status="timeout"),
+              _trace("q1", 0.5, {"planner": 1})]
+    dropped = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(adv_eps=0.0))
+    assert [r.traj for r in dropped] == [0, 2] and dropped[0].advantage == pytest.approx(0.70710678)
+    zeroed = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(stragglers="zero", adv_eps=0.0))
+    assert [r.traj for r in zeroed] == [0, 1, 2] and zeroed[1].advantage == pytest.approx(-1.0)

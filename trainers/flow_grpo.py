@@ -1,0 +1,261 @@
+"""Flow-GRPO (AgentFlow, "In-the-Flow Agentic System Optimization", Eq. 10) for any set of trainable nodes.
+
+One outcome reward per trajectory is broadcast to every turn of every trainable node; advantages are
+normalised over the G trajectories of a group (each trajectory counted once, not once per turn-row);
+every trainable LLM call is one training row, using the token ids and logprobs recorded at generation;
+the loss is PPO-clip with asymmetric clipping plus k3 KL to the reference (the base model with the
+adapter disabled). Each trainable node's policy has its own LoRA adapter on the shared base.
+
+The math is pure functions below, tested against hand-computed values; `FlowGRPO.update` applies them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from masgraph.trace import Trace
+
+
+class FlowGRPOConfig(BaseModel):
+    """Knobs of Flow-GRPO (defaults from the paper and its released config, LoRA learning rate ours)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    group_size: int = Field(8, ge=1)
+    """G: rollouts per query."""
+    clip_eps_low: float = Field(0.2, ge=0)
+    """PPO clip below 1 (ratio floor 1 - eps_low)."""
+    clip_eps_high: float = Field(0.3, ge=0)
+    """PPO clip above 1 (clip-higher, as in AgentFlow's config)."""
+    kl_coef: float = Field(0.001, ge=0)
+    """beta: weight of the k3 KL to the reference policy."""
+    lr: float = Field(5e-5, gt=0)
+    """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
+    node_lr: dict[str, float] = Field(default_factory=dict)
+    """Per-node learning rate overrides, by node name."""
+    loss_agg: Literal["token-mean", "nested"] = "token-mean"
+    """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
+    group_by: Literal["query", "query_node"] = "query"
+    """Advantage groups: the G trajectories of a query, or of a query per node."""
+    zero_variance: Literal["skip", "keep"] = "skip"
+    """Groups whose rewards are all equal: drop their rows, or keep them (advantage 0; KL term only)."""
+    stragglers: Literal["drop", "zero"] = "drop"
+    """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
+    adv_eps: float = Field(1e-6, ge=0)
+    """Added to the group's std."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of trainable policies during training rollouts."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping per adapter."""
+    micro_batch: int = Field(4, ge=1)
+    """Rows per forward/backward pass (memory bound)."""
+
+
+@dataclass
+class Row:
+    """One trainable LLM call: what the model saw and produced, and the advantage it is pushed by."""
+
+    traj: int
+    """Index of its trajectory in the batch."""
+    node: str
+    adapter: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]
+    advantage: float
+    policy_version: int
+
+
+# ---- pure math ---------------------------------------------------------------------------------------
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(R - mean) / (std + eps) over one group's trajectories (unbiased std, as verl's GRPO); all 0 when
+    the group has one member or no variance."""
+    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                  eps_low: float, eps_high: float) -> torch.Tensor:
+    """Per-token -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho = exp(logp - old_logp)."""
+    ratio = torch.exp(logp - old_logp)
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): r - log r - 1 with r = pi_ref / pi_theta (>= 0)."""
+    log_r = ref_logp - logp
+    return torch.exp(log_r) - log_r - 1
+
+
+def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> torch.Tensor:
+    """Reduce per-row token losses to one scalar.
+
+    token-mean: sum of all tokens / number of tokens. nested (Eq. 10): mean over trajectories of the mean
+    over that trajectory's rows of the mean over the row's tokens."""
+    if mode == "token-mean":
+        return torch.cat(token_losses).sum() / sum(t.numel() for t in token_losses)
+    if mode == "nested":
+        by_traj: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for loss, traj in zip(token_losses, trajs):
+            by_traj[traj].append(loss.mean())
+        return torch.stack([torch.stack(rows).mean() for rows in by_traj.values()]).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig) -> list[Row]:
+    """Training rows from a batch of trajectories. `trainable` maps node name -> adapter name.
+
+    The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
+    trajectory's group (by query, or by query and node), where each trajectory counts once."""
+    rewards: dict[int, float] = {}
+    for i, tr in enumerate(traces):
+        if tr.status == "ok" and tr.reward is not None:
+            rewards[i] = tr.reward
+        elif config.stragglers == "zero":
+            rewards[i] = 0.0
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i in rewards:
+        nodes = {s.node for s in traces[i].steps if s.node in trainable and s.llm}
+        keys = [(traces[i].item_id,)] if config.group_by == "query" else [(traces[i].item_id, n) for n in nodes]
+        for key in keys:
+            groups[key].append(i)
+    adv: dict[tuple[int, tuple], float] = {}
+    for key, members in groups.items():
+        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
+        if config.zero_variance == "skip" and (len(members) < 2 or bool((r == r[0]).all())):
+            continue
+        for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
+            adv[(i, key)] = a
+    rows = []
+    for i in rewards:
+        tr = traces[i]
+        for step in tr.steps:
+            if step.node not in trainable:
+                continue
+            key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
+            if (i, key) not in adv:
+                continue
+            for call in step.llm:
+                if call.completion_ids:
+                    rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
+                                    call.logprobs, adv[(i, key)], call.policy_version))
+    return rows
+
+
+# ---- the update --------------------------------------------------------------------------------------
+
+def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int, temperature: float = 1.0
+                      ) -> list[torch.Tensor]:
+    """Per-token logprobs of each row's completion under `model` (teacher-forced, left-padded batch; only
+    the completion positions' logits are computed)."""
+    seqs = [r.prompt_ids + r.completion_ids for r in rows]
+    B, L = len(seqs), max(len(s) for s in seqs)
+    K = max(len(r.completion_ids) for r in rows)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)  # (B, L)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s)
+        mask[i, L - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=K + 1).logits  # (B, K+1, V)
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)  # position t predicts token t+1
+    out = []
+    for i, r in enumerate(rows):
+        n = len(r.completion_ids)
+        targets = torch.tensor(r.completion_ids)
+        out.append(logp[i, K - n:].gather(-1, targets[:, None])[:, 0])
+    return out
+
+
+class FlowGRPO:
+    """Applies Flow-GRPO updates to the LoRA adapters of an `HFBackend`, one Adam optimizer per adapter.
+
+    Example:
+        >>> algo = FlowGRPO(backend, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig())
+        >>> metrics = algo.update(traces)          # traces: G rollouts per query from the Runner
+    """
+
+    def __init__(self, backend, trainable: dict[str, str], config: FlowGRPOConfig):
+        self.backend, self.trainable, self.config = backend, trainable, config
+        lrs: dict[str, float] = {}
+        for node, adapter in trainable.items():
+            lr = config.node_lr.get(node, config.lr)
+            if lrs.setdefault(adapter, lr) != lr:
+                raise ValueError(f"nodes sharing adapter {adapter!r} were given different learning rates")
+        self.params = {a: [p for n, p in backend.model.named_parameters() if "lora_" in n and f".{a}." in n]
+                       for a in lrs}
+        for a, ps in self.params.items():
+            if not ps:
+                raise ValueError(f"adapter {a!r} has no LoRA parameters on the backend's model")
+        self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
+
+    def update(self, traces: list[Trace]) -> dict[str, float]:
+        """One optimizer step per adapter on the rows of `traces`; returns metrics (loss, kl, clip fraction)."""
+        cfg, model = self.config, self.backend.model
+        rows = build_rows(traces, self.trainable, cfg)
+        metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
+        if not rows:
+            return metrics | {"loss/total": 0.0}
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        n_tok = sum(len(r.completion_ids) for r in rows)
+        n_traj = len({r.traj for r in rows})
+        totals = defaultdict(float)
+        model.train()
+        try:
+            for adapter in sorted({r.adapter for r in rows}):
+                mine = [r for r in rows if r.adapter == adapter]
+                for start in range(0, len(mine), cfg.micro_batch):
+                    chunk = mine[start:start + cfg.micro_batch]
+                    with torch.no_grad(), model.disable_adapter():
+                        ref = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
+                    model.set_adapter(adapter)
+                    new = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
+                    losses = []
+                    for r, lp, rlp in zip(chunk, new, ref):
+                        old = torch.tensor(r.old_logprobs)
+                        pg = ppo_clip_loss(lp, old, torch.tensor(r.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
+                        kl = kl_k3(lp, rlp)
+                        losses.append(pg + cfg.kl_coef * kl)
+                        ratio = torch.exp(lp.detach() - old)
+                        totals["clip_frac"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
+                        totals["kl"] += float(kl.detach().sum())
+                        totals["pg"] += float(pg.detach().sum())
+                    # scale each chunk so the sum over chunks equals the configured aggregate over all rows
+                    if cfg.loss_agg == "token-mean":
+                        loss = torch.cat(losses).sum() / n_tok
+                    else:
+                        loss = _nested_partial(losses, [r.traj for r in chunk], rows)
+                    loss.backward()
+                    totals["loss"] += float(loss.detach())
+        finally:
+            model.eval()
+        for adapter, opt in self.optimizers.items():
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params[adapter], cfg.max_grad_norm)
+            metrics[f"grad_norm/{adapter}"] = float(grad_norm)
+            opt.step()
+            self.backend.versions[adapter] = self.backend.versions.get(adapter, 0) + 1  # new policy version
+        return metrics | {"loss/total": totals["loss"], "loss/policy": totals["pg"] / n_tok,
+                          "kl": totals["kl"] / n_tok, "clip_frac": totals["clip_frac"] / n_tok,
+                          "trajectories": float(n_traj)}
+
+
+def _nested_partial(losses: list[torch.Tensor], trajs: list[int], all_rows: list[Row]) -> torch.Tensor:
+    """This chunk's share of the nested mean: each row weighs 1 / (n_traj * rows_in_its_traj)."""
+    per_traj = defaultdict(int)
+    for r in all_rows:
+        per_traj[r.traj] += 1
+    n_traj = len(per_traj)
+    return sum(loss.mean() / (n_traj * per_traj[t]) for loss, t in zip(losses, trajs))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
