@@ -88,6 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                        seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     runner = Runner(graph, config)
+    if args.checkpoint:
+        print(f"serving adapters of {runner.load_checkpoint(args.checkpoint)}", file=sys.stderr)
     items = task.items(config.split, config.n, config.seed)
     bar = ProgressBar(len(items) * config.samples)
 
@@ -112,6 +114,62 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from masgraph.checkpoint import resolve_checkpoint
+    from masgraph.spec import TrainSpec
+    from masgraph.store import new_run_dir
+    from masgraph.trainers.loop import TrainLoop
+
+    graph = _load_graph(args.graph)
+    spec = graph.spec
+    train = spec.train or TrainSpec()
+    overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
+                                    "eval_n": args.eval_n}.items() if v is not None}
+    if overrides or spec.train is None:
+        from masgraph.graph import compile_spec
+
+        graph = compile_spec(spec.model_copy(update={"train": train.model_copy(update=overrides)}), args.graph)
+        train = graph.spec.train
+    if train.task is None:
+        raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
+    task = _load_task(train.task)
+    run_dir = Path(args.resume) if args.resume else new_run_dir(args.runs_dir, f"{spec.name}-train")
+    print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
+    loop = TrainLoop(graph, task, run_dir)
+    if args.resume:
+        checkpoint = resolve_checkpoint(run_dir)
+        loop.load(checkpoint)
+        print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
+
+    def show(m: dict) -> None:
+        test = f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""
+        if m["step"] == 0:
+            print(f"step 0/{train.steps}  (untrained){test}", file=sys.stderr, flush=True)
+            return
+        print(f"step {m['step']}/{train.steps}  reward {m.get('reward/mean', 0):.3f}  "
+              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  kl {m.get('kl', 0):.4f}  "
+              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s",
+              file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(loop.run(on_step=show))
+    except KeyboardInterrupt:
+        print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
+              f"(continue with --resume {run_dir})", file=sys.stderr)
+        return 130
+    print(f"done: {loop.step} steps; metrics {run_dir / 'metrics.jsonl'}; checkpoints {run_dir / 'checkpoints'}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from masgraph.plot import plot_run
+
+    if not (Path(args.run) / "metrics.jsonl").exists():
+        raise MasgraphError(f"{args.run} has no metrics.jsonl (is it a `masgraph train` run directory?)")
+    print(plot_run(args.run, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="masgraph", description="Multi-agent LLM graphs: run, validate, train.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -126,7 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--deterministic", action="store_true", help="count-formed batches, per-request seeds")
     r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
+    r.add_argument("--checkpoint", help="serve trained adapters: a training run dir (latest) or RUN/checkpoints/step-N")
     r.set_defaults(fn=cmd_run)
+
+    t = sub.add_parser("train", help="train the graph's trainable policies with Flow-GRPO")
+    t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
+    t.add_argument("--task", help="task (default: train.task)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
+    t.add_argument("--queries-per-step", type=int, help="training queries per step (default: train.queries_per_step)")
+    t.add_argument("--eval-n", type=int, help="held-out items per evaluation (default: train.eval_n)")
+    t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
+    t.add_argument("--runs-dir", default="runs")
+    t.set_defaults(fn=cmd_train)
+
+    pl = sub.add_parser("plot", help="PNG of reward and held-out accuracy per step of a training run")
+    pl.add_argument("run", help="training run directory")
+    pl.add_argument("--out", help="output PNG (default RUN/learning_curve.png)")
+    pl.set_defaults(fn=cmd_plot)
 
     v = sub.add_parser("validate", help="check graph YAML files")
     v.add_argument("files", nargs="+")

@@ -92,6 +92,19 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
             problems.append(Problem(f"policies.{pname}.model", f"model {pol.model!r} is not installed",
                                     f"use {sorted(EMBEDDED_MODELS)[0]!r} (embedded) or a local HF model directory"))
 
+    if spec.train is not None:
+        trainable = {n: p for n, p in spec.policies.items() if p.trainable}
+        if not trainable:
+            problems.append(Problem("train", "the graph has a `train:` section but no trainable policy",
+                                    "set `trainable: true` (and an `adapter:`) on the policies to train"))
+        adapters: dict[str, str] = {}
+        for pname, pol in trainable.items():
+            if pol.backend != "hf" or pol.adapter is None:
+                problems.append(Problem(f"policies.{pname}", "a trained policy needs `backend: hf` and an `adapter:`",
+                                        "give it its own adapter name, e.g. `adapter: " + pname + "`"))
+            elif adapters.setdefault(pol.adapter, pname) != pname:
+                problems.append(Problem(f"policies.{pname}.adapter", f"adapter {pol.adapter!r} is also trained by "
+                                        f"policy {adapters[pol.adapter]!r}", "give each trainable policy its own adapter"))
     problems += _registry_problems(spec)
     if problems:
         raise SpecError(problems, file)

@@ -104,8 +104,10 @@ def _fields_at(loc: list) -> list[str]:
         (): (s.GraphSpec,), ("nodes", "*"): node_models, ("policies", "*"): (s.PolicySpec,),
         ("policies", "*", "sampling"): (s.SamplingSpec,), ("tools", "*"): (s.ToolSpec,),
         ("edges", "*"): (s.EdgeSpec,), ("memory",): (s.MemoryConfig,), ("limits",): (s.Limits,),
+        ("train",): (s.TrainSpec,), ("train", "flow_grpo"): (s.FlowGRPOConfig,),
     }
-    key = tuple("*" if i == 1 else p for i, p in enumerate(loc))
+    keyed = loc[:1] in (["nodes"], ["policies"], ["tools"], ["edges"])  # sections whose 2nd part is a name/index
+    key = tuple("*" if i == 1 and keyed else p for i, p in enumerate(loc))
     return sorted({f for m in table.get(key, ()) for f in m.model_fields})
 
 

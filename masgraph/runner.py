@@ -76,6 +76,17 @@ class Runner:
                 backend.add_adapter(pol.adapter)
             self.policies[name] = Policy(name, pol, backend)
 
+    def load_checkpoint(self, path: str | Path) -> Path:
+        """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""
+        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(path)
+        for name, adapter_dir in checkpoint_adapters(checkpoint).items():
+            for backend in self.backends.values():
+                if hasattr(backend, "load_adapter"):
+                    backend.load_adapter(name, str(adapter_dir))
+        return checkpoint
+
     def _options(self, kind: str) -> dict[str, Any]:
         c = self.config
         if kind == "hf":

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from masgraph.trainers.config import FlowGRPOConfig
+
 SCHEMA_VERSION = 1
 
 
@@ -152,6 +154,39 @@ class Limits(_Strict):
     """Most node steps per episode (a last-resort bound)."""
 
 
+class TrainSpec(_Strict):
+    """How `masgraph train` trains the graph: Flow-GRPO on the LoRA adapters of its trainable policies."""
+
+    algorithm: Literal["flow_grpo"] = "flow_grpo"
+    """The RL algorithm."""
+    task: str | None = None
+    """Default task (`--task` overrides)."""
+    steps: int = Field(20, ge=1)
+    """Optimizer steps."""
+    queries_per_step: int = Field(4, ge=1)
+    """Training queries per step (each rolled out `flow_grpo.group_size` times)."""
+    eval_every: int = Field(5, ge=0)
+    """Held-out evaluation (greedy, the graph's own sampling) every N steps; 0 = only at the end."""
+    eval_n: int = Field(32, ge=1)
+    """Held-out items per evaluation."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Checkpoint every N steps (and at the end, and on Ctrl-C)."""
+    seed: int = 0
+    """Seeds the data order, sampling and LoRA initialisation."""
+    deterministic: bool = True
+    """Run the hf backend in deterministic mode (reproducible runs and resumes)."""
+    concurrency: int = Field(16, ge=1)
+    """Episodes in flight during rollouts and evaluation."""
+    lora_rank: int = Field(16, ge=1)
+    """LoRA rank of every trainable adapter."""
+    lora_alpha: int = Field(32, ge=1)
+    """LoRA alpha."""
+    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names that get LoRA."""
+    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
+    """Algorithm knobs."""
+
+
 class GraphSpec(_Strict):
     """A multi-agent graph: policies, tools, memory, nodes, edges and limits.
 
@@ -184,6 +219,8 @@ class GraphSpec(_Strict):
     """The node whose step ends the episode (normally a generator)."""
     limits: Limits = Field(default_factory=Limits)
     """Episode bounds."""
+    train: TrainSpec | None = None
+    """Training settings for `masgraph train` (optional)."""
 
     @model_validator(mode="after")
     def _check_references(self) -> GraphSpec:

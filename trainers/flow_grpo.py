@@ -14,47 +14,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-
 from masgraph.trace import Trace
+from masgraph.trainers.config import FlowGRPOConfig
 
-
-class FlowGRPOConfig(BaseModel):
-    """Knobs of Flow-GRPO (defaults from the paper and its released config, LoRA learning rate ours)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    group_size: int = Field(8, ge=1)
-    """G: rollouts per query."""
-    clip_eps_low: float = Field(0.2, ge=0)
-    """PPO clip below 1 (ratio floor 1 - eps_low)."""
-    clip_eps_high: float = Field(0.3, ge=0)
-    """PPO clip above 1 (clip-higher, as in AgentFlow's config)."""
-    kl_coef: float = Field(0.001, ge=0)
-    """beta: weight of the k3 KL to the reference policy."""
-    lr: float = Field(5e-5, gt=0)
-    """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
-    node_lr: dict[str, float] = Field(default_factory=dict)
-    """Per-node learning rate overrides, by node name."""
-    loss_agg: Literal["token-mean", "nested"] = "token-mean"
-    """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
-    group_by: Literal["query", "query_node"] = "query"
-    """Advantage groups: the G trajectories of a query, or of a query per node."""
-    zero_variance: Literal["skip", "keep"] = "skip"
-    """Groups whose rewards are all equal: drop their rows, or keep them (advantage 0; KL term only)."""
-    stragglers: Literal["drop", "zero"] = "drop"
-    """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
-    adv_eps: float = Field(1e-6, ge=0)
-    """Added to the group's std."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of trainable policies during training rollouts."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient clipping per adapter."""
-    micro_batch: int = Field(4, ge=1)
-    """Rows per forward/backward pass (memory bound)."""
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "group_advantages", "ppo_clip_loss", "kl_k3",
+           "aggregate", "sequence_logprobs"]
 
 
 @dataclass

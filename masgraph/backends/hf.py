@@ -117,9 +117,14 @@ class HFBackend:
         self.versions[name] = 0
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Load a saved PEFT adapter directory under `name`."""
-        from peft import PeftModel
+        """Load a saved PEFT adapter directory under `name` (replacing the weights if it exists already)."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
 
+        if name in self.versions:
+            set_peft_model_state_dict(self.model, load_file(f"{path}/adapter_model.safetensors"), adapter_name=name)
+            self.versions[name] += 1
+            return
         if isinstance(self.model, PeftModel):
             self.model.load_adapter(path, adapter_name=name)
         else:

@@ -1,0 +1,36 @@
+"""Learning-curve picture of a training run: reward and held-out accuracy per step (metrics.jsonl -> PNG)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write `learning_curve.png` (or `out`) for a run directory; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    run_dir = Path(run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    train = [r for r in rows if "reward/mean" in r]
+    ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward (mean)",
+            color="tab:blue", alpha=0.8)
+    evals = [r for r in rows if "accuracy/test" in r]
+    ax.plot([r["step"] for r in evals], [r["accuracy/test"] for r in evals], "o-", label="held-out accuracy (greedy)",
+            color="tab:red")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    out = Path(out) if out else run_dir / "learning_curve.png"
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
