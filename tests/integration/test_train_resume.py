@@ -82,6 +82,12 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     ref = _metrics(run_a)
     assert sorted(ref) == [1, 2, 3] and all(abs(ref[s]["loss/total"]) < 1e3 for s in ref)
 
+    # the trained adapters serve a plain `masgraph run`
+    out = subprocess.run([sys.executable, "-m", "masgraph.cli", "run", str(graph), "--task", "basic_arithmetic",
+                          "--n", "2", "--checkpoint", str(run_a), "--runs-dir", str(tmp_path / "served")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "serving adapters of" in out.stderr and "step-3" in out.stderr, out.stderr[-2000:]
+
     def check(run: Path, steps: list[int]) -> None:
         got = _metrics(run)
         for s in steps:
