@@ -135,9 +135,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     task = _load_task(train.task)
     run_dir = Path(args.resume) if args.resume else new_run_dir(args.runs_dir, f"{spec.name}-train")
     print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
-    loop = TrainLoop(graph, task, run_dir)
-    if args.resume:
-        checkpoint = resolve_checkpoint(run_dir)
+    checkpoint = resolve_checkpoint(run_dir) if args.resume else None
+    dtype = json.loads((checkpoint / "state.json").read_text())["dtype"] if checkpoint else "auto"
+    loop = TrainLoop(graph, task, run_dir, dtype=dtype)  # a resumed run keeps the dtype it was trained in
+    if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
 

@@ -35,14 +35,15 @@ class TrainLoop:
         >>> asyncio.run(loop.run())
     """
 
-    def __init__(self, graph: Graph, task: Task, run_dir: Path, backend: HFBackend | None = None):
+    def __init__(self, graph: Graph, task: Task, run_dir: Path, backend: HFBackend | None = None,
+                 dtype: str = "auto"):
         if graph.spec.train is None:
             raise ValueError("the graph has no `train:` section")
         self.graph, self.task, self.run_dir = graph, task, Path(run_dir)
         self.cfg: TrainSpec = graph.spec.train
         spec = graph.spec
         torch.manual_seed(self.cfg.seed)  # LoRA init
-        self.backend = backend or HFBackend(deterministic=self.cfg.deterministic, seed=self.cfg.seed)
+        self.backend = backend or HFBackend(dtype=dtype, deterministic=self.cfg.deterministic, seed=self.cfg.seed)
         lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.backend.versions:
@@ -134,7 +135,8 @@ class TrainLoop:
                     "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({
             "step": self.step, "cursor": self.step * self.cfg.queries_per_step,
-            "versions": {a: self.backend.versions[a] for a in adapters}, "adapters": adapters}))
+            "versions": {a: self.backend.versions[a] for a in adapters}, "adapters": adapters,
+            "dtype": str(self.backend.dtype).removeprefix("torch.")}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (self.run_dir / "checkpoints" / "latest.tmp").write_text(final.name)
