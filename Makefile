@@ -32,10 +32,10 @@ $(MODEL): $(STAMP)
 	$(PY) -m masgraph.model
 
 # Evaluate the AgentFlow graph, then train its planner + verifier adapters briefly (Flow-GRPO) and
-# evaluate again on held-out items; all offline on the embedded model (~5 min after set-up).
+# evaluate again on held-out items; all offline on the embedded model (~4 min after set-up).
 demo: setup
 	$(VENV)/bin/masgraph run graphs/agentflow.yaml --task basic_arithmetic --n 32 --concurrency 16
-	$(VENV)/bin/masgraph train graphs/agentflow.yaml --task basic_arithmetic --steps 2 --queries-per-step 2 --eval-n 16 --runs-dir runs
+	$(VENV)/bin/masgraph train graphs/agentflow.yaml --task basic_arithmetic --steps 2 --queries-per-step 1 --eval-n 8 --runs-dir runs
 
 test: setup
 	$(VENV)/bin/pytest -q --durations=15 tests
