@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError

@@ -7,7 +7,6 @@ import math
 import re
 from collections import Counter
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from masgraph.agents.tools.registry import ToolError, register_kind
