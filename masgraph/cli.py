@@ -124,7 +124,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = graph.spec
     train = spec.train or TrainSpec()
     overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
-                                    "eval_n": args.eval_n}.items() if v is not None}
+                                    "eval_n": args.eval_n, "eval_every": args.eval_every, "seed": args.seed,
+                                    "max_minutes": args.minutes}.items() if v is not None}
     if overrides or spec.train is None:
         from masgraph.graph import compile_spec
 
@@ -149,7 +150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return
         print(f"step {m['step']}/{train.steps}  reward {m.get('reward/mean', 0):.3f}  "
               f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  kl {m.get('kl', 0):.4f}  "
-              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s",
+              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s  "
+              f"{m['time/train_s'] / 60:.1f} min",
               file=sys.stderr, flush=True)
 
     try:
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
     t.add_argument("--queries-per-step", type=int, help="training queries per step (default: train.queries_per_step)")
     t.add_argument("--eval-n", type=int, help="held-out items per evaluation (default: train.eval_n)")
+    t.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (and at step 0 and the end); 0 = end only")
+    t.add_argument("--minutes", type=float, help="training wall-clock budget (default: train.max_minutes, none)")
+    t.add_argument("--seed", type=int, help="seed of data order, sampling and LoRA init (default: train.seed)")
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
     t.add_argument("--runs-dir", default="runs")
     t.set_defaults(fn=cmd_train)

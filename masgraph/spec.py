@@ -165,8 +165,11 @@ class TrainSpec(_Strict):
     """Optimizer steps."""
     queries_per_step: int = Field(4, ge=1)
     """Training queries per step (each rolled out `flow_grpo.group_size` times)."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop after this much training wall-clock (rollouts + updates; evaluation not counted), even before `steps`."""
     eval_every: int = Field(5, ge=0)
-    """Held-out evaluation (greedy, the graph's own sampling) every N steps; 0 = only at the end."""
+    """Held-out evaluation (greedy, the graph's own sampling) at step 0 (untrained), every N steps and at the end;
+    0 = only at the end."""
     eval_n: int = Field(32, ge=1)
     """Held-out items per evaluation."""
     checkpoint_every: int = Field(5, ge=1)

@@ -131,6 +131,16 @@ class BasicArithmetic(ReasoningGymTask):
 
 
 @register_task
+class LongArithmetic(ReasoningGymTask):
+    """basic_arithmetic with 5-6 terms of 2-3 digits: the planner must hand the whole expression to the
+    calculator. The shipped agentflow graph is ~11 % greedy here, so there is room to learn."""
+
+    name = "long_arithmetic"
+    dataset = "basic_arithmetic"
+    config = {"min_terms": 5, "max_terms": 6, "min_digits": 2, "max_digits": 3}
+
+
+@register_task
 class ChainSum(ReasoningGymTask):
     name = "chain_sum"
     dataset = "chain_sum"

@@ -28,8 +28,11 @@ class FlowGRPOConfig(BaseModel):
     """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
     group_by: Literal["query", "query_node"] = "query"
     """Advantage groups: the G trajectories of a query, or of a query per node."""
-    zero_variance: Literal["skip", "keep"] = "skip"
-    """Groups whose rewards are all equal: drop their rows, or keep them (advantage 0; KL term only)."""
+    zero_variance: Literal["skip", "keep", "resample"] = "skip"
+    """Groups whose rewards are all equal: drop their rows; keep them (advantage 0; KL term only); or drop
+    them and roll out fresh queries in their place (DAPO's dynamic sampling, up to `resample_rounds`)."""
+    resample_rounds: int = Field(2, ge=0)
+    """With `zero_variance: resample`: extra rollout rounds per step to replace zero-variance groups."""
     stragglers: Literal["drop", "zero"] = "drop"
     """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
     adv_eps: float = Field(1e-6, ge=0)
@@ -38,5 +41,5 @@ class FlowGRPOConfig(BaseModel):
     """Sampling temperature of trainable policies during training rollouts."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping per adapter."""
-    micro_batch: int = Field(4, ge=1)
-    """Rows per forward/backward pass (memory bound)."""
+    micro_batch: int = Field(16, ge=1)
+    """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per pass)."""

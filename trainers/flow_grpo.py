@@ -19,7 +19,7 @@ import torch
 from masgraph.trace import Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
-__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "group_advantages", "ppo_clip_loss", "kl_k3",
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "group_advantages", "ppo_clip_loss", "kl_k3",
            "aggregate", "sequence_logprobs"]
 
 
@@ -76,6 +76,17 @@ def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> 
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def informative_queries(traces: list[Trace], config: FlowGRPOConfig) -> set[str]:
+    """Queries whose group has at least two distinct rewards (the groups that give a non-zero advantage)."""
+    by_query: dict[str, set[float]] = defaultdict(set)
+    for tr in traces:
+        if tr.status == "ok" and tr.reward is not None:
+            by_query[tr.item_id].add(tr.reward)
+        elif config.stragglers == "zero":
+            by_query[tr.item_id].add(0.0)
+    return {q for q, rs in by_query.items() if len(rs) > 1}
+
+
 def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig) -> list[Row]:
     """Training rows from a batch of trajectories. `trainable` maps node name -> adapter name.
 
@@ -96,7 +107,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     adv: dict[tuple[int, tuple], float] = {}
     for key, members in groups.items():
         r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
-        if config.zero_variance == "skip" and (len(members) < 2 or bool((r == r[0]).all())):
+        if config.zero_variance != "keep" and (len(members) < 2 or bool((r == r[0]).all())):
             continue
         for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
             adv[(i, key)] = a
@@ -118,20 +129,47 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
 # ---- the update --------------------------------------------------------------------------------------
 
+def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
+    """Length of the longest prefix common to all `seqs`, at most `limit`."""
+    n = min([limit, *map(len, seqs)])
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
 def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int, temperature: float = 1.0
                       ) -> list[torch.Tensor]:
-    """Per-token logprobs of each row's completion under `model` (teacher-forced, left-padded batch; only
-    the completion positions' logits are computed)."""
+    """Per-token logprobs of each row's completion under `model` (teacher-forced; only the completion
+    positions' logits are computed).
+
+    Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
+    once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
+    same layout as generation: prefix | left-padded suffixes. This makes an update ~3x cheaper."""
+    from transformers import DynamicCache
+
     seqs = [r.prompt_ids + r.completion_ids for r in rows]
-    B, L = len(seqs), max(len(s) for s in seqs)
-    K = max(len(r.completion_ids) for r in rows)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)  # (B, L)
-    mask = torch.zeros((B, L), dtype=torch.long)
+    # keep at least the last prompt token in every suffix: it predicts the first completion token
+    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 else 0
+    B, K = len(seqs), max(len(r.completion_ids) for r in rows)
+    S = max(len(s) for s in seqs) - P
+    ids = torch.full((B, S), pad_id, dtype=torch.long)  # (B, S): suffixes, left-padded
+    mask = torch.zeros((B, P + S), dtype=torch.long)  # (B, P+S): prefix | pad gap | suffix
+    mask[:, :P] = 1
     for i, s in enumerate(seqs):
-        ids[i, L - len(s):] = torch.tensor(s)
-        mask[i, L - len(s):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=K + 1).logits  # (B, K+1, V)
+        ids[i, S - (len(s) - P):] = torch.tensor(s[P:])
+        mask[i, P + S - (len(s) - P):] = 1
+    pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)  # (B, S)
+    cache = None
+    if P:
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([seqs[0][:P]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(B)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)  # position t predicts token t+1
     out = []
     for i, r in enumerate(rows):

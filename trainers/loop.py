@@ -17,11 +17,11 @@ import torch
 from masgraph.backends.hf import HFBackend, LoraConfigSpec
 from masgraph.checkpoint import checkpoint_adapters
 from masgraph.graph import Graph, compile_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import TrainSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
-from masgraph.trainers.flow_grpo import FlowGRPO
+from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
 
 # fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint
 _PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
@@ -61,8 +61,12 @@ class TrainLoop:
                                backends={"hf": self.backend})
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, **common),
                                 backends={"hf": self.backend})
-        self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step, self.cfg.seed)
+        fg = self.cfg.flow_grpo
+        rounds = 1 + (fg.resample_rounds if fg.zero_variance == "resample" else 0)
+        self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
         self.step = 0
+        self.cursor = 0  # next unused training item
+        self.train_seconds = 0.0  # rollouts + updates so far (the `max_minutes` budget)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -72,15 +76,15 @@ class TrainLoop:
         last: dict[str, Any] = {}
         try:
             if self.step == 0 and self.cfg.eval_every and not (self.run_dir / "metrics.jsonl").exists():
-                baseline = {"step": 0, "accuracy/test": await self.evaluate()}  # the untrained graph
+                baseline = {"step": 0, **await self.evaluate()}  # the untrained graph
                 self._append_metrics(baseline)
                 if on_step is not None:
                     on_step(baseline)
-            while self.step < self.cfg.steps:
+            while self.step < self.cfg.steps and not self.out_of_time():
                 last = await self._one_step(store)
                 if on_step is not None:
                     on_step(last)
-                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                if self.step % self.cfg.checkpoint_every == 0 or self.finished():
                     self.save()
         except BaseException:
             if self.step > 0 and not self._checkpoint_dir(self.step).exists():
@@ -90,20 +94,41 @@ class TrainLoop:
             store.close({"step": self.step, **last})
         return last
 
+    def out_of_time(self) -> bool:
+        return self.cfg.max_minutes is not None and self.train_seconds >= 60 * self.cfg.max_minutes
+
+    def finished(self) -> bool:
+        return self.step >= self.cfg.steps or self.out_of_time()
+
+    def _take(self, n: int) -> list:
+        batch = self.items[self.cursor:self.cursor + n]
+        self.cursor += len(batch)
+        return batch
+
     async def _one_step(self, store: RunStore) -> dict[str, Any]:
-        q = self.cfg.queries_per_step
-        batch = self.items[self.step * q:(self.step + 1) * q]
+        q, fg = self.cfg.queries_per_step, self.cfg.flow_grpo
         t0 = time.perf_counter()
-        result = await self.rollouts.run_items(self.task, batch, sinks=[store], store=False)
+        traces = (await self.rollouts.run_items(self.task, self._take(q), sinks=[store], store=False)).traces
+        rounds = 0
+        while fg.zero_variance == "resample" and rounds < fg.resample_rounds:
+            missing = q - len(informative_queries(traces, fg))
+            extra = self._take(missing) if missing > 0 else []
+            if not extra:
+                break
+            traces += (await self.rollouts.run_items(self.task, extra, sinks=[store], store=False)).traces
+            rounds += 1
         t_roll = time.perf_counter() - t0
-        metrics = self.algo.update(result.traces)
+        metrics = self.algo.update(traces)
         self.step += 1
-        tokens = sum(t.completion_tokens for t in result.traces)
-        record = {"step": self.step, **metrics, "accuracy/train": result.summary["accuracy"],
-                  "time/rollout_s": t_roll, "time/step_s": time.perf_counter() - t0,
-                  "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
-            record["accuracy/test"] = await self.evaluate()
+        elapsed = time.perf_counter() - t0
+        self.train_seconds += elapsed
+        tokens = sum(t.completion_tokens for t in traces)
+        record = {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
+                  "informative_groups": float(len(informative_queries(traces, fg))), "resample_rounds": rounds,
+                  "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
+                  "tokens_per_s": tokens / max(elapsed, 1e-9)}
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 or self.finished():
+            record.update(await self.evaluate())
         self._append_metrics(record)
         return record
 
@@ -111,10 +136,12 @@ class TrainLoop:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    async def evaluate(self) -> float:
-        """Held-out accuracy with the graph's own (greedy) sampling."""
+    async def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy with the graph's own (greedy) sampling, and how often its outputs failed to parse."""
         result = await self.evaluator.run_task(self.task, store=False)
-        return result.summary["accuracy"]
+        return {"accuracy/test": result.summary["accuracy"],
+                "parse_error_rate/test": result.summary["parse_error_rate"],
+                "parse_failed_episodes/test": mean([any(s.parse_error for s in t.steps) for t in result.traces])}
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_dir(self, step: int) -> Path:
@@ -134,7 +161,7 @@ class TrainLoop:
         torch.save({"torch": torch.get_rng_state(), "backend": self.backend._rng.get_state(),
                     "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({
-            "step": self.step, "cursor": self.step * self.cfg.queries_per_step,
+            "step": self.step, "cursor": self.cursor, "train_seconds": self.train_seconds,
             "versions": {a: self.backend.versions[a] for a in adapters}, "adapters": adapters,
             "dtype": str(self.backend.dtype).removeprefix("torch.")}))
         shutil.rmtree(final, ignore_errors=True)
@@ -155,6 +182,8 @@ class TrainLoop:
         self.backend._rng.set_state(rng["backend"])
         random.setstate(rng["python"])
         self.step = state["step"]
+        self.cursor = state.get("cursor", self.step * self.cfg.queries_per_step)
+        self.train_seconds = state.get("train_seconds", 0.0)
         self.backend.versions.update(state["versions"])
         _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
 

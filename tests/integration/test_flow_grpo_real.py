@@ -60,6 +60,23 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
         return {k.replace(".base_layer", ""): v.detach().clone() for k, v in backend.base_model.state_dict().items()
                 if "lora" not in k}
 
+    # the batched, shared-prefix forward gives each row's own logprobs and gradients (the prefix's grads summed)
+    planner_rows = [r for r in rows if r.adapter == "planner"]
+    backend.model.set_adapter("planner")
+    lora = algo.params["planner"]
+    backend.model.zero_grad(set_to_none=True)
+    batched = sequence_logprobs(backend.model, planner_rows, backend.pad_id)
+    torch.stack([lp.sum() for lp in batched]).sum().backward()
+    grads_batched = [p.grad.clone() for p in lora]
+    backend.model.zero_grad(set_to_none=True)
+    single = [sequence_logprobs(backend.model, [r], backend.pad_id)[0] for r in planner_rows]
+    torch.stack([lp.sum() for lp in single]).sum().backward()
+    for a, b in zip(batched, single):
+        assert torch.allclose(a, b, atol=2e-4), (a, b)
+    for p, g in zip(lora, grads_batched):
+        assert torch.allclose(g, p.grad, rtol=1e-3, atol=1e-5)
+    backend.model.zero_grad(set_to_none=True)
+
     base_before, lp_before = base_tensors(), row_logprobs(positive)
     metrics = algo.update(traces)
 

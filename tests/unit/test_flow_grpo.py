@@ -9,6 +9,7 @@ import torch
 
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.flow_grpo import (FlowGRPOConfig, _nested_partial, aggregate, build_rows, group_advantages,
+                                         informative_queries,
                                          kl_k3, ppo_clip_loss)
 
 
@@ -89,3 +90,16 @@ def test_stragglers_drop_or_zero():
     assert [r.traj for r in dropped] == [0, 2] and dropped[0].advantage == pytest.approx(0.70710678)
     zeroed = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(stragglers="zero", adv_eps=0.0))
     assert [r.traj for r in zeroed] == [0, 1, 2] and zeroed[1].advantage == pytest.approx(-1.0)
+
+
+def test_informative_queries_and_resample_drops_zero_variance_rows():
+    traces = [_trace("q1", 1.0, {"planner": 1}), _trace("q1", 0.0, {"planner": 1}),
+              _trace("q2", 1.0, {"planner": 1}), _trace("q2", 1.0, {"planner": 1}),
+              _trace("q3", 0.0, {"planner": 1}), _trace("q3", None, {"planner": 1}, status="error")]
+    assert informative_queries(traces, FlowGRPOConfig()) == {"q1"}
+    # a failed episode scored 0 does not make q3 informative (its other reward is 0 too)
+    assert informative_queries(traces, FlowGRPOConfig(stragglers="zero")) == {"q1"}
+    traces.append(_trace("q2", None, {"planner": 1}, status="timeout"))
+    assert informative_queries(traces, FlowGRPOConfig(stragglers="zero")) == {"q1", "q2"}
+    rows = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(zero_variance="resample"))
+    assert {r.traj for r in rows} == {0, 1}  # like skip: the loop replaces such groups with fresh queries
