@@ -50,6 +50,7 @@ bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r benchmarks/requirements.txt
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/train_throughput.py --steps 3
 
 clean:
 	rm -rf $(VENV) .cache runs
