@@ -12,7 +12,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration setup bench clean
+.PHONY: demo test test-unit test-integration setup bench bench-learn clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -51,6 +51,10 @@ bench: setup
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/train_throughput.py --steps 3
+
+# hours, not minutes: 2 seeds x 25 min of training + evaluation, then the single-node policy on the same budget
+bench-learn: setup
+	$(PY) benchmarks/learns.py --seeds 0 1 --minutes 25 --eval-n 200 --passk-n 16 --compare graphs/single.yaml
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -38,7 +38,10 @@ TASK = "long_arithmetic"
 def run_masgraph(steps: int) -> tuple[dict, list[dict], list[str], list]:
     """Flow-GRPO through TrainLoop (rollouts via the Runner); returns config, per-step records, prompts, items."""
     spec = load_spec(ROOT / "graphs" / "single.yaml")
-    cfg = spec.train.model_copy(update={"steps": steps, "eval_every": 0, "eval_n": 1, "checkpoint_every": 10_000})
+    # zero_variance: keep — train on every row, as TRL does (skipping all-equal groups would do less work)
+    fg = spec.train.flow_grpo.model_copy(update={"zero_variance": "keep"})
+    cfg = spec.train.model_copy(update={"steps": steps, "eval_every": 0, "eval_n": 1, "checkpoint_every": 10_000,
+                                        "flow_grpo": fg})
     graph = compile_spec(spec.model_copy(update={"train": cfg}))
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as run_dir:
@@ -57,6 +60,7 @@ def run_masgraph(steps: int) -> tuple[dict, list[dict], list[str], list]:
               "max_completion_tokens": spec.policies["main"].sampling.max_tokens,
               "temperature": cfg.flow_grpo.temperature, "clip": [cfg.flow_grpo.clip_eps_low, cfg.flow_grpo.clip_eps_high],
               "kl_coef": cfg.flow_grpo.kl_coef, "micro_batch": cfg.flow_grpo.micro_batch,
+              "zero_variance": cfg.flow_grpo.zero_variance,
               "threads": torch.get_num_threads()}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 

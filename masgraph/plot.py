@@ -18,8 +18,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     train = [r for r in rows if "reward/mean" in r]
-    ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward (mean)",
-            color="tab:blue", alpha=0.8)
+    steps, rewards = [r["step"] for r in train], [r["reward/mean"] for r in train]
+    ax.plot(steps, rewards, label="train reward (mean per step)", color="tab:blue", alpha=0.35)
+    if len(rewards) >= 5:  # per-step rewards of a few queries are noisy: show a 5-step moving average too
+        avg = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, avg, label="train reward (5-step average)", color="tab:blue")
     evals = [r for r in rows if "accuracy/test" in r]
     ax.plot([r["step"] for r in evals], [r["accuracy/test"] for r in evals], "o-", label="held-out accuracy (greedy)",
             color="tab:red")

@@ -148,7 +148,7 @@ def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int, temp
 
     Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
     once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
-    same layout as generation: prefix | left-padded suffixes. This makes an update ~3x cheaper."""
+    same layout as generation: prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper per row."""
     from transformers import DynamicCache
 
     seqs = [r.prompt_ids + r.completion_ids for r in rows]
