@@ -30,7 +30,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.tasks import get_task
-from masgraph.trainers.loop import TrainLoop
+from masgraph.trainers.loop import TrainLoop, sampling_graph
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -44,10 +44,7 @@ class RuleFailed(Exception):
 def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int) -> tuple[float, float]:
     """pass@k and mean sampled accuracy with the trainable policies at the training temperature."""
     spec = load_spec(graph_path)
-    temp = spec.train.flow_grpo.temperature
-    hot = {name: p.model_copy(update={"sampling": p.sampling.model_copy(update={"temperature": temp})})
-           if p.trainable else p for name, p in spec.policies.items()}
-    graph = compile_spec(spec.model_copy(update={"policies": hot}))
+    graph = sampling_graph(spec, spec.train.flow_grpo.temperature)
     backend = HFBackend(seed=seed)
     with tempfile.TemporaryDirectory() as runs:
         runner = Runner(graph, RunConfig(split="test", n=n, samples=k, seed=seed, concurrency=32, runs_dir=runs),

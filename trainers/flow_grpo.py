@@ -19,7 +19,7 @@ import torch
 from masgraph.trace import Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
-__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "group_advantages", "ppo_clip_loss", "kl_k3",
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "trajectory_rewards", "group_advantages", "ppo_clip_loss", "kl_k3",
            "aggregate", "sequence_logprobs"]
 
 
@@ -76,14 +76,22 @@ def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> 
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int, float]:
+    """Reward per trajectory index; stragglers (failed, timed out, cancelled) are left out or scored 0."""
+    rewards: dict[int, float] = {}
+    for i, tr in enumerate(traces):
+        if tr.status == "ok" and tr.reward is not None:
+            rewards[i] = tr.reward
+        elif config.stragglers == "zero":
+            rewards[i] = 0.0
+    return rewards
+
+
 def informative_queries(traces: list[Trace], config: FlowGRPOConfig) -> set[str]:
     """Queries whose group has at least two distinct rewards (the groups that give a non-zero advantage)."""
     by_query: dict[str, set[float]] = defaultdict(set)
-    for tr in traces:
-        if tr.status == "ok" and tr.reward is not None:
-            by_query[tr.item_id].add(tr.reward)
-        elif config.stragglers == "zero":
-            by_query[tr.item_id].add(0.0)
+    for i, r in trajectory_rewards(traces, config).items():
+        by_query[traces[i].item_id].add(r)
     return {q for q, rs in by_query.items() if len(rs) > 1}
 
 
@@ -92,12 +100,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
     trajectory's group (by query, or by query and node), where each trajectory counts once."""
-    rewards: dict[int, float] = {}
-    for i, tr in enumerate(traces):
-        if tr.status == "ok" and tr.reward is not None:
-            rewards[i] = tr.reward
-        elif config.stragglers == "zero":
-            rewards[i] = 0.0
+    rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i in rewards:
         nodes = {s.node for s in traces[i].steps if s.node in trainable and s.llm}

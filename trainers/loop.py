@@ -18,13 +18,20 @@ from masgraph.backends.hf import HFBackend, LoraConfigSpec
 from masgraph.checkpoint import checkpoint_adapters
 from masgraph.graph import Graph, compile_spec
 from masgraph.runner import RunConfig, Runner, mean, summarize
-from masgraph.spec import TrainSpec
+from masgraph.spec import GraphSpec, TrainSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
 from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
 
 # fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint
 _PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
+
+
+def sampling_graph(spec: GraphSpec, temperature: float) -> Graph:
+    """The graph as training rolls it out: trainable policies sample at `temperature`, the rest as written."""
+    hot = {n: p.model_copy(update={"sampling": p.sampling.model_copy(update={"temperature": temperature})})
+           if p.trainable else p for n, p in spec.policies.items()}
+    return compile_spec(spec.model_copy(update={"policies": hot}))
 
 
 class TrainLoop:
@@ -52,10 +59,7 @@ class TrainLoop:
                           if s.policy and spec.policies[s.policy].trainable}
         self.algo = FlowGRPO(self.backend, self.trainable, self.cfg.flow_grpo)
         # training rollouts sample the trainable policies; evaluation uses the graph as written (greedy)
-        hot = {n: p.model_copy(update={"sampling": p.sampling.model_copy(
-            update={"temperature": self.cfg.flow_grpo.temperature})}) if p.trainable else p
-            for n, p in spec.policies.items()}
-        train_graph = compile_spec(spec.model_copy(update={"policies": hot}))
+        train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.cfg.flow_grpo.group_size, **common),
                                backends={"hf": self.backend})
