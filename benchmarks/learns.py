@@ -30,6 +30,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.tasks import get_task
+from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.loop import TrainLoop, sampling_graph
 
 HERE = Path(__file__).resolve().parent
@@ -57,10 +58,13 @@ def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int) -> tup
             sum(sum(v) for v in solved.values()) / len(result.traces))
 
 
-def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool) -> dict:
-    """One training run (baseline eval, `minutes` of training, final eval); returns its metrics."""
+def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
+          flow_grpo: dict | None = None) -> dict:
+    """One training run (baseline eval, `minutes` of training, final eval); returns its metrics.
+    `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML)."""
     spec = load_spec(graph_path)
-    cfg = spec.train.model_copy(update={"seed": seed, "max_minutes": minutes, "steps": 10_000,
+    fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | (flow_grpo or {}))
+    cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "steps": 10_000,
                                         "eval_every": 10_000, "eval_n": eval_n, "checkpoint_every": 10_000})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), graph_path)
     run_dir = ROOT / "runs" / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -98,7 +102,10 @@ def main() -> int:
     p.add_argument("--passk-n", type=int, default=32,
                    help="items for the pass@8 check; 0 skips it (when an earlier run of this script measured it)")
     p.add_argument("--compare", help="also train this graph (same task, budget, first seed)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE",
+                   help="override train.flow_grpo knobs of every trained graph, e.g. parse_penalty=0.5")
     args = p.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
     task = args.task or load_spec(args.graph).train.task
     print(f"rule: greedy ≤ {GREEDY_MAX:.0%} (n={args.eval_n}) and pass@{K} ≥ {PASSK_MIN:.0%} (n={args.passk_n})",
           flush=True)
@@ -114,9 +121,11 @@ def main() -> int:
     results = []
     try:
         for i, seed in enumerate(args.seeds):
-            results.append(train(args.graph, task, seed, args.minutes, args.eval_n, check_rule=i == 0))
+            results.append(train(args.graph, task, seed, args.minutes, args.eval_n, check_rule=i == 0,
+                                 flow_grpo=overrides))
         if args.compare:
-            results.append(train(args.compare, task, args.seeds[0], args.minutes, args.eval_n, check_rule=False))
+            results.append(train(args.compare, task, args.seeds[0], args.minutes, args.eval_n, check_rule=False,
+                                 flow_grpo=overrides))
     except RuleFailed as e:
         print(e, flush=True)
         return 1

@@ -119,7 +119,7 @@ def main() -> int:
     import trl
 
     mg_config, records, prompts, items = run_masgraph(args.steps)
-    mg_tok = sum(r["tokens_per_s"] * r["time/step_s"] for r in records[1:])
+    mg_tok = sum(r["tokens"] for r in records[1:])
     mg_s = sum(r["time/step_s"] for r in records[1:])
     trl_config, times, tokens = run_trl(args.steps, mg_config, prompts, items)
     trl_tok, trl_s = sum(tokens[1:]), sum(times[1:])

@@ -6,7 +6,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, ClassVar
@@ -184,7 +184,9 @@ class Lookup(Task):
         return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
 
 
+@lru_cache(maxsize=1)
 def load_kb() -> dict[str, Any]:
+    """The shipped knowledge base, read once per process (callers must not mutate it)."""
     docs = [json.loads(x) for x in (files("masgraph.data") / "kb.jsonl").read_text().splitlines() if x.strip()]
     people = [d["facts"] for d in docs if d["id"].startswith("person-")]
     return {"people": people, "docs": docs}

@@ -35,6 +35,9 @@ class FlowGRPOConfig(BaseModel):
     """With `zero_variance: resample`: extra rollout rounds per step to replace zero-variance groups."""
     stragglers: Literal["drop", "zero"] = "drop"
     """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
+    parse_penalty: float = Field(0.0, ge=0)
+    """Subtracted from the outcome reward of an episode in which any step's output failed to parse (format
+    shaping, like R1's format reward). 0 = outcome reward only, as in the paper."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

@@ -12,7 +12,7 @@ The math is pure functions below, tested against hand-computed values; `FlowGRPO
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,7 @@ from masgraph.trace import Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "trajectory_rewards", "group_advantages", "ppo_clip_loss", "kl_k3",
-           "aggregate", "sequence_logprobs"]
+           "row_weights", "aggregate", "sequence_logprobs"]
 
 
 @dataclass
@@ -61,27 +61,32 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_r) - log_r - 1
 
 
-def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> torch.Tensor:
-    """Reduce per-row token losses to one scalar.
+def row_weights(lengths: list[int], trajs: list[int], mode: str) -> list[float]:
+    """Weight of each row's summed token loss in the scalar loss (so a loss summed chunk by chunk is exact).
 
-    token-mean: sum of all tokens / number of tokens. nested (Eq. 10): mean over trajectories of the mean
-    over that trajectory's rows of the mean over the row's tokens."""
+    token-mean: 1 / (all tokens). nested (Eq. 10, mean over trajectories of the mean over the trajectory's
+    rows of the mean over the row's tokens): 1 / (trajectories × rows in the row's trajectory × its tokens)."""
     if mode == "token-mean":
-        return torch.cat(token_losses).sum() / sum(t.numel() for t in token_losses)
+        return [1.0 / sum(lengths)] * len(lengths)
     if mode == "nested":
-        by_traj: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for loss, traj in zip(token_losses, trajs):
-            by_traj[traj].append(loss.mean())
-        return torch.stack([torch.stack(rows).mean() for rows in by_traj.values()]).mean()
+        rows_in = Counter(trajs)
+        return [1.0 / (len(rows_in) * rows_in[t] * n) for n, t in zip(lengths, trajs)]
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> torch.Tensor:
+    """Reduce per-row token losses to one scalar (`row_weights` says how)."""
+    weights = row_weights([t.numel() for t in token_losses], trajs, mode)
+    return torch.stack([w * t.sum() for w, t in zip(weights, token_losses)]).sum()
+
+
 def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int, float]:
-    """Reward per trajectory index; stragglers (failed, timed out, cancelled) are left out or scored 0."""
+    """Reward per trajectory index; stragglers (failed, timed out, cancelled) are left out or scored 0;
+    `parse_penalty` is taken off an episode in which any step failed to parse."""
     rewards: dict[int, float] = {}
     for i, tr in enumerate(traces):
         if tr.status == "ok" and tr.reward is not None:
-            rewards[i] = tr.reward
+            rewards[i] = tr.reward - config.parse_penalty * any(s.parse_error for s in tr.steps)
         elif config.stragglers == "zero":
             rewards[i] = 0.0
     return rewards
@@ -215,6 +220,8 @@ class FlowGRPO:
             opt.zero_grad(set_to_none=True)
         n_tok = sum(len(r.completion_ids) for r in rows)
         n_traj = len({r.traj for r in rows})
+        weight = dict(zip(map(id, rows), row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows],
+                                                      cfg.loss_agg)))
         totals = defaultdict(float)
         model.train()
         try:
@@ -226,22 +233,17 @@ class FlowGRPO:
                         ref = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
                     model.set_adapter(adapter)
                     new = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
-                    losses = []
+                    loss = torch.zeros(())
                     for r, lp, rlp in zip(chunk, new, ref):
                         old = torch.tensor(r.old_logprobs)
                         pg = ppo_clip_loss(lp, old, torch.tensor(r.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
                         kl = kl_k3(lp, rlp)
-                        losses.append(pg + cfg.kl_coef * kl)
+                        loss = loss + weight[id(r)] * (pg + cfg.kl_coef * kl).sum()
                         ratio = torch.exp(lp.detach() - old)
                         totals["clip_frac"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
                         totals["kl"] += float(kl.detach().sum())
                         totals["pg"] += float(pg.detach().sum())
-                    # scale each chunk so the sum over chunks equals the configured aggregate over all rows
-                    if cfg.loss_agg == "token-mean":
-                        loss = torch.cat(losses).sum() / n_tok
-                    else:
-                        loss = _nested_partial(losses, [r.traj for r in chunk], rows)
-                    loss.backward()
+                    loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
                     totals["loss"] += float(loss.detach())
         finally:
             model.eval()
@@ -253,15 +255,6 @@ class FlowGRPO:
         return metrics | {"loss/total": totals["loss"], "loss/policy": totals["pg"] / n_tok,
                           "kl": totals["kl"] / n_tok, "clip_frac": totals["clip_frac"] / n_tok,
                           "trajectories": float(n_traj)}
-
-
-def _nested_partial(losses: list[torch.Tensor], trajs: list[int], all_rows: list[Row]) -> torch.Tensor:
-    """This chunk's share of the nested mean: each row weighs 1 / (n_traj * rows_in_its_traj)."""
-    per_traj = defaultdict(int)
-    for r in all_rows:
-        per_traj[r.traj] += 1
-    n_traj = len(per_traj)
-    return sum(loss.mean() / (n_traj * per_traj[t]) for loss, t in zip(losses, trajs))
 
 
 def _mean(xs: list[float]) -> float:

@@ -130,7 +130,7 @@ class TrainLoop:
         record = {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
                   "informative_groups": float(len(informative_queries(traces, fg))), "resample_rounds": rounds,
                   "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
-                  "tokens_per_s": tokens / max(elapsed, 1e-9)}
+                  "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
         if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 or self.finished():
             record.update(await self.evaluate())
         self._append_metrics(record)

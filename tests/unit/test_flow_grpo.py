@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from masgraph.trace import LLMCall, Step, Trace
-from masgraph.trainers.flow_grpo import (FlowGRPOConfig, _nested_partial, aggregate, build_rows, group_advantages,
-                                         informative_queries,
-                                         kl_k3, ppo_clip_loss)
+from masgraph.trainers.flow_grpo import (FlowGRPOConfig, aggregate, build_rows, group_advantages,
+                                         informative_queries, kl_k3, ppo_clip_loss, row_weights,
+                                         trajectory_rewards)
 
 
 def test_group_advantages_hand_computed():
@@ -44,13 +44,13 @@ def test_aggregation_modes():
     assert aggregate(losses, trajs, "nested").item() == pytest.approx(1.5)  # mean(mean(1, 3), mean(0,0,0,4))
 
 
-def test_chunked_nested_partials_sum_to_the_aggregate():
-    from masgraph.trainers.flow_grpo import Row
-
-    losses = [torch.tensor([1.0, 1.0]), torch.tensor([3.0]), torch.tensor([0.0, 0.0, 0.0, 4.0])]
-    rows = [Row(t, "n", "a", [], [], [], 0.0, 0) for t in (0, 0, 1)]
-    total = _nested_partial(losses[:1], [0], rows) + _nested_partial(losses[1:], [0, 1], rows)
-    assert total.item() == pytest.approx(aggregate(losses, [0, 0, 1], "nested").item())
+def test_row_weights_by_hand():
+    # rows of 2, 1 and 4 tokens; the first two in trajectory 0, the third in trajectory 1
+    assert row_weights([2, 1, 4], [0, 0, 1], "token-mean") == pytest.approx([1 / 7] * 3)
+    # nested: 1 / (2 trajectories x rows in the trajectory x tokens in the row)
+    assert row_weights([2, 1, 4], [0, 0, 1], "nested") == pytest.approx([1 / 8, 1 / 4, 1 / 8])
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        row_weights([1], [0], "sum")
 
 
 def _trace(item: str, reward: float | None, calls: dict[str, int], status: str = "ok", ep: str = "") -> Trace:
@@ -90,6 +90,15 @@ def test_stragglers_drop_or_zero():
     assert [r.traj for r in dropped] == [0, 2] and dropped[0].advantage == pytest.approx(0.70710678)
     zeroed = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(stragglers="zero", adv_eps=0.0))
     assert [r.traj for r in zeroed] == [0, 1, 2] and zeroed[1].advantage == pytest.approx(-1.0)
+
+
+def test_parse_penalty_shapes_the_trajectory_reward():
+    clean, sloppy = _trace("q1", 1.0, {"planner": 2}), _trace("q1", 1.0, {"planner": 2})
+    sloppy.steps[1].parse_error = "no 'Tool:' line"
+    traces = [clean, sloppy]
+    assert trajectory_rewards(traces, FlowGRPOConfig()) == {0: 1.0, 1: 1.0}  # outcome only: a flat group
+    assert trajectory_rewards(traces, FlowGRPOConfig(parse_penalty=0.5)) == {0: 1.0, 1: 0.5}
+    assert informative_queries(traces, FlowGRPOConfig(parse_penalty=0.5)) == {"q1"}
 
 
 def test_informative_queries_and_resample_drops_zero_variance_rows():
