@@ -127,4 +127,15 @@ def _explain(err: dict, loc: list) -> tuple[str, str]:
     if kind == "value_error":
         text = msg.removeprefix("Value error, ")
         return text, ""
+    bounds = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"), "less_than_equal": ("le", "≤"),
+              "less_than": ("lt", "<")}
+    if kind in bounds:
+        key, sign = bounds[kind]
+        return msg, f"use a value {sign} {err.get('ctx', {}).get(key)}"
+    expected = {"float": "a number, e.g. 0.001", "int": "a whole number, e.g. 8", "bool": "true or false",
+                "string": "a string (quote it if YAML reads it as something else)", "dict": "a mapping (key: value)",
+                "list": "a list ([a, b] or one `- item` per line)"}
+    for prefix, what in expected.items():
+        if kind.startswith(prefix + "_"):
+            return msg, f"write {what}"
     return msg, f"expected {kind.replace('_', ' ')}"

@@ -89,6 +89,15 @@ def test_unknown_key_is_located_with_suggestion():
     assert p.path == "nodes.verifier.polcy" and p.line == 9 and "did you mean 'policy'" in p.fix
 
 
+def test_wrong_type_and_out_of_range_values_say_what_to_write():
+    err = _errors(LOOP.replace("limits: {max_turns: 3}\n", "limits: {max_turns: 0}\n"
+                               "train: {task: basic_arithmetic, steps: lots, flow_grpo: {lr: fast}}\n"))
+    fixes = {p.path: p.fix for p in err.problems}
+    assert fixes["train.steps"] == "write a whole number, e.g. 8"
+    assert fixes["train.flow_grpo.lr"] == "write a number, e.g. 0.001"
+    assert fixes["limits.max_turns"] == "use a value ≥ 1"
+
+
 def test_unknown_node_in_edge():
     err = _errors(LOOP.replace("target: generator, when: stop", "target: genrator, when: stop"))
     [p] = err.problems
