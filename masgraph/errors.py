@@ -33,7 +33,8 @@ class SpecError(MasgraphError):
     def __init__(self, problems: list[Problem], file: str | None = None):
         self.problems = problems
         self.file = file
-        super().__init__("\n".join(p.render(file) for p in problems))
+        head = f"{len(problems)} problems in {file or 'the spec'}:\n" if len(problems) > 1 else ""
+        super().__init__(head + "\n".join(p.render(file) for p in problems))
 
 
 class ModelNotFoundError(MasgraphError):

@@ -96,6 +96,7 @@ def test_wrong_type_and_out_of_range_values_say_what_to_write():
     assert fixes["train.steps"] == "write a whole number, e.g. 8"
     assert fixes["train.flow_grpo.lr"] == "write a number, e.g. 0.001"
     assert fixes["limits.max_turns"] == "use a value ≥ 1"
+    assert str(err).startswith("3 problems in g.yaml:\ng.yaml:")
 
 
 def test_unknown_node_in_edge():
