@@ -220,25 +220,24 @@ class FlowGRPO:
             opt.zero_grad(set_to_none=True)
         n_tok = sum(len(r.completion_ids) for r in rows)
         n_traj = len({r.traj for r in rows})
-        weight = dict(zip(map(id, rows), row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows],
-                                                      cfg.loss_agg)))
+        weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.loss_agg)
         totals = defaultdict(float)
         model.train()
         try:
             for adapter in sorted({r.adapter for r in rows}):
-                mine = [r for r in rows if r.adapter == adapter]
+                mine = [(r, w) for r, w in zip(rows, weights) if r.adapter == adapter]
                 for start in range(0, len(mine), cfg.micro_batch):
-                    chunk = mine[start:start + cfg.micro_batch]
+                    chunk, chunk_w = map(list, zip(*mine[start:start + cfg.micro_batch]))
                     with torch.no_grad(), model.disable_adapter():
                         ref = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
                     model.set_adapter(adapter)
                     new = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
                     loss = torch.zeros(())
-                    for r, lp, rlp in zip(chunk, new, ref):
+                    for r, w, lp, rlp in zip(chunk, chunk_w, new, ref):
                         old = torch.tensor(r.old_logprobs)
                         pg = ppo_clip_loss(lp, old, torch.tensor(r.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
                         kl = kl_k3(lp, rlp)
-                        loss = loss + weight[id(r)] * (pg + cfg.kl_coef * kl).sum()
+                        loss = loss + w * (pg + cfg.kl_coef * kl).sum()
                         ratio = torch.exp(lp.detach() - old)
                         totals["clip_frac"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
                         totals["kl"] += float(kl.detach().sum())
