@@ -7,7 +7,7 @@ import operator
 import re
 from typing import Any
 
-from masgraph.agents.tools.registry import ToolError, register_kind
+from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -63,7 +63,7 @@ def format_number(value: int | float) -> str:
 
 
 @register_kind("calculator", "evaluates an arithmetic expression, e.g. Input: (12 + 7) * 3")
-def make_calculator(options: dict[str, Any]):
+def make_calculator(options: ToolOptions):
     async def calculator(expression: str) -> str:
         return format_number(calculate(expression))
     return calculator

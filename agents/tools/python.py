@@ -11,9 +11,10 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Any
 
-from masgraph.agents.tools.registry import ToolError, register_kind
+from pydantic import Field
+
+from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
 
 # Inside the namespaces: make every mount read-only, then re-expose the temp dir read-write.
 _JAIL = r"""
@@ -70,8 +71,16 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
         pass
 
 
-@register_kind("python", "runs a Python snippet in a sandbox and returns what it prints, e.g. Input: print(2**10)")
-def make_python(options: dict[str, Any]):
+class PythonOptions(ToolOptions):
+    cpu_timeout_s: float = Field(10.0, gt=0, le=600)
+    """CPU/wall limit of one snippet, in seconds."""
+    memory_mb: int = Field(512, ge=32, le=65536)
+    """Address-space limit of the snippet, in MiB."""
+
+
+@register_kind("python", "runs a Python snippet in a sandbox and returns what it prints, e.g. Input: print(2**10)",
+               options=PythonOptions)
+def make_python(options: PythonOptions):
     async def python(code: str) -> str:
-        return await run_python(code, float(options.get("cpu_timeout_s", 10.0)), int(options.get("memory_mb", 512)))
+        return await run_python(code, options.cpu_timeout_s, options.memory_mb)
     return python

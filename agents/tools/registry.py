@@ -10,20 +10,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from masgraph.node import ToolFn
 from masgraph.spec import ToolSpec
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
+class ToolOptions(BaseModel):
+    """Base of every tool kind's typed `options:` (unknown keys are errors); a kind with none uses it as is."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
 @dataclass(frozen=True)
 class ToolKind:
-    """A registered tool: a factory from options to an async `str -> str` function, plus its description."""
+    """A registered tool: a factory from its validated options to an async `str -> str` function."""
 
     name: str
     description: str
-    factory: Callable[[dict[str, Any]], ToolFn]
+    factory: Callable[[Any], ToolFn]
     schema: dict[str, Any]
+    options: type[ToolOptions] = ToolOptions
+    """The pydantic model that `tools.<name>.options` is validated against (at compile time)."""
 
 
 TOOL_KINDS: dict[str, ToolKind] = {}
@@ -33,11 +43,13 @@ class ToolError(Exception):
     """The tool rejected its input or failed; the message is shown to the model."""
 
 
-def register_kind(name: str, description: str, schema: dict[str, Any] | None = None):
-    """Register a built-in tool kind whose factory takes the ToolSpec options."""
-    def deco(factory: Callable[[dict[str, Any]], ToolFn]) -> Callable[[dict[str, Any]], ToolFn]:
+def register_kind(name: str, description: str, schema: dict[str, Any] | None = None,
+                  options: type[ToolOptions] = ToolOptions):
+    """Register a built-in tool kind whose factory takes its validated `options` model instance."""
+    def deco(factory: Callable[[Any], ToolFn]) -> Callable[[Any], ToolFn]:
         TOOL_KINDS[name] = ToolKind(name, description, factory,
-                                    schema or {"type": "object", "properties": {"input": {"type": "string"}}})
+                                    schema or {"type": "object", "properties": {"input": {"type": "string"}}},
+                                    options)
         return factory
     return deco
 
@@ -64,7 +76,7 @@ def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = No
                   "properties": {p.name: {"type": _JSON_TYPES.get(hints.get(p.name, str), "string")} for p in params},
                   "required": [p.name for p in params if p.default is inspect.Parameter.empty]}
 
-        def factory(options: dict[str, Any]) -> ToolFn:
+        def factory(options: ToolOptions) -> ToolFn:
             async def call(raw: str) -> str:
                 kwargs = _parse_args(raw, params, hints)
                 result = await f(**kwargs) if inspect.iscoroutinefunction(f) else await asyncio.to_thread(f, **kwargs)
@@ -103,8 +115,11 @@ def load_builtin_tools() -> None:
 def build_tools(specs: dict[str, ToolSpec]) -> dict[str, ToolFn]:
     """Instantiate the graph's tools (kinds checked at compile), each bound to its time limit."""
     load_builtin_tools()
-    return {name: _with_timeout(TOOL_KINDS[spec.kind].factory(spec.options), spec.timeout_s, name)
-            for name, spec in specs.items()}
+    out = {}
+    for name, spec in specs.items():
+        kind = TOOL_KINDS[spec.kind]
+        out[name] = _with_timeout(kind.factory(kind.options.model_validate(spec.options)), spec.timeout_s, name)
+    return out
 
 
 def describe(specs: dict[str, ToolSpec], names: list[str]) -> str:

@@ -9,7 +9,9 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any
 
-from masgraph.agents.tools.registry import ToolError, register_kind
+from pydantic import Field
+
+from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
 
 
 
@@ -54,10 +56,17 @@ def default_corpus_path() -> str:
     return str(files("masgraph.data") / "kb.jsonl")
 
 
-@register_kind("search", "searches the local knowledge base and returns the best matching passages, e.g. Input: Ilsa Varn")
-def make_search(options: dict[str, Any]):
-    path = str(options.get("corpus") or default_corpus_path())
-    k = int(options.get("top_k", 2))
+class SearchOptions(ToolOptions):
+    corpus: str | None = None
+    """JSONL file of {"id", "title", "text"} documents (default: the shipped knowledge base)."""
+    top_k: int = Field(2, ge=1, le=50)
+    """Passages returned per query."""
+
+
+@register_kind("search", "searches the local knowledge base and returns the best matching passages, e.g. Input: Ilsa Varn",
+               options=SearchOptions)
+def make_search(options: SearchOptions):
+    path, k = options.corpus or default_corpus_path(), options.top_k
 
     async def search(query: str) -> str:
         hits = load_corpus(path).search(query, k)
