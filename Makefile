@@ -51,6 +51,7 @@ bench: setup
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/train_throughput.py --steps 3
+	$(PY) benchmarks/graph_accuracy.py --n 32
 
 # hours, not minutes: 2 seeds x 25 min of training + evaluation, then the single-node policy on the same budget
 bench-learn: setup

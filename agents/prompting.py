@@ -29,4 +29,5 @@ def load_template(name: str) -> tuple[tuple[str, Template], ...]:
 def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]]:
     """Chat messages from the node's template (its `prompt:` or the role default) and values."""
     values = {"query": ctx.query, "memory": ctx.memory.render(), "inputs": ctx.merged, **values}
-    return [{"role": role, "content": t.safe_substitute(values)} for role, t in load_template(ctx.node_spec.prompt or default)]
+    turns = load_template(ctx.node_spec.prompt or default)
+    return [{"role": role, "content": t.safe_substitute(values)} for role, t in turns]

@@ -11,7 +11,14 @@ AGENTS: dict[str, Agent] = {}
 
 
 def register_agent(name: str) -> Callable[[Agent], Agent]:
-    """Register an async `(NodeContext) -> NodeOutput` function under `name` (used as `agent:` in YAML)."""
+    """Register a `(NodeContext) -> NodeOutput` function under `name` (used as `agent:` in YAML).
+
+    Write it as `async def` and await anything slow. A plain `def` (CPU work, `time.sleep`, blocking I/O) is
+    run in a worker thread, so other episodes go on and its node timeout holds; it cannot await
+    `ctx.generate` or the tools, and on timeout its thread is abandoned, not stopped. An `async def` that blocks
+    inside (`time.sleep`, `requests.get`) stalls every episode and its timeout cannot fire: nothing can
+    preempt it, so move such work into `await asyncio.to_thread(...)`.
+    """
     def deco(fn: Agent) -> Agent:
         AGENTS[name] = fn
         return fn

@@ -4,11 +4,13 @@ Single-turn task both can run: the one-node `graphs/single.yaml` graph on `long_
 the exact prompt text masgraph renders for each item (decoded from the recorded prompt ids), the same
 items in the same order, the same reward (masgraph's answer parser + the task's scorer), group size,
 queries per step, completion cap, temperature, LoRA (r, alpha, q/v), learning rate, clip range, KL
-coefficient and dtype. One optimizer step = rollouts of 4 queries × 8 completions + one update, on both
+coefficient and dtype (pinned for both sides with --dtype, fp32 by default; masgraph's own dtype probe is
+not used), and no gradient checkpointing on either side (TRL's GRPOConfig turns it on by default; masgraph
+has none). Every setting of both sides is printed and recorded. One optimizer step = rollouts of 4 queries × 8 completions + one update, on both
 sides. Tokens are counted the same way on both: completion tokens generated per step (EOS included)
 divided by the step's wall-clock. The first step of each side is warm-up and not counted.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 5]
+    .venv/bin/python benchmarks/train_throughput.py [--steps 5] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ ROOT = HERE.parent
 TASK = "long_arithmetic"
 
 
-def run_masgraph(steps: int) -> tuple[dict, list[dict], list[str], list]:
+def run_masgraph(steps: int, dtype: str) -> tuple[dict, list[dict], list[str], list]:
     """Flow-GRPO through TrainLoop (rollouts via the Runner); returns config, per-step records, prompts, items."""
     spec = load_spec(ROOT / "graphs" / "single.yaml")
     # zero_variance: keep — train on every row, as TRL does (skipping all-equal groups would do less work)
@@ -45,7 +47,7 @@ def run_masgraph(steps: int) -> tuple[dict, list[dict], list[str], list]:
     graph = compile_spec(spec.model_copy(update={"train": cfg}))
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as run_dir:
-        loop = TrainLoop(graph, get_task(TASK), Path(run_dir))
+        loop = TrainLoop(graph, get_task(TASK), Path(run_dir), dtype=dtype)
         asyncio.run(loop.run(on_step=records.append))
         traces = [json.loads(line)["trace"] for line in (Path(run_dir) / "events.jsonl").open()
                   if '"episode_finished"' in line]
@@ -99,7 +101,8 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list) -> tuple[dict
             num_generations=mg["group_size"], max_completion_length=mg["max_completion_tokens"],
             temperature=mg["temperature"], top_p=1.0, top_k=0, epsilon=mg["clip"][0], epsilon_high=mg["clip"][1],
             beta=mg["kl_coef"], num_iterations=1, lr_scheduler_type="constant", shuffle_dataset=False, report_to=[], logging_steps=1,
-            save_strategy="no", disable_dropout=True, seed=0, dataloader_num_workers=0)
+            save_strategy="no", disable_dropout=True, seed=0, dataloader_num_workers=0,
+            gradient_checkpointing=False)
         lora = LoraConfig(r=mg["lora"][0], lora_alpha=mg["lora"][1], target_modules=mg["lora"][2], lora_dropout=0.0,
                           task_type="CAUSAL_LM")
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
@@ -108,17 +111,21 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list) -> tuple[dict
         trainer.train()
     trl_config = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
                                                 "max_completion_length", "temperature", "learning_rate", "epsilon",
-                                                "epsilon_high", "beta", "loss_type", "lr_scheduler_type", "use_cpu", "bf16")}
+                                                "epsilon_high", "beta", "loss_type", "lr_scheduler_type", "use_cpu", "bf16",
+                                                "fp16", "gradient_checkpointing", "num_iterations", "top_p", "top_k")}
+    trl_config["model_dtype"] = str(model.dtype)
     return trl_config, times, tokens
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="one dtype for both sides (default float32)")
     args = p.parse_args()
     import trl
 
-    mg_config, records, prompts, items = run_masgraph(args.steps)
+    mg_config, records, prompts, items = run_masgraph(args.steps, args.dtype)
     mg_tok = sum(r["tokens"] for r in records[1:])
     mg_s = sum(r["time/step_s"] for r in records[1:])
     trl_config, times, tokens = run_trl(args.steps, mg_config, prompts, items)

@@ -3,35 +3,66 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 from masgraph.errors import MasgraphError
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+_USAGE = "pass a `masgraph train` run directory (its latest checkpoint) or RUN/checkpoints/step-N"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run (half-written `.tmp` directories are ignored)."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
-    if pointer.exists():
-        path = root / pointer.read_text().strip()
-        if (path / "state.json").exists():
-            return path
-    done = [p for p in root.glob("step-*") if not p.name.endswith(".tmp") and (p / "state.json").exists()]
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.fullmatch(name) and (root / name / "state.json").is_file():
+            return root / name
+    done = [p for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name) and (p / "state.json").is_file()]
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from a run directory (its latest) or a `.../checkpoints/step-N` path."""
     path = Path(path)
-    if (path / "state.json").exists():
+    if not path.exists():
+        raise MasgraphError(f"checkpoint {path} does not exist; {_USAGE}")
+    if not path.is_dir():
+        raise MasgraphError(f"checkpoint {path} is a file, not a directory; {_USAGE}")
+    if (path / "state.json").is_file():
         return path
+    if not (path / "checkpoints").is_dir():
+        raise MasgraphError(f"no complete checkpoint in {path}: it has no checkpoints/ directory; {_USAGE}")
     found = latest_checkpoint(path)
     if found is None:
-        raise MasgraphError(f"no complete checkpoint in {path} (expected RUN or RUN/checkpoints/step-N)")
+        raise MasgraphError(f"no complete checkpoint in {path}/checkpoints (a step-N with a state.json); "
+                            "the run was stopped before its first checkpoint: train it longer or pass another run")
     return found
 
 
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's state.json (step, adapters, versions, dtype), or a MasgraphError saying what is wrong."""
+    try:
+        state = json.loads((checkpoint / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MasgraphError(f"checkpoint {checkpoint} has an unreadable state.json ({exc}); "
+                            "pass another step (RUN/checkpoints/step-N)") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("adapters"), list):
+        raise MasgraphError(f"checkpoint {checkpoint}: state.json has no `adapters` list; "
+                            "pass another step (RUN/checkpoints/step-N)")
+    return state
+
+
 def checkpoint_adapters(checkpoint: Path) -> dict[str, Path]:
-    """Adapter name -> its saved PEFT directory."""
-    state = json.loads((checkpoint / "state.json").read_text())
-    return {name: checkpoint / "adapters" / name for name in state["adapters"]}
+    """Adapter name -> its saved PEFT directory (each checked to hold its config and weights)."""
+    adapters = {name: checkpoint / "adapters" / name for name in read_state(checkpoint)["adapters"]}
+    for name, path in adapters.items():
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (path / f).is_file()]
+        if missing:
+            raise MasgraphError(f"checkpoint {checkpoint} is incomplete: adapter {name!r} lacks "
+                                f"{', '.join(f'adapters/{name}/{f}' for f in missing)}; pass another step "
+                                "(RUN/checkpoints/step-N)")
+    return adapters

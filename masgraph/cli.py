@@ -5,13 +5,51 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import signal
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.trace import EpisodeFinished, Event
+
+if TYPE_CHECKING:
+    from masgraph.runner import Runner
+    from masgraph.tasks import Item, Task
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    return _whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    return _whole_number(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _whole_number(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    return value
 
 
 class ProgressBar:
@@ -24,7 +62,7 @@ class ProgressBar:
         self.draw()
 
     def emit(self, event: Event) -> None:
-        if isinstance(event, EpisodeFinished):
+        if isinstance(event, EpisodeFinished) and event.trace.status != "cancelled":  # only episodes that ran out
             tr = event.trace
             self.done += 1
             self.correct += (tr.reward or 0.0) >= 0.5
@@ -80,42 +118,89 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
     from masgraph.runner import RunConfig, Runner
 
     graph = _load_graph(args.graph)
     task = _load_task(args.task)
     config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
                        seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir)
+    checkpoint = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None:
+        checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+    items = task.items(config.split, config.n, config.seed)
+    if not items:
+        raise MasgraphError(f"task {task.name!r} has no {config.split} items for seed {config.seed}; "
+                            "check its generate() or pick the other --split")
+    Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     runner = Runner(graph, config)
-    if args.checkpoint:
-        print(f"serving adapters of {runner.load_checkpoint(args.checkpoint)}", file=sys.stderr)
-    items = task.items(config.split, config.n, config.seed)
-    bar = ProgressBar(len(items) * config.samples)
+    if checkpoint is not None:
+        print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
+    return run_with_progress(runner, task, items)
 
-    async def main():
+
+def run_with_progress(runner: Runner, task: Task, items: list[Item]) -> int:
+    """Run items with a progress bar and print the summary; Ctrl-C (exit 130) and SIGTERM (exit 143) cancel the
+    run cleanly, and the summary then counts the episodes that finished."""
+    bar = ProgressBar(len(items) * runner.config.samples)
+
+    async def run() -> None:
         try:
-            return await runner.run_items(task, items, sinks=[bar])
+            await runner.run_items(task, items, sinks=[bar])
         finally:
             await runner.aclose()
 
     try:
-        result = asyncio.run(main())
-    except KeyboardInterrupt:
+        code = _run_cancellable(run)
+    finally:
         bar.close()
-        print(f"interrupted: {bar.done} finished episodes are stored under {config.runs_dir}/", file=sys.stderr)
-        return 130
-    bar.close()
+    result = runner.last_result
+    if result is None:
+        print("interrupted before the run started", file=sys.stderr)
+        return code
     s = result.summary
+    if code:
+        print(f"interrupted: {s['episodes']} episodes finished, {s['cancelled']} cancelled", file=sys.stderr)
     print(f"graph {s['graph']}  task {s['task']}  episodes {s['episodes']}")
-    print(f"accuracy {s['accuracy']:.3f}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
-          f"completion tokens {s['completion_tokens_mean']:.1f}  failed {s['episodes'] - s['status']['ok']}")
+    if s["episodes"]:
+        print(f"accuracy {s['accuracy']:.3f}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
+              f"completion tokens {s['completion_tokens_mean']:.1f}  failed {s['episodes'] - s['status']['ok']}")
     print(f"run dir  {result.run_dir}")
+    return code
+
+
+def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """asyncio.run(main()); Ctrl-C or SIGTERM cancels it (its `finally` blocks run). Returns 0, 130 or 143."""
+    terminated = False
+
+    async def guarded() -> None:
+        loop, this = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_sigterm() -> None:
+            nonlocal terminated
+            terminated = True
+            this.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            await main()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        asyncio.run(guarded())
+    except KeyboardInterrupt:
+        return 130
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        return 143
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import resolve_checkpoint
+    from masgraph.checkpoint import checkpoint_adapters, read_state, resolve_checkpoint
     from masgraph.spec import TrainSpec
     from masgraph.store import new_run_dir
     from masgraph.trainers.loop import TrainLoop
@@ -137,7 +222,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume) if args.resume else new_run_dir(args.runs_dir, f"{spec.name}-train")
     print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
-    dtype = json.loads((checkpoint / "state.json").read_text())["dtype"] if checkpoint else "auto"
+    if checkpoint is not None:
+        checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+    dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
     loop = TrainLoop(graph, task, run_dir, dtype=dtype)  # a resumed run keeps the dtype it was trained in
     if checkpoint is not None:
         loop.load(checkpoint)
@@ -154,12 +241,14 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{m['time/train_s'] / 60:.1f} min",
               file=sys.stderr, flush=True)
 
-    try:
-        asyncio.run(loop.run(on_step=show))
-    except KeyboardInterrupt:
+    async def run_training() -> None:
+        await loop.run(on_step=show)
+
+    code = _run_cancellable(run_training)
+    if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
-        return 130
+        return code
     print(f"done: {loop.step} steps; metrics {run_dir / 'metrics.jsonl'}; checkpoints {run_dir / 'checkpoints'}")
     return 0
 
@@ -180,12 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a graph on a task and report accuracy")
     r.add_argument("graph", help="graph YAML file (see graphs/)")
     r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
-    r.add_argument("--n", type=int, default=16, help="number of items (default 16)")
+    r.add_argument("--n", type=positive_int, default=16, help="number of items (default 16)")
     r.add_argument("--split", default="test", choices=["train", "test"])
-    r.add_argument("--samples", type=int, default=1, help="rollouts per item")
-    r.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--deterministic", action="store_true", help="count-formed batches, per-request seeds")
+    r.add_argument("--samples", type=positive_int, default=1, help="rollouts per item")
+    r.add_argument("--concurrency", type=positive_int, default=16, help="episodes in flight")
+    r.add_argument("--seed", type=non_negative_int, default=0)
+    r.add_argument("--deterministic", action="store_true", help="bit-exact: each hf row decodes alone, per-request seeds")
     r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
     r.add_argument("--checkpoint", help="serve trained adapters: a training run dir (latest) or RUN/checkpoints/step-N")
     r.set_defaults(fn=cmd_run)
@@ -193,12 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the graph's trainable policies with Flow-GRPO")
     t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
     t.add_argument("--task", help="task (default: train.task)")
-    t.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
-    t.add_argument("--queries-per-step", type=int, help="training queries per step (default: train.queries_per_step)")
-    t.add_argument("--eval-n", type=int, help="held-out items per evaluation (default: train.eval_n)")
-    t.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (and at step 0 and the end); 0 = end only")
-    t.add_argument("--minutes", type=float, help="training wall-clock budget (default: train.max_minutes, none)")
-    t.add_argument("--seed", type=int, help="seed of data order, sampling and LoRA init (default: train.seed)")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps (default: train.steps)")
+    t.add_argument("--queries-per-step", type=positive_int,
+                   help="training queries per step (default: train.queries_per_step)")
+    t.add_argument("--eval-n", type=positive_int, help="held-out items per evaluation (default: train.eval_n)")
+    t.add_argument("--eval-every", type=non_negative_int,
+                   help="held-out evaluation every N steps (and at step 0 and the end); 0 = end only")
+    t.add_argument("--minutes", type=positive_float,
+                   help="training wall-clock budget (default: train.max_minutes, none)")
+    t.add_argument("--seed", type=non_negative_int,
+                   help="seed of data order, sampling and LoRA init (default: train.seed)")
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
     t.add_argument("--runs-dir", default="runs")
     t.set_defaults(fn=cmd_train)
@@ -219,12 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `masgraph` command. User errors print one `error:` message (exit 2) and Ctrl-C exits 130, never with a
+    traceback; a traceback means a bug in masgraph."""
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except MasgraphError as exc:  # user errors: a located message, no traceback
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave
+            raise
+        print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+    except KeyboardInterrupt:  # before or after a run (during one, the run handles it and reports)
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters (with its full length noted), so a huge value cannot flood a message."""
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
+def one_of(names: Iterable[str], limit: int = 12) -> str:
+    """`use one of ...` text for the first `limit` names in sorted order (each shortened)."""
+    names = sorted(names)
+    shown = ", ".join(repr(shorten(n)) for n in names[:limit])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
 
 
 @dataclass(frozen=True)

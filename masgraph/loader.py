@@ -4,55 +4,247 @@ from __future__ import annotations
 
 import difflib
 import re
+import weakref
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from masgraph.errors import Problem, SpecError
+from masgraph.errors import Problem, SpecError, shorten
 from masgraph.spec import GraphSpec
+
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and lists in a spec (a graph needs about 5; far deeper YAML exhausts the stack)."""
+ALIAS_BUDGET = 10_000
+"""Most YAML nodes that aliases may add once expanded (refuses 'billion laughs' alias bombs)."""
+
+_SOURCES: dict[int, yaml.Node] = {}  # id(spec) -> its composed YAML, kept beside the spec (not in it) for locating
 
 
 def load_spec(path: str | Path) -> GraphSpec:
     """Read and validate a graph YAML file; raise SpecError naming file, location and fix."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError([Problem("", f"cannot read file: {exc.strerror}", "check the path")], str(path)) from None
-    return parse_spec(text, str(path))
+        data = path.read_bytes()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise SpecError([Problem("", f"cannot read file: {reason}", "check the path")], str(path)) from None
+    return parse_spec(data, str(path))
 
 
-def parse_spec(text: str, file: str | None = None) -> GraphSpec:
-    """Validate YAML text as a GraphSpec."""
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-        msg = getattr(exc, "problem", None) or str(exc)
-        raise SpecError([Problem("", f"YAML syntax: {msg}", "fix the YAML syntax at that position", line, col)], file) from None
+def parse_spec(text: str | bytes, file: str | None = None) -> GraphSpec:
+    """Validate YAML text (or UTF-8 bytes) as a GraphSpec."""
+    if isinstance(text, bytes):
+        text = _decode(text, file)
+    root, data = _load_yaml(text, file)
     if not isinstance(data, dict):
-        raise SpecError([Problem("", "the file must hold a mapping (name:, nodes:, edges:, ...)", "see graphs/*.yaml")], file)
+        line, col = _mark(root.start_mark) if root is not None else (1, 1)
+        raise SpecError([Problem("", "the file must hold a mapping (name:, nodes:, edges:, ...)",
+                                 "see graphs/*.yaml", line, col)], file)
     try:
-        return GraphSpec.model_validate(data)
+        spec = GraphSpec.model_validate(data, strict=True)
     except ValidationError as exc:
         raise SpecError(problems_from(exc, root), file) from None
+    _SOURCES[id(spec)] = root
+    weakref.finalize(spec, _SOURCES.pop, id(spec), None)
+    return spec
 
 
-def problems_from(exc: ValidationError, root: yaml.Node | None = None) -> list[Problem]:
-    """Turn pydantic errors into located problems with a suggested fix."""
-    problems = []
+def locate(problems: list[Problem], spec: GraphSpec) -> list[Problem]:
+    """Give problems without a line the line:column of their key path in the YAML `spec` was loaded from."""
+    root = _SOURCES.get(id(spec))
+    if root is None:
+        return problems
+    out, cache = [], {}
+    for p in problems:
+        node = _find(root, _split_path(p.path, root, cache), cache) if p.line is None else None
+        out.append(p if node is None else Problem(p.path, p.message, p.fix, *_mark(node.start_mark)))
+    return out
+
+
+class _Refused(Exception):
+    """The YAML is refused while reading it (too deep, an alias bomb, a value Python cannot hold)."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+if yaml.__with_libyaml__:
+    _Events = yaml.cyaml.CParser  # libyaml's scanner and parser: ~4x faster loads than PyYAML's own
+else:
+    class _Events(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser):  # type: ignore[no-redef]
+        def __init__(self, text: str):
+            yaml.reader.Reader.__init__(self, text)
+            yaml.scanner.Scanner.__init__(self)
+            yaml.parser.Parser.__init__(self)
+
+
+class _Loader(yaml.composer.Composer, _Events, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    """A safe loader that bounds nesting and alias expansion and reports duplicate keys, all located."""
+
+    def __init__(self, text: str):
+        _Events.__init__(self, text)
+        yaml.composer.Composer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
+        self.loc: list = []  # key path of the node being composed (None while composing a key)
+        self.sizes: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
+        self.aliased = 0
+        self.duplicates: list[Problem] = []
+        self.root: yaml.Node | None = None
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        loc = self.loc + [_key(index)]
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._count_alias(event, loc)
+            return super().compose_node(parent, index)
+        if len(loc) > MAX_DEPTH:
+            raise _Refused(Problem(_render(loc), f"nesting is deeper than {MAX_DEPTH} levels",
+                                   "flatten it: a graph spec needs only a few levels", *_mark(event.start_mark)))
+        self.loc = loc
+        node = super().compose_node(parent, index)
+        self.loc = loc[:-1]
+        if isinstance(node, yaml.MappingNode):
+            self._check_duplicates(node, loc)
+            children = [c for pair in node.value for c in pair]
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+        self.sizes[id(node)] = 1 + sum(self.sizes[id(c)] for c in children)
+        return node
+
+    def _count_alias(self, event: yaml.AliasEvent, loc: list) -> None:
+        node = self.anchors.get(event.anchor)
+        if node is None:
+            return  # the composer reports the undefined alias
+        size = self.sizes.get(id(node))
+        where = (_render(loc), *_mark(event.start_mark))
+        if size is None:
+            raise _Refused(Problem(where[0], f"alias *{event.anchor} refers to a node that contains it",
+                                   "write the value out: a spec cannot contain itself", *where[1:]))
+        self.aliased += size
+        if self.aliased > ALIAS_BUDGET:
+            raise _Refused(Problem(where[0], f"aliases expand to more than {ALIAS_BUDGET} YAML nodes",
+                                   "write the values out instead of nesting anchors and aliases", *where[1:]))
+
+    def _check_duplicates(self, node: yaml.MappingNode, loc: list) -> None:
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key.tag, key.value), key)
+            if first is not key:
+                self.duplicates.append(Problem(
+                    _render(loc + [key.value]), f"duplicate key {shorten(key.value)!r} "
+                    f"(first at line {first.start_mark.line + 1})",
+                    "keep one of them: YAML would silently use only the last", *_mark(key.start_mark)))
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> object:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:  # e.g. a 5000-digit integer, a timestamp for 2024-13-45
+            loc = _path_to(self.root, node) if self.root is not None else []
+            raise _Refused(Problem(_render(loc), f"cannot read value {shorten(str(node.value))!r}: {exc}",
+                                   "write a plain value (quote it to make it a string)",
+                                   *_mark(node.start_mark))) from None
+
+
+def _load_yaml(text: str, file: str | None) -> tuple[yaml.Node | None, object]:
+    """Compose and construct one YAML document; every refusal becomes a located SpecError."""
+    loader = None
+    try:
+        loader = _Loader(text)
+        root = loader.root = loader.get_single_node()
+        if loader.duplicates:
+            raise SpecError(loader.duplicates, file)
+        return root, loader.construct_document(root) if root is not None else None
+    except _Refused as exc:
+        raise SpecError([exc.problem], file) from None
+    except UnicodeEncodeError as exc:  # a str from Python holding a lone surrogate (no file can)
+        raise SpecError([Problem("", f"the text holds a lone surrogate U+{ord(text[exc.start]):04X}",
+                                 "remove it (it is not a character)", *_end_of(text[:exc.start]))], file) from None
+    except yaml.reader.ReaderError as exc:
+        # libyaml counts bytes, PyYAML characters
+        before = text.encode()[:exc.position].decode(errors="ignore") if yaml.__with_libyaml__ else text[:exc.position]
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise SpecError([Problem("", f"YAML cannot hold the character U+{char:04X}",
+                                 "remove it (control characters are not allowed)", *_end_of(before))], file) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, col = _mark(mark) if mark else (1, 1)
+        msg = getattr(exc, "problem", None) or str(exc)
+        path = _render(loader.loc) if loader is not None else ""
+        raise SpecError([Problem(path, f"YAML syntax: {msg}", "fix the YAML syntax at that position", line, col)],
+                        file) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _decode(data: bytes, file: str | None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError([Problem("", f"the file is not UTF-8 text (byte 0x{data[exc.start]:02x})", "save it as UTF-8",
+                                 *_end_of(data[:exc.start].decode()))], file) from None
+
+
+def _end_of(before: str) -> tuple[int, int]:
+    """line, column (1-based) just after the text `before`."""
+    return before.count("\n") + 1, len(before) - before.rfind("\n")
+
+
+def _mark(mark: yaml.Mark) -> tuple[int, int]:
+    return mark.line + 1, mark.column + 1
+
+
+def _key(index: object) -> object:
+    """The path part of a node the composer is at: a key's text, a list index, or None for a key itself."""
+    if isinstance(index, yaml.ScalarNode):
+        return index.value
+    return "?" if isinstance(index, yaml.Node) else index
+
+
+def _render(loc: list) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{shorten(str(p))}" for p in loc if p is not None).lstrip(".")
+
+
+def _path_to(root: yaml.Node, target: yaml.Node) -> list:
+    """The key path from root to target (iterative: only reached on errors)."""
+    stack: list[tuple[yaml.Node, list]] = [(root, [])]
+    seen: set[int] = set()
+    while stack:
+        node, loc = stack.pop()
+        if node is target:
+            return loc
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack += [(k, loc) for k, _ in node.value] + [(v, loc + [_key(k)]) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(v, loc + [i]) for i, v in enumerate(node.value)]
+    return []
+
+
+def problems_from(exc: ValidationError, root: yaml.Node | None = None, prefix: tuple = (),
+                  model: type[BaseModel] | None = None) -> list[Problem]:
+    """Turn pydantic errors into located problems with a suggested fix.
+
+    `prefix` is where the validated value sits in the document, and `model` (when it is not a section of
+    GraphSpec, e.g. a tool kind's options) names the keys allowed at that prefix.
+    """
+    problems, cache = [], {}
     for err in exc.errors(include_url=False):
-        loc = _strip_tag(list(err["loc"])) or _path_in_message(err)
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        loc = [*prefix, *(_strip_tag(list(err["loc"])) or _path_in_message(err))]
         line = col = None
-        node = _find(root, loc) if root is not None else None
+        node = _find(root, loc, cache) if root is not None else None
         if node is not None:
-            line, col = node.start_mark.line + 1, node.start_mark.column + 1
-        msg, fix = _explain(err, loc)
-        problems.append(Problem(path, msg, fix, line, col))
+            line, col = _mark(node.start_mark)
+        allowed = sorted(model.model_fields) if model is not None and len(loc) == len(prefix) + 1 else None
+        msg, fix = _explain(err, loc, allowed)
+        problems.append(Problem(_render(loc), msg, fix, line, col))
     return problems
 
 
@@ -79,18 +271,56 @@ def _strip_tag(loc: list) -> list:
     return loc
 
 
-def _find(node: yaml.Node | None, loc: list) -> yaml.Node | None:
-    """Walk the composed YAML tree along a key path; return the deepest node found."""
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = next(((k, v) for k, v in node.value if k.value == str(part)), None)
-            if nxt is None:
+_Keys = dict[int, dict[str, tuple[yaml.Node, yaml.Node]]]  # id(mapping node) -> key text -> (key, value) nodes
+
+
+def _keys(node: yaml.Node | None, cache: _Keys) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """A mapping node's entries by key text, built once per node (so locating N problems stays linear)."""
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    if id(node) not in cache:
+        table = cache[id(node)] = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                table.setdefault(k.value, (k, v))
+    return cache[id(node)]
+
+
+def _split_path(path: str, root: yaml.Node, cache: _Keys) -> list:
+    """A rendered key path back to its parts, matching mapping keys that contain dots (`nodes.a.b.merge`)."""
+    loc: list = []
+    node: yaml.Node | None = root
+    rest = path
+    while rest:
+        if rest[0] == "[":
+            text, _, rest = rest[1:].partition("]")
+            part: object = int(text) if text.isdigit() else text
+            ok = isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+            node = node.value[part] if ok else None
+        else:
+            table = _keys(node, cache)
+            cuts = [i for i, ch in enumerate(rest) if ch in ".["]
+            first = rest[:min(cuts, default=len(rest))]
+            part = next((rest[:i] for i in [len(rest), *reversed(cuts)] if rest[:i] in table), first)
+            rest = rest[len(part):]
+            node = table[part][1] if part in table else None
+        loc.append(part)
+        rest = rest.removeprefix(".")
+    return loc
+
+
+def _find(node: yaml.Node | None, loc: list, cache: _Keys) -> yaml.Node | None:
+    """Walk the composed YAML tree along a key path; return the deepest node found (a mapping key for the last)."""
+    for i, part in enumerate(loc):
+        if isinstance(node, yaml.SequenceNode):
+            if not (isinstance(part, int) and 0 <= part < len(node.value)):
                 return node
-            node = nxt[1] if part != loc[-1] else nxt[0]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]
         else:
-            return node
+            pair = _keys(node, cache).get(str(part))
+            if pair is None:
+                return node
+            node = pair[0] if i == len(loc) - 1 else pair[1]
     return node
 
 
@@ -110,14 +340,14 @@ def _fields_at(loc: list) -> list[str]:
     return sorted({f for m in table.get(key, ()) for f in m.model_fields})
 
 
-def _explain(err: dict, loc: list) -> tuple[str, str]:
+def _explain(err: dict, loc: list, allowed: list[str] | None = None) -> tuple[str, str]:
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         key = str(loc[-1])
-        allowed = _fields_at(loc[:-1])
-        close = difflib.get_close_matches(key, allowed, n=1)
-        fix = f"did you mean {close[0]!r}?" if close else f"remove it; allowed keys: {', '.join(allowed)}"
-        return f"unknown key {key!r}", fix
+        allowed = _fields_at(loc[:-1]) if allowed is None else allowed
+        close = difflib.get_close_matches(key, allowed, n=1) if len(key) <= 100 else []
+        fix = f"did you mean {close[0]!r}?" if close else f"remove it; allowed keys: {', '.join(allowed) or 'none'}"
+        return f"unknown key {shorten(key)!r}", fix
     if kind == "missing":
         return "required key is missing", f"add `{loc[-1]}:`"
     if kind == "union_tag_invalid" or kind == "union_tag_not_found":

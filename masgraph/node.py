@@ -21,6 +21,14 @@ class NodeOutput:
     tool: ToolCall | None = None
     parse_error: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    no_result: bool = False
+    """Set when `text` is not a usable result although nothing failed (e.g. a tool that printed nothing)."""
+
+    @property
+    def has_result(self) -> bool:
+        """A usable result: not `no_result`, no parse error, no failed tool call, some text (merges rank it first)."""
+        failed_tool = self.tool is not None and self.tool.error is not None
+        return not (self.no_result or self.parse_error or failed_tool or not self.text.strip())
 
 
 Generate = Callable[[list[dict[str, str]]], Awaitable[Any]]  # messages -> backends.base.Completion
@@ -36,7 +44,8 @@ class NodeContext:
     query: str
     turn: int
     inputs: list[tuple[str, NodeOutput]]
-    """(source node, its output) for each edge that fired into this node in the previous step."""
+    """(source node, its output) for each edge that fired into this node since it last ran, in arrival order
+    (a fan-in node waits until none of its branches is still live)."""
     merged: str
     """The inputs merged by the node's declared rule (or the single input's text)."""
     memory: ActionLog
@@ -50,4 +59,5 @@ class NodeContext:
         return self.spec.nodes[self.node]
 
 
-Agent = Callable[[NodeContext], Awaitable[NodeOutput]]
+Agent = Callable[[NodeContext], Awaitable[NodeOutput] | NodeOutput]
+"""A node body: preferably `async def`; a plain `def` is run in a worker thread by the scheduler."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from masgraph.store import read_jsonl
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -15,7 +16,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.ticker
 
     run_dir = Path(run_dir)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")  # a cut last line (killed run) is left out
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     train = [r for r in rows if "reward/mean" in r]
     steps, rewards = [r["step"] for r in train], [r["reward/mean"] for r in train]

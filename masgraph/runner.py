@@ -13,11 +13,12 @@ from typing import Any
 from masgraph.agents.registry import resolve_agents
 from masgraph.agents.tools.registry import build_tools
 from masgraph.backends import Backend, make_backend
+from masgraph.errors import MasgraphError
 from masgraph.graph import Graph
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.store import RunStore, new_run_dir
 from masgraph.tasks import Item, Task
-from masgraph.trace import Sink, Trace
+from masgraph.trace import ListSink, Sink, Trace
 
 
 @dataclass
@@ -67,10 +68,18 @@ class Runner:
         self.tools = build_tools(spec.tools)
         self.backends: dict[tuple, Backend] = {}
         self.policies: dict[str, Policy] = {}
+        self.last_result: RunResult | None = None
+        """The latest run's result, set also when that run was cancelled (its summary counts what finished)."""
         for name, pol in spec.policies.items():
+            if pol.backend == "scripted" and "scripted" not in (backends or {}):
+                raise MasgraphError(
+                    f"policy {name!r} uses `backend: scripted`, which replays canned replies for tests and has none "
+                    "in a graph file; serve it with `backend: hf` (a local model) or `backend: litellm` (a server), "
+                    "or run the graph from Python with Runner(graph, backends={'scripted': ScriptedBackend(...)})")
             key = (pol.backend, pol.model, pol.api_base)
             if key not in self.backends:
-                self.backends[key] = (backends or {}).get(pol.backend) or make_backend(pol, **self._options(pol.backend))
+                given = (backends or {}).get(pol.backend)
+                self.backends[key] = given or make_backend(pol, **self._options(pol.backend))
             backend = self.backends[key]
             if pol.adapter and hasattr(backend, "add_adapter") and pol.adapter not in getattr(backend, "versions", {}):
                 backend.add_adapter(pol.adapter)
@@ -100,10 +109,12 @@ class Runner:
 
     async def run_items(self, task: Task, items: list[Item], sinks: Sequence[Sink] = (),
                         store: bool = True) -> RunResult:
-        """Run items × samples; store the run directory unless store=False."""
+        """Run items × samples; store the run directory unless store=False. When the run is cancelled, the
+        summary (summary.json, and `last_result`) still counts every episode that finished."""
         by_id = {it.id: it for it in items}
+        finished = ListSink()  # the traces that ended, also when the run is cancelled before gather returns
+        all_sinks: list[Sink] = [*sinks, finished]
         run_store = None
-        all_sinks = list(sinks)
         if store:
             run_store = RunStore(new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
@@ -114,16 +125,19 @@ class Runner:
         traces: list[Trace] = []
         interrupted = False
         try:
-            traces = await sched.run(episodes)
+            traces = await sched.run(episodes)  # in input order
         except BaseException:
             interrupted = True
             raise
         finally:
-            summary = summarize(traces) | {"task": task.name, "graph": self.graph.spec.name,
-                                           "interrupted": interrupted, "sink_errors": sched.sink_errors}
+            traces = traces or finished.traces
+            summary = summarize(traces, planned=len(episodes)) | {
+                "task": task.name, "graph": self.graph.spec.name, "interrupted": interrupted,
+                "sink_errors": sched.sink_errors}
             if run_store is not None:
                 run_store.close(summary)
-        return RunResult(traces, summary, run_store.path if run_store else None)
+            self.last_result = RunResult(traces, summary, run_store.path if run_store else None)
+        return self.last_result
 
     async def run_task(self, task: Task, sinks: Sequence[Sink] = (), store: bool = True) -> RunResult:
         items = task.items(self.config.split, self.config.n, self.config.seed)
@@ -140,21 +154,25 @@ def mean(values: Any) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def summarize(traces: list[Trace]) -> dict[str, Any]:
-    """Accuracy (reward ≥ 0.5 counts as correct), mean reward, turns, tokens, failures by kind."""
-    if not traces:
-        return {"episodes": 0}
-    rewards = [t.reward or 0.0 for t in traces]
-    steps = [s for t in traces for s in t.steps]
-    return {
-        "episodes": len(traces),
+def summarize(traces: list[Trace], planned: int | None = None) -> dict[str, Any]:
+    """Accuracy (reward ≥ 0.5 counts as correct), mean reward, turns, tokens, failures by kind, over the episodes
+    that finished; `cancelled` counts the rest of `planned` (in flight or not started when the run stopped)."""
+    done = [t for t in traces if t.status != "cancelled"]
+    planned = len(traces) if planned is None else planned
+    out: dict[str, Any] = {"episodes": len(done), "cancelled": planned - len(done)}
+    if not done:
+        return out
+    rewards = [t.reward or 0.0 for t in done]
+    steps = [s for t in done for s in t.steps]
+    tools = [s.tool for s in steps if s.tool]
+    return out | {
         "accuracy": mean(r >= 0.5 for r in rewards),
         "reward_mean": mean(rewards),
-        "turns_mean": mean(t.turns for t in traces),
-        "completion_tokens_mean": mean(t.completion_tokens for t in traces),
-        "llm_calls_mean": mean(len(t.llm_calls) for t in traces),
-        "status": {s: sum(t.status == s for t in traces) for s in ("ok", "error", "timeout", "cancelled")},
-        "parse_error_rate": mean(s.parse_error is not None for s in steps) if steps else 0.0,
-        "tool_error_rate": mean(s.tool.error is not None for s in steps if s.tool) if any(s.tool for s in steps) else 0.0,
-        "duration_s_mean": mean(t.duration_s for t in traces),
+        "turns_mean": mean(t.turns for t in done),
+        "completion_tokens_mean": mean(t.completion_tokens for t in done),
+        "llm_calls_mean": mean(len(t.llm_calls) for t in done),
+        "status": {s: sum(t.status == s for t in done) for s in ("ok", "error", "timeout")},
+        "parse_error_rate": mean(s.parse_error is not None for s in steps),
+        "tool_error_rate": mean(tool.error is not None for tool in tools),
+        "duration_s_mean": mean(t.duration_s for t in done),
     }

@@ -4,12 +4,15 @@ episodes at once. It emits typed events to sinks and knows nothing of training, 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import networkx as nx
 
 from masgraph.backends.base import Backend, Request
 from masgraph.graph import Graph
@@ -42,8 +45,15 @@ class _StepFailed(Exception):
     pass
 
 
+_Frontier = dict[str, list[tuple[str, NodeOutput]]]
+"""Nodes ready this superstep -> the (source, output) inputs they have received, in plan order."""
+
+
 class Scheduler:
-    """Runs episodes of a compiled graph concurrently.
+    """Runs episodes of a compiled graph concurrently, one superstep (all ready nodes) at a time.
+
+    A fan-in node waits until none of its branches is still live, then runs once on all their inputs;
+    branches that died (no edge fired) are not waited for.
 
     Example:
         >>> sched = Scheduler(graph, agents, policies, tools={}, sinks=[ListSink()], concurrency=16)
@@ -53,12 +63,14 @@ class Scheduler:
     def __init__(self, graph: Graph, agents: dict[str, Agent], policies: dict[str, Policy],
                  tools: dict[str, ToolFn], sinks: Sequence[Sink] = (), concurrency: int = 8, seed: int = 0,
                  score: Callable[[EpisodeInput, Trace], float] | None = None):
-        self.graph, self.agents, self.policies, self.tools = graph, agents, policies, tools
+        self.graph, self.policies, self.tools = graph, policies, tools
+        self.agents = {name: _as_async(agent) for name, agent in agents.items()}
         self.sinks, self.concurrency, self.seed, self.score = list(sinks), concurrency, seed, score
         self._spec = graph.spec
         self._out_edges = {n: graph.out_edges(n) for n in self._spec.nodes}
         self._node_tools = {n: {t: tools[t] for t in (getattr(s, "tools", None) or tools) if t in tools}
                             for n, s in self._spec.nodes.items()}
+        self._waits_for = _live_branch_sources(graph)
         self.sink_errors = 0
         """Events a sink failed to take (counted, never fatal)."""
 
@@ -111,21 +123,22 @@ class Scheduler:
         spec, limits = self._spec, self._spec.limits
         memory = ActionLog(spec.memory.max_actions, spec.memory.max_result_chars)
         runs: Counter[str] = Counter()
-        frontier: dict[str, list[tuple[str, NodeOutput]]] = {spec.entry: []}
+        frontier: _Frontier = {spec.entry: []}
         while frontier:
-            for node in frontier:
+            ready, waiting = self._plan(frontier)
+            for node in ready:
                 if node in self.graph.cycle_of and runs[node] >= (limits.max_turns or 1):
                     raise _StepFailed(f"node {node!r} would exceed max_turns={limits.max_turns}")
-            if len(trace.steps) + len(frontier) > limits.max_steps:
+            if len(trace.steps) + len(ready) > limits.max_steps:
                 raise _StepFailed(f"episode exceeded max_steps={limits.max_steps}")
-            for node in frontier:
+            for node in ready:
                 runs[node] += 1
-            if len(frontier) == 1:
-                [(node, inputs)] = frontier.items()
+            if len(ready) == 1:
+                [(node, inputs)] = ready.items()
                 results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
             else:
                 results = await asyncio.gather(*(self._step(ep, trace, index, n, runs[n], inp, memory)
-                                                 for n, inp in frontier.items()))
+                                                 for n, inp in ready.items()))
             for _, _, step in results:  # recorded in plan order, so traces do not depend on timing
                 step.index = len(trace.steps)
                 trace.steps.append(step)
@@ -133,7 +146,7 @@ class Scheduler:
             failed = next((s for _, _, s in results if s.error is not None), None)
             if failed is not None:
                 raise _StepFailed(f"node {failed.node!r} failed after {failed.attempts} attempt(s): {failed.error}")
-            nxt: dict[str, list[tuple[str, NodeOutput]]] = {}
+            nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
             for node, out, step in results:
                 if node == spec.exit:
                     trace.answer = out.answer if out.answer is not None else out.text
@@ -142,6 +155,17 @@ class Scheduler:
                     nxt.setdefault(edge.target, []).append((node, out))
             frontier = nxt
         raise _StepFailed("no edge fired and the exit node was not reached")
+
+    def _plan(self, frontier: _Frontier) -> tuple[_Frontier, _Frontier]:
+        """Split the frontier into the nodes to run now and the fan-in nodes that wait: those that another
+        frontier node can still reach (a live branch). One always runs: the graph minus back edges is a DAG."""
+        if len(frontier) == 1 or not self._waits_for:
+            return frontier, {}
+        waiting = {n: inputs for n, inputs in frontier.items()
+                   if n in self._waits_for and not self._waits_for[n].isdisjoint(frontier)}
+        if not waiting:
+            return frontier, {}
+        return {n: inputs for n, inputs in frontier.items() if n not in waiting}, waiting
 
     def _route(self, node: str, out: NodeOutput, turn: int, step: Step) -> list[EdgeSpec]:
         edges = self._out_edges[node]
@@ -195,6 +219,7 @@ class Scheduler:
             calls.append(LLMCall(
                 policy=policy_name, adapter=policy.spec.adapter, policy_version=c.policy_version,
                 prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
+                temperature=req.sampling.temperature, top_p=req.sampling.top_p,
                 finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated,
                 latency_s=time.perf_counter() - t0))
             return c
@@ -210,12 +235,63 @@ class Scheduler:
 
 
 def _merge(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> str:
-    """Merge parallel inputs: concat (labelled), vote (most common answer), first."""
+    """Merge parallel inputs, real results over non-results (failed tool, parse error, nothing printed):
+    first (the first real result), vote (most common answer among the real results, if any), concat
+    (labelled, real results last: the embedded model copies what comes last)."""
     if not inputs:
         return ""
-    if len(inputs) == 1 or rule == "first":
+    if len(inputs) == 1:
         return inputs[0][1].text
+    results = [(src, o) for src, o in inputs if o.has_result]
+    if rule == "first":
+        return (results or inputs)[0][1].text
     if rule == "vote":
-        votes = Counter((o.answer or o.text).strip() for _, o in inputs)
+        votes = Counter((o.answer or o.text).strip() for _, o in results or inputs)
         return votes.most_common(1)[0][0]
-    return "\n\n".join(f"[{src}]\n{o.text}" for src, o in inputs)
+    others = [(src, o) for src, o in inputs if not o.has_result]
+    return "\n\n".join(f"[{src}]\n{o.text}" for src, o in others + results)
+
+
+def _as_async(agent: Agent) -> Agent:
+    """A plain `def` agent runs in a worker thread, so it neither stalls other episodes nor escapes its
+    node timeout (on timeout the thread is abandoned: Python cannot stop it, it finishes in the background)."""
+    if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__):
+        return agent
+
+    async def threaded(ctx: NodeContext) -> NodeOutput:
+        out = await asyncio.to_thread(agent, ctx)
+        return await out if inspect.isawaitable(out) else out  # a def that returns a coroutine
+    return threaded
+
+
+def _live_branch_sources(graph: Graph) -> dict[str, frozenset[str]]:
+    """Fan-in node -> the nodes that can still feed it in the same pass: its ancestors once each loop's back
+    edge is cut, so a join inside a loop never waits for its own next turn. Computed once per scheduler."""
+    spec = graph.spec
+    fan_in = [n for n in spec.nodes if len({e.source for e in graph.in_edges(n) if e.source != n}) > 1]
+    if not fan_in:
+        return {}
+    back = _back_edges(spec.entry, graph.nx)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(spec.nodes)
+    dag.add_edges_from((e.source, e.target) for e in spec.edges if (e.source, e.target) not in back)
+    return {n: frozenset(nx.ancestors(dag, n)) for n in fan_in}
+
+
+def _back_edges(entry: str, g: nx.MultiDiGraph) -> set[tuple[str, str]]:
+    """Edges into a node still on the depth-first stack from the entry (in edge order): the loops' back edges."""
+    on_stack, done, back = {entry}, set(), set()
+    stack = [(entry, iter(g.successors(entry)))]
+    while stack:
+        node, succ = stack[-1]
+        nxt = next(succ, None)
+        if nxt is None:
+            stack.pop()
+            on_stack.discard(node)
+            done.add(node)
+        elif nxt in on_stack:
+            back.add((node, nxt))
+        elif nxt not in done:
+            on_stack.add(nxt)
+            stack.append((nxt, iter(g.successors(nxt))))
+    return back

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from masgraph.errors import one_of, shorten
 from masgraph.trainers.config import FlowGRPOConfig
 
 SCHEMA_VERSION = 1
@@ -38,7 +39,7 @@ class PolicySpec(_Strict):
     trainable: bool = False
     """Whether RL trainers update this policy (needs a backend that returns token ids and logprobs)."""
     api_base: str | None = None
-    """Base URL of an OpenAI-compatible server (litellm / vllm backends)."""
+    """Base URL of an OpenAI-compatible server (litellm backend)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling parameters."""
 
@@ -232,27 +233,27 @@ class GraphSpec(_Strict):
             raise ValueError("`nodes` is empty: declare at least one node")
         for key in ("entry", "exit"):
             if getattr(self, key) not in names:
-                raise ValueError(f"{key} {getattr(self, key)!r} is not a node; use one of {sorted(names)}")
+                raise ValueError(f"{key} {shorten(getattr(self, key))!r} is not a node; use one of {one_of(names)}")
         for i, e in enumerate(self.edges):
             for end in ("source", "target"):
                 if getattr(e, end) not in names:
                     raise ValueError(
-                        f"edges[{i}].{end} {getattr(e, end)!r} is not a node; use one of {sorted(names)}"
+                        f"edges[{i}].{end} {shorten(getattr(e, end))!r} is not a node; use one of {one_of(names)}"
                     )
         for name, node in self.nodes.items():
             if node.policy is None and node.role in NEEDS_POLICY:
-                raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {sorted(self.policies)})")
+                raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {one_of(self.policies)})")
             if node.policy is not None and node.policy not in self.policies:
                 raise ValueError(
-                    f"nodes.{name}.policy {node.policy!r} is not declared; add it under `policies:` "
-                    f"or use one of {sorted(self.policies)}"
+                    f"nodes.{name}.policy {shorten(node.policy)!r} is not declared; add it under `policies:` "
+                    f"or use one of {one_of(self.policies)}"
                 )
             if node.role == "custom" and not node.agent:
                 raise ValueError(f"nodes.{name}: a custom node needs `agent:` (a name registered with register_agent)")
             for tool in getattr(node, "tools", None) or []:
                 if tool not in self.tools:
                     raise ValueError(
-                        f"nodes.{name}.tools: {tool!r} is not declared; add it under `tools:` "
-                        f"or use one of {sorted(self.tools)}"
+                        f"nodes.{name}.tools: {shorten(tool)!r} is not declared; add it under `tools:` "
+                        f"or use one of {one_of(self.tools)}"
                     )
         return self

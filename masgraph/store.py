@@ -64,7 +64,11 @@ class RunStore:
         _atomic_write(self.path / "config.json", json.dumps(
             {"config": config, "versions": package_versions(), "argv": sys.argv,
              "event_schema_version": EVENT_SCHEMA_VERSION}, indent=2, default=str))
-        self._events = open(self.path / "events.jsonl", "a", encoding="utf-8")
+        events = self.path / "events.jsonl"
+        cut = _is_cut(events)
+        self._events = open(events, "a", encoding="utf-8", newline="\n")
+        if cut:  # a killed run left half a line: end it, or the first new event would be glued onto it
+            self._events.write("\n")
 
     def emit(self, event: Event) -> None:
         if isinstance(event, StepFinished):
@@ -79,17 +83,60 @@ class RunStore:
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, default=str))
 
 
-def read_traces(path: str | Path) -> Iterator[Trace]:
-    """Finished episodes of a run directory (or an events.jsonl file), in the order they ended."""
+def read_traces(path: str | Path, bad_lines: list[int] | None = None) -> Iterator[Trace]:
+    """Finished episodes of a run directory (or an events.jsonl file), in the order they ended. A line that is
+    not a valid event (one cut by a killed run) is skipped and its 1-based number appended to `bad_lines`."""
     path = Path(path)
-    file = path / "events.jsonl" if path.is_dir() else path
-    with open(file, encoding="utf-8") as f:
-        for raw in f:
-            if not raw.endswith("\n"):
-                break  # a line still being written
-            rec = json.loads(raw)
-            if rec.get("kind") == "episode_finished":
-                yield Trace.model_validate(rec["trace"])
+    for number, rec in _numbered_records(path / "events.jsonl" if path.is_dir() else path):
+        if rec is not None and rec.get("kind") != "episode_finished":
+            continue
+        trace = _trace(rec)
+        if trace is not None:
+            yield trace
+        elif bad_lines is not None:
+            bad_lines.append(number)
+
+
+def read_jsonl(path: str | Path, bad_lines: list[int] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file (metrics.jsonl, events.jsonl). Bad lines are skipped and their numbers
+    appended to `bad_lines`; a last line without its newline is still being written (or was cut) and is left out."""
+    out = []
+    for number, rec in _numbered_records(Path(path)):
+        if rec is not None:
+            out.append(rec)
+        elif bad_lines is not None:
+            bad_lines.append(number)
+    return out
+
+
+def _numbered_records(file: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, JSON object or None when the line is not one), splitting on b"\\n" only: model text may hold
+    U+2028 or U+0085, which str.splitlines also splits on."""
+    with open(file, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                return  # a line still being written
+            try:
+                rec = json.loads(raw)
+            except ValueError:  # also UnicodeDecodeError
+                rec = None
+            yield number, rec if isinstance(rec, dict) else None
+
+
+def _trace(rec: dict[str, Any] | None) -> Trace | None:
+    try:
+        return Trace.model_validate(rec["trace"]) if rec is not None else None
+    except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def _is_cut(file: Path) -> bool:
+    """Whether a file ends in half a line (its writer was killed mid-write)."""
+    if not file.exists() or file.stat().st_size == 0:
+        return False
+    with open(file, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _line(event: Event) -> str:

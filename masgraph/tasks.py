@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from importlib.resources import files
@@ -47,9 +49,9 @@ class Task:
         raise NotImplementedError
 
     def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
-        """n items of a split ('train' | 'test'); test never repeats a train question."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        """n items of a split ('train' | 'test'). A user task's test items are kept out of the first
+        max(4n, 256) train questions; built-in tasks (`PartitionedTask`) are disjoint by construction."""
+        _check_split(split)
         if split == "train":
             return self.generate("train", n, seed)
         train = {it.question for it in self.generate("train", max(4 * n, 256), seed)}
@@ -65,6 +67,38 @@ class Task:
     def reward(self, item: Item, trace: Trace) -> float:
         """Outcome reward in [0, 1]: the trace's final answer scored against the item."""
         return 0.0 if trace.answer is None else max(0.0, min(1.0, float(self.score(item, trace.answer))))
+
+
+TEST_BUCKETS = 5
+"""A question is a test question when its hash falls in bucket 0 of TEST_BUCKETS (about 20 % of the item space)."""
+
+
+def is_test_question(question: str) -> bool:
+    """The fixed train/test partition of every built-in task's item space, by a hash of the question text."""
+    return _digest(question) % TEST_BUCKETS == 0
+
+
+def split_seed(task: str, split: str, seed: int) -> int:
+    """The generator seed of one (task, split, seed): a hash, so different seeds give independent item streams."""
+    return _digest(f"{task}|{split}|{seed}") % 2**30
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+
+
+class PartitionedTask(Task):
+    """A task whose `generate` partitions the item space itself (reasoning-gym tasks by `is_test_question`), so
+    no test question can ever be a train question, for any seeds."""
+
+    def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
+        _check_split(split)
+        return self.generate(split, n, seed)
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -84,23 +118,53 @@ def get_task(name: str) -> Task:
 
 
 def load_task_file(ref: str) -> Task:
-    """A user Task subclass from `path/to/file.py:ClassName`."""
+    """A user Task subclass from `path/to/file.py:ClassName`; every way it can fail is a MasgraphError."""
     import importlib.util
 
     path, _, cls_name = ref.rpartition(":")
+    if not path or not cls_name:
+        raise MasgraphError(f"task {ref!r}: expected FILE.py:ClassName, e.g. mytasks.py:MyTask")
+    if not Path(path).is_file():
+        raise MasgraphError(f"task file {path!r} not found; pass an existing FILE.py:ClassName")
     spec = importlib.util.spec_from_file_location(f"masgraph_user_task_{Path(path).stem}", path)
-    if not Path(path).is_file() or spec is None or spec.loader is None:
-        raise MasgraphError(f"task file {path!r} not found (expected FILE.py:ClassName)")
+    if spec is None or spec.loader is None:
+        raise MasgraphError(f"task file {path!r} is not a Python module; pass a .py file as FILE.py:ClassName")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses and pickling look a class's module up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: report where it failed, not our traceback
+        del sys.modules[spec.name]
+        raise MasgraphError(f"task file {path!r} failed to import: {type(exc).__name__}: {exc}{_where(exc, path)}; "
+                            f"fix the file (run `python {path}` to see the full traceback)") from exc
     cls = getattr(module, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise MasgraphError(f"{ref}: {cls_name!r} is not a masgraph.tasks.Task subclass in {path}")
-    return cls()
+        what = ("it is not defined there" if cls is None else "it is not a class" if not isinstance(cls, type)
+                else "the class does not subclass Task")
+        found = [k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Task) and v is not Task]
+        fix = f"name one of: {', '.join(found)}" if found else "subclass Task and implement generate() and score()"
+        raise MasgraphError(f"{ref}: {cls_name!r} is not a masgraph.tasks.Task subclass in {path} ({what}); {fix}")
+    try:
+        return cls()
+    except Exception as exc:
+        raise MasgraphError(f"{ref}: {cls_name}() failed: {type(exc).__name__}: {exc}") from exc
 
 
-class ReasoningGymTask(Task):
-    """A reasoning-gym dataset; splits use different seeds (test offset by 10_000) and are de-duplicated."""
+def _where(exc: BaseException, path: str) -> str:
+    """' (line N)' of the innermost traceback frame in the user's file, if any."""
+    tb, line = exc.__traceback__, None
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).resolve() == Path(path).resolve():
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None and isinstance(exc, SyntaxError) and exc.lineno:
+        line = exc.lineno
+    return f" (line {line})" if line else ""
+
+
+class ReasoningGymTask(PartitionedTask):
+    """A reasoning-gym dataset. Each (split, seed) reads its own stream (seeded by `split_seed`) and keeps the
+    entries of its side of the `is_test_question` partition."""
 
     dataset: ClassVar[str] = ""
     config: ClassVar[dict[str, Any]] = {}
@@ -108,10 +172,19 @@ class ReasoningGymTask(Task):
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         import reasoning_gym
 
-        ds_seed = seed + (10_000 if split == "test" else 0)
-        ds = reasoning_gym.create_dataset(self.dataset, size=n, seed=ds_seed, **self.config)
-        return [Item(f"{self.name}-{split}-{ds_seed}-{i}", e["question"], str(e["answer"]), {"entry": e})
-                for i, e in enumerate(ds)]
+        ds_seed = split_seed(self.name, split, seed)
+        # entries are made on demand (entry i from Random(ds_seed + i)); the size only bounds the search
+        ds = reasoning_gym.create_dataset(self.dataset, size=20 * n + 200, seed=ds_seed, **self.config)
+        want_test = split == "test"
+        out: list[Item] = []
+        for i in range(len(ds)):
+            entry = ds[i]
+            if is_test_question(entry["question"]) == want_test:
+                out.append(Item(f"{self.name}-{split}-{ds_seed}-{i}", entry["question"], str(entry["answer"]),
+                                {"entry": entry}))
+                if len(out) == n:
+                    break
+        return out
 
     def score(self, item: Item, answer: str) -> float:
         return float(self._scorer.score_answer(answer, item.meta["entry"]))
@@ -161,8 +234,9 @@ class GsmSymbolic(ReasoningGymTask):
 
 
 @register_task
-class Lookup(Task):
-    """Two-hop questions over the shipped knowledge base (masgraph/data/kb.jsonl): person -> city -> country."""
+class Lookup(PartitionedTask):
+    """Two-hop questions over the shipped knowledge base (masgraph/data/kb.jsonl): person -> city -> country.
+    Every fifth person is a test person; the KB has 150, so a test split holds at most 30 (seeds reorder them)."""
 
     name = "lookup"
 

@@ -22,7 +22,13 @@ class LLMCall(_Record):
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    """Per-token log-probability of each completion id under the sampling distribution."""
+    """Per-token log-probability of each completion id under softmax(logits / temperature) over the whole
+    vocabulary: temperature-scaled but NOT top-p truncated (so it is exactly recomputable from the logits);
+    for a greedy call (temperature 0) under the raw softmax(logits), i.e. temperature 1."""
+    temperature: float | None = None
+    """Sampling temperature of the call (0 = greedy); None only in traces recorded before it was recorded."""
+    top_p: float | None = None
+    """Nucleus mass the token was sampled with (it does not enter `logprobs`); None as for `temperature`."""
     text: str
     finish_reason: Literal["stop", "length", "error"] = "stop"
     prompt_truncated: bool = False

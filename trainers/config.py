@@ -41,8 +41,14 @@ class FlowGRPOConfig(BaseModel):
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of trainable policies during training rollouts."""
+    """Sampling temperature of trainable policies during training rollouts (the update recomputes each
+    row's logprobs at the temperature its call was recorded with)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over a step's rollouts; above 1, later passes are off-policy and the PPO clip acts (verl)."""
+    num_mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch: each epoch shuffles the rows (seeded) into this many mini-batches."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping per adapter."""
     micro_batch: int = Field(16, ge=1)
-    """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per pass)."""
+    """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per
+    pass)."""

@@ -4,7 +4,15 @@ One outcome reward per trajectory is broadcast to every turn of every trainable 
 normalised over the G trajectories of a group (each trajectory counted once, not once per turn-row);
 every trainable LLM call is one training row, using the token ids and logprobs recorded at generation;
 the loss is PPO-clip with asymmetric clipping plus k3 KL to the reference (the base model with the
-adapter disabled). Each trainable node's policy has its own LoRA adapter on the shared base.
+adapter disabled). Each trainable node's policy has its own LoRA adapter on the shared base. As in verl,
+`ppo_epochs` passes go over a step's rows, shuffled into `num_mini_batches` mini-batches, one optimizer
+step each; the old logprobs are the recorded ones, so from the second optimizer step on the clip acts.
+
+Sampling parameters: every row's logprobs are recomputed at the temperature its call was recorded with
+(a greedy call's logprobs are the raw logits', i.e. temperature 1). top_p is not part of the probability:
+the backend records the temperature-scaled softmax before nucleus truncation, and the update recomputes
+that same distribution, as verl does for its old and new logprobs. Truncation then only decides which
+tokens get sampled; ratios start at exactly 1 and the policy's full distribution is what is trained.
 
 The math is pure functions below, tested against hand-computed values; `FlowGRPO.update` applies them.
 """
@@ -12,15 +20,19 @@ The math is pure functions below, tested against hand-computed values; `FlowGRPO
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
-from masgraph.trace import Trace
+
+from masgraph.errors import MasgraphError, Problem, SpecError
+from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
-__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "trajectory_rewards", "group_advantages", "ppo_clip_loss", "kl_k3",
-           "row_weights", "aggregate", "sequence_logprobs"]
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "trajectory_rewards",
+           "group_advantages", "ppo_clip_loss", "kl_k3", "row_weights", "aggregate", "sequence_logprobs",
+           "logprob_temperature", "mini_batches"]
 
 
 @dataclass
@@ -36,6 +48,8 @@ class Row:
     old_logprobs: list[float]
     advantage: float
     policy_version: int
+    temperature: float = 1.0
+    """Softmax temperature `old_logprobs` are under (the logprobs are recomputed at it)."""
 
 
 # ---- pure math ---------------------------------------------------------------------------------------
@@ -71,13 +85,31 @@ def row_weights(lengths: list[int], trajs: list[int], mode: str) -> list[float]:
     if mode == "nested":
         rows_in = Counter(trajs)
         return [1.0 / (len(rows_in) * rows_in[t] * n) for n, t in zip(lengths, trajs)]
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+    raise MasgraphError(f"unknown loss aggregation {mode!r}; use 'token-mean' or 'nested'")
 
 
 def aggregate(token_losses: list[torch.Tensor], trajs: list[int], mode: str) -> torch.Tensor:
     """Reduce per-row token losses to one scalar (`row_weights` says how)."""
     weights = row_weights([t.numel() for t in token_losses], trajs, mode)
     return torch.stack([w * t.sum() for w, t in zip(weights, token_losses)]).sum()
+
+
+def mini_batches(n: int, k: int, rng: random.Random) -> list[list[int]]:
+    """Row indices 0..n-1 shuffled by `rng` and cut into at most `k` near-equal non-empty mini-batches, each
+    sorted (so a node's rows stay together in a forward pass)."""
+    order = list(range(n))
+    rng.shuffle(order)
+    cuts = [order[i * n // k:(i + 1) * n // k] for i in range(k)]
+    return [sorted(c) for c in cuts if c]
+
+
+def logprob_temperature(call: LLMCall, config: FlowGRPOConfig) -> float:
+    """The softmax temperature a call's recorded logprobs are under: its sampling temperature, or 1 (the raw
+    logits) for a greedy call. Traces recorded before calls carried a temperature assume `config.temperature`."""
+    t = getattr(call, "temperature", None)
+    if t is None:
+        t = config.temperature
+    return t if t > 0 else 1.0
 
 
 def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int, float]:
@@ -131,7 +163,8 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             for call in step.llm:
                 if call.completion_ids:
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
-                                    call.logprobs, adv[(i, key)], call.policy_version))
+                                    call.logprobs, adv[(i, key)], call.policy_version,
+                                    logprob_temperature(call, config)))
     return rows
 
 
@@ -149,10 +182,9 @@ def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
     return n
 
 
-def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int, temperature: float = 1.0
-                      ) -> list[torch.Tensor]:
-    """Per-token logprobs of each row's completion under `model` (teacher-forced; only the completion
-    positions' logits are computed).
+def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int) -> list[torch.Tensor]:
+    """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced;
+    only the completion positions' logits are computed).
 
     Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
     once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
@@ -178,7 +210,8 @@ def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int, temp
         cache.batch_repeat_interleave(B)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)  # position t predicts token t+1
+    temps = torch.tensor([r.temperature for r in rows])[:, None, None]  # (B, 1, 1)
+    logp = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # position t predicts token t+1
     out = []
     for i, r in enumerate(rows):
         n = len(r.completion_ids)
@@ -201,59 +234,97 @@ class FlowGRPO:
         for node, adapter in trainable.items():
             lr = config.node_lr.get(node, config.lr)
             if lrs.setdefault(adapter, lr) != lr:
-                raise ValueError(f"nodes sharing adapter {adapter!r} were given different learning rates")
+                raise SpecError([Problem(
+                    f"train.flow_grpo.node_lr.{node}", f"nodes sharing adapter {adapter!r} were given different "
+                    f"learning rates ({lrs[adapter]} and {lr})", "give every node of one adapter the same `node_lr`")])
         self.params = {a: [p for n, p in backend.model.named_parameters() if "lora_" in n and f".{a}." in n]
                        for a in lrs}
         for a, ps in self.params.items():
             if not ps:
-                raise ValueError(f"adapter {a!r} has no LoRA parameters on the backend's model")
+                raise MasgraphError(f"adapter {a!r} has no LoRA parameters on the backend's model; add it with "
+                                    f"`backend.add_adapter({a!r})` before building the trainer")
         self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
 
-    def update(self, traces: list[Trace]) -> dict[str, float]:
-        """One optimizer step per adapter on the rows of `traces`; returns metrics (loss, kl, clip fraction)."""
-        cfg, model = self.config, self.backend.model
+    def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
+        """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
+        mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
+        cfg = self.config
         rows = build_rows(traces, self.trainable, cfg)
         metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
         if not rows:
             return metrics | {"loss/total": 0.0}
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
-        n_tok = sum(len(r.completion_ids) for r in rows)
-        n_traj = len({r.traj for r in rows})
+        ref = self._reference_logprobs(rows)
+        rng = random.Random(seed)
+        totals: dict[str, float] = defaultdict(float)
+        grad_norms: dict[str, list[float]] = defaultdict(list)
+        losses = []
+        for _ in range(cfg.ppo_epochs):
+            for batch in mini_batches(len(rows), cfg.num_mini_batches, rng):
+                losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
+                                                   totals, grad_norms))
+        for adapter in grad_norms:
+            self.backend.versions[adapter] = self.backend.versions.get(adapter, 0) + 1  # new policy version
+        n_tok = cfg.ppo_epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
+        return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
+            "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
+            "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok,
+            "optimizer_steps": float(len(losses)), "trajectories": float(len({r.traj for r in rows}))}
+
+    def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Each row's logprobs under the base model (adapters off); fixed for the whole update."""
+        model, out = self.backend.model, [torch.empty(0)] * len(rows)
+        for adapter in sorted({r.adapter for r in rows}):
+            mine = [i for i, r in enumerate(rows) if r.adapter == adapter]
+            for start in range(0, len(mine), self.config.micro_batch):
+                chunk = mine[start:start + self.config.micro_batch]
+                with torch.no_grad(), model.disable_adapter():
+                    for i, lp in zip(chunk, sequence_logprobs(model, [rows[i] for i in chunk], self.backend.pad_id)):
+                        out[i] = lp
+        return out
+
+    def _optimizer_step(self, rows: list[Row], ref: list[torch.Tensor], totals: dict[str, float],
+                        grad_norms: dict[str, list[float]]) -> float:
+        """One optimizer step per adapter on a mini-batch (its loss aggregated over the mini-batch alone);
+        accumulates token statistics into `totals` and returns the mini-batch's loss."""
+        cfg, model = self.config, self.backend.model
         weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.loss_agg)
-        totals = defaultdict(float)
+        adapters = sorted({r.adapter for r in rows})
+        for a in adapters:
+            self.optimizers[a].zero_grad(set_to_none=True)
+        total = 0.0
         model.train()
         try:
-            for adapter in sorted({r.adapter for r in rows}):
-                mine = [(r, w) for r, w in zip(rows, weights) if r.adapter == adapter]
+            for adapter in adapters:
+                mine = [k for k, r in enumerate(rows) if r.adapter == adapter]
+                model.set_adapter(adapter)
                 for start in range(0, len(mine), cfg.micro_batch):
-                    chunk, chunk_w = map(list, zip(*mine[start:start + cfg.micro_batch]))
-                    with torch.no_grad(), model.disable_adapter():
-                        ref = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
-                    model.set_adapter(adapter)
-                    new = sequence_logprobs(model, chunk, self.backend.pad_id, cfg.temperature)
+                    chunk = mine[start:start + cfg.micro_batch]
+                    new = sequence_logprobs(model, [rows[k] for k in chunk], self.backend.pad_id)
                     loss = torch.zeros(())
-                    for r, w, lp, rlp in zip(chunk, chunk_w, new, ref):
-                        old = torch.tensor(r.old_logprobs)
-                        pg = ppo_clip_loss(lp, old, torch.tensor(r.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
-                        kl = kl_k3(lp, rlp)
-                        loss = loss + w * (pg + cfg.kl_coef * kl).sum()
-                        ratio = torch.exp(lp.detach() - old)
-                        totals["clip_frac"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
-                        totals["kl"] += float(kl.detach().sum())
-                        totals["pg"] += float(pg.detach().sum())
+                    for k, lp in zip(chunk, new):
+                        loss = loss + weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
                     loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
-                    totals["loss"] += float(loss.detach())
+                    total += float(loss.detach())
         finally:
             model.eval()
-        for adapter, opt in self.optimizers.items():
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params[adapter], cfg.max_grad_norm)
-            metrics[f"grad_norm/{adapter}"] = float(grad_norm)
-            opt.step()
-            self.backend.versions[adapter] = self.backend.versions.get(adapter, 0) + 1  # new policy version
-        return metrics | {"loss/total": totals["loss"], "loss/policy": totals["pg"] / n_tok,
-                          "kl": totals["kl"] / n_tok, "clip_frac": totals["clip_frac"] / n_tok,
-                          "trajectories": float(n_traj)}
+        for a in adapters:
+            grad_norms[a].append(float(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.max_grad_norm)))
+            self.optimizers[a].step()
+        return total
+
+    def _token_loss(self, row: Row, logp: torch.Tensor, ref: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
+        """Per-token PPO-clip + beta * k3 KL of one row; adds its clip count, KLs and policy loss to `totals`."""
+        cfg = self.config
+        old = torch.tensor(row.old_logprobs)
+        pg = ppo_clip_loss(logp, old, torch.tensor(row.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
+        kl = kl_k3(logp, ref)
+        log_ratio = logp.detach() - old
+        ratio = torch.exp(log_ratio)
+        totals["clip"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
+        totals["approx_kl"] += float((ratio - 1 - log_ratio).sum())  # k3 of KL(old || new), as CleanRL logs it
+        totals["kl"] += float(kl.detach().sum())
+        totals["pg"] += float(pg.detach().sum())
+        return pg + cfg.kl_coef * kl
 
 
 def _mean(xs: list[float]) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from masgraph.errors import MasgraphError
 from masgraph.node import ToolFn
 from masgraph.spec import ToolSpec
 
@@ -39,7 +40,7 @@ class ToolKind:
 TOOL_KINDS: dict[str, ToolKind] = {}
 
 
-class ToolError(Exception):
+class ToolError(MasgraphError):
     """The tool rejected its input or failed; the message is shown to the model."""
 
 
@@ -130,9 +131,12 @@ def describe(specs: dict[str, ToolSpec], names: list[str]) -> str:
 
 
 def _with_timeout(fn: ToolFn, timeout_s: float, name: str) -> ToolFn:
+    """Bound `fn` to `timeout_s` (a ToolError past it); a cancelled caller's cancellation propagates unchanged."""
     async def call(raw: str) -> str:
         try:
-            return await asyncio.wait_for(fn(raw), timeout_s)
-        except asyncio.TimeoutError:
-            raise ToolError(f"{name} timed out after {timeout_s}s") from None
+            async with asyncio.timeout(timeout_s):
+                return await fn(raw)
+        except TimeoutError:
+            raise ToolError(f"{name} timed out after {timeout_s}s; raise tools.{name}.timeout_s if it needs "
+                            "longer") from None
     return call

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from masgraph.backends.base import Backend, BackendError, Completion, Request
+from masgraph.errors import MasgraphError
 from masgraph.spec import PolicySpec
 
 __all__ = ["Backend", "BackendError", "Completion", "Request", "make_backend"]
@@ -18,4 +19,6 @@ def make_backend(policy: PolicySpec, **options: Any) -> Backend:
     if policy.backend == "litellm":
         from masgraph.backends.litellm import LiteLLMBackend
         return LiteLLMBackend(policy.model, api_base=policy.api_base)
-    raise ValueError(f"backend {policy.backend!r} needs an instance (pass backends={{'{policy.backend}': ...}})")
+    raise MasgraphError(
+        f"backend {policy.backend!r} (model {policy.model!r}) has no built-in instance; fix: use backend 'hf' or "
+        f"'litellm', or run from Python with Runner(graph, backends={{'{policy.backend}': <instance>}})")

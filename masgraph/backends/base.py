@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from masgraph.errors import MasgraphError
 from masgraph.spec import SamplingSpec
 
 
@@ -35,8 +36,9 @@ class Completion:
     policy_version: int = 0
 
 
-class BackendError(RuntimeError):
-    """The backend failed to serve a request (the step fails and is recorded; the run goes on)."""
+class BackendError(MasgraphError, RuntimeError):
+    """The backend failed to serve a request (the step fails and is recorded; the run goes on), or could not
+    load what it was given (an adapter checkpoint): a user-facing error whose message says what to fix."""
 
 
 class Backend(Protocol):

@@ -18,6 +18,7 @@ import torch
 from masgraph.backends.base import BackendError, Completion, Request, truncate_middle
 from masgraph.model import resolve_model
 
+
 def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
     """bf16 if it is clearly (`margin`x) faster than fp32 for a decode-shaped matmul on this CPU, else fp32.
 
@@ -63,6 +64,17 @@ def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
     return choice
 
 
+def _lora_shape(cfg: Any) -> dict[str, Any]:
+    """The parts of a PEFT config that decide an adapter's weights and output (not its bookkeeping fields)."""
+    d = cfg.to_dict()
+    keys = ("peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "bias", "fan_in_fan_out",
+            "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "exclude_modules")
+    shape = {k: d.get(k) for k in keys}
+    targets = d.get("target_modules")
+    shape["target_modules"] = sorted(targets) if isinstance(targets, (list, set, tuple)) else targets
+    return shape
+
+
 def _cpuinfo() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -87,9 +99,13 @@ class HFBackend:
     Concurrent `complete` calls from all episodes are queued and run as one batched decode: the batcher
     takes what is queued, waits up to `batch_wait_ms` for more (never when the batch is full), and
     decodes them together. The static part of each prompt (system prompt + few-shot turns) is prefilled
-    once and its KV cache reused, so a batch only prefills what differs per request. In `deterministic` mode a batch is formed by count (it waits for
-    `max_batch_size` requests, or `batch_wait_ms` of quiet), rows are ordered by request key, and every
-    row samples from its own generator seeded by the request — so results do not depend on arrival order.
+    once and its KV cache reused, so a batch only prefills what differs per request.
+
+    `deterministic` (a plain attribute; switch it between runs) makes results bit-exact whatever the
+    concurrency and arrival timing: a row's floating point result depends on the batch it decodes in
+    (padding and batch size change the kernels' summation order: up to 2.5e-5 on fp32 logits, 0.3 on bf16,
+    measured), so each row decodes alone (batch 1) on the shared prefix KV, and samples from its own
+    generator seeded by the request (`Request.seed`; seedless rows share the backend's, in key order).
 
     Example:
         >>> b = HFBackend()                                       # embedded SmolLM2-135M, bf16
@@ -117,9 +133,10 @@ class HFBackend:
         self.dtype = pick_dtype() if dtype == "auto" else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
         self.base_model = self.model
-        self.eos_ids = {self.tokenizer.eos_token_id, *(
-            [self.tokenizer.convert_tokens_to_ids("<|endoftext|>")] if "<|endoftext|>" in self.tokenizer.get_vocab() else [])}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        tok = self.tokenizer
+        self.eos_ids = {tok.eos_token_id, *(
+            [tok.convert_tokens_to_ids("<|endoftext|>")] if "<|endoftext|>" in tok.get_vocab() else [])}
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.max_context = max_context
         self.max_batch_size = max_batch_size
         self.batch_wait_ms = batch_wait_ms
@@ -141,33 +158,66 @@ class HFBackend:
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(self, name: str, lora: LoraConfigSpec | None = None) -> None:
         """Attach a fresh (zero-effect) LoRA adapter named `name` to the shared base model."""
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import LoraConfig
 
         lora = lora or LoraConfigSpec()
-        cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                         lora_dropout=lora.dropout, task_type="CAUSAL_LM")
+        self._attach(name, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                                      lora_dropout=lora.dropout, task_type="CAUSAL_LM"))
+        self.versions[name] = 0
+
+    def _attach(self, name: str, cfg: Any) -> None:
+        from peft import PeftModel, get_peft_model
+
         if isinstance(self.model, PeftModel):
             self.model.add_adapter(name, cfg)
         else:
             self.model = get_peft_model(self.base_model, cfg, adapter_name=name)
         self.model.eval()
-        self.versions[name] = 0
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Load a saved PEFT adapter directory under `name` (replacing the weights if it exists already)."""
-        from peft import PeftModel, set_peft_model_state_dict
+        """Load a saved PEFT adapter directory under `name`, in the LoRA shape it was saved with (its
+        adapter_config.json). An existing adapter of that shape gets the weights in place (its parameter objects,
+        which an optimizer may hold, stay); one of another shape is replaced by new parameters. Every LoRA
+        weight must load, else BackendError (and no adapter `name` is left loaded)."""
+        from peft import PeftConfig
         from safetensors.torch import load_file
 
-        if name in self.versions:
-            set_peft_model_state_dict(self.model, load_file(f"{path}/adapter_model.safetensors"), adapter_name=name)
-            self.versions[name] += 1
-            return
-        if isinstance(self.model, PeftModel):
-            self.model.load_adapter(path, adapter_name=name)
-        else:
-            self.model = PeftModel.from_pretrained(self.base_model, path, adapter_name=name)
-        self.model.eval()
-        self.versions[name] = 0
+        try:
+            cfg = PeftConfig.from_pretrained(path)
+            state = load_file(os.path.join(path, "adapter_model.safetensors"))
+        except Exception as exc:  # missing file, bad JSON, truncated safetensors: several kinds
+            raise BackendError(f"cannot read adapter checkpoint {path} ({type(exc).__name__}: {exc}); fix: point at "
+                               "a directory saved by save_pretrained (adapter_config.json + "
+                               "adapter_model.safetensors)") from None
+        existing = self.model.peft_config.get(name) if name in self.versions else None
+        if existing is not None and _lora_shape(existing) != _lora_shape(cfg):
+            self.model.delete_adapter(name)
+            existing = None
+        if existing is None:
+            self._attach(name, cfg)
+        try:
+            self._load_weights(name, path, state)
+        except BackendError:  # no half-loaded adapter stays: requests naming it fail as "not loaded"
+            self.model.delete_adapter(name)
+            self.versions.pop(name, None)
+            self._prefix_kv = {k: kv for k, kv in self._prefix_kv.items() if k[0] != name}  # its versions restart
+            raise
+        self.versions[name] = self.versions[name] + 1 if name in self.versions else 0
+
+    def _load_weights(self, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
+        """Set adapter `name`'s weights from a saved state dict, strictly: no LoRA weight missing, no key unused."""
+        from peft import set_peft_model_state_dict
+
+        try:
+            result = set_peft_model_state_dict(self.model, state, adapter_name=name)
+        except RuntimeError as exc:  # size mismatch
+            raise BackendError(f"adapter checkpoint {path} does not fit adapter {name!r}: {exc}") from None
+        missing = [k for k in result.missing_keys if "lora_" in k and name in k.split(".")]
+        if missing or result.unexpected_keys:
+            raise BackendError(
+                f"adapter checkpoint {path} does not match its own adapter_config.json: {len(missing)} LoRA weights "
+                f"missing (e.g. {missing[:2]}), {len(result.unexpected_keys)} unexpected "
+                f"(e.g. {result.unexpected_keys[:2]}); fix: re-save the adapter, or resume from an earlier checkpoint")
 
     # ---- serving --------------------------------------------------------------------------------
     async def complete(self, requests: list[Request]) -> list[Completion]:
@@ -254,7 +304,8 @@ class HFBackend:
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Decode a batch of requests (blocking). Rows that share adapter and static prompt prefix decode
-        together on that prefix's cached KV; each group is left-padded and KV-cached."""
+        together on that prefix's cached KV (one at a time in deterministic mode); each group is left-padded
+        and KV-cached."""
         t0 = time.perf_counter()
         encoded = [self.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
@@ -265,9 +316,10 @@ class HFBackend:
         decoded: dict[int, tuple[list[int], list[float], str]] = {}
         for (adapter, prefix), rows in groups.items():
             with self._adapter_context(adapter):
-                outs = self._decode(prefix, [prompts[i][len(prefix):] for i in rows], [requests[i] for i in rows],
-                                    adapter)
-            decoded.update(zip(rows, outs))
+                for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
+                    outs = self._decode(prefix, [prompts[i][len(prefix):] for i in chunk],
+                                        [requests[i] for i in chunk], adapter)
+                    decoded.update(zip(chunk, outs))
         results = []
         for i, r in enumerate(requests):
             ids, lps, finish = decoded[i]

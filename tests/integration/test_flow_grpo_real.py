@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
+from masgraph.backends.base import Request
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
-from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows, sequence_logprobs
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, Row, build_rows, sequence_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +55,7 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
         with torch.no_grad():
             for r in rs:
                 backend.model.set_adapter(r.adapter)
-                out.append(float(sequence_logprobs(backend.model, [r], backend.pad_id, config.temperature)[0].sum()))
+                out.append(float(sequence_logprobs(backend.model, [r], backend.pad_id)[0].sum()))
         return out
 
     def base_tensors():
@@ -95,3 +97,18 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
     nxt = run(runner_for(graph, backend, n=1, samples=1, concurrency=1).run_task(AlternatingReward()))
     versions = {c.adapter: c.policy_version for t in nxt.traces for c in t.llm_calls if c.adapter}
     assert versions == {"planner": 1, "verifier": 1}
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.3, 0.8), (0.0, 1.0)])
+def test_recorded_logprobs_are_recomputed_at_the_calls_sampling_params(hf, temperature, top_p):
+    """The update's teacher-forced logprobs match the recorded ones at T != 1 and under top_p < 1 (both are the
+    temperature-scaled softmax before nucleus truncation; greedy calls record the raw logits')."""
+    sampling = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=16)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three fruits."}]
+    calls = hf.generate([Request(msgs, sampling=sampling, seed=s) for s in range(3)])
+    rows = [Row(0, "n", "a", c.prompt_ids, c.completion_ids, c.logprobs, 1.0, 0, temperature or 1.0) for c in calls]
+    with torch.no_grad(), hf.model.disable_adapter() if hf.model is not hf.base_model else contextlib.nullcontext():
+        recomputed = sequence_logprobs(hf.model, rows, hf.pad_id)
+    for row, lp in zip(rows, recomputed):
+        assert torch.allclose(lp, torch.tensor(row.old_logprobs), atol=1e-4), (lp, row.old_logprobs)
+

@@ -62,6 +62,8 @@ def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, t
             for call in step.llm:
                 assert call.policy == graph.spec.nodes[step.node].policy
                 assert call.adapter == graph.spec.policies[call.policy].adapter
+                sampling = graph.spec.policies[call.policy].sampling
+                assert (call.temperature, call.top_p) == (sampling.temperature, sampling.top_p)
                 _check_call(hf, call, tr.query)
     assert 0.0 <= result.summary["accuracy"] <= 1.0
 

@@ -71,7 +71,8 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "adapters" / "answer" / "adapter_model.safetensors"))
+    adapter = run_dir / "checkpoints" / f"step-{step}" / "adapters" / "answer"
+    return load_file(str(adapter / "adapter_model.safetensors"))
 
 
 def _only_run(parent: Path) -> Path:

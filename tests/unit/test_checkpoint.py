@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,6 +16,10 @@ def _ckpt(root, name, complete=True):
     d.mkdir(parents=True)
     if complete:
         (d / "state.json").write_text(json.dumps({"step": 1, "adapters": ["planner", "verifier"]}))
+        for adapter in ("planner", "verifier"):
+            (d / "adapters" / adapter).mkdir(parents=True)
+            for f in ("adapter_config.json", "adapter_model.safetensors"):
+                (d / "adapters" / adapter / f).write_text("{}")
     return d
 
 
@@ -33,3 +38,33 @@ def test_latest_complete_checkpoint_wins(tmp_path):
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(MasgraphError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("garbage, message", [
+    ("missing", "does not exist"),
+    ("file", "is a file, not a directory"),
+    ("empty dir", "has no checkpoints/ directory"),
+    ("run without checkpoints", "stopped before its first checkpoint"),
+    ("pointer to garbage", "stopped before its first checkpoint"),
+    ("no adapter weights", "lacks adapters/verifier/adapter_model.safetensors"),
+    ("bad state.json", "unreadable state.json"),
+    ("state.json without adapters", "no `adapters` list"),
+])
+def test_garbage_checkpoints_are_clear_errors(tmp_path, garbage, message):
+    path = tmp_path / "x"
+    if garbage == "file":
+        path.write_text("hello")
+    elif garbage == "empty dir":
+        path.mkdir()
+    elif garbage in ("run without checkpoints", "pointer to garbage"):
+        _ckpt(path, "step-3", complete=False)
+        _ckpt(path, "step-x")  # not a step number: ignored (HEAD: ValueError)
+        (path / "checkpoints" / "latest").write_text("../../" if garbage == "pointer to garbage" else "step-3")
+    elif garbage != "missing":
+        path = _ckpt(tmp_path, "step-1")
+        if garbage == "no adapter weights":
+            (path / "adapters" / "verifier" / "adapter_model.safetensors").unlink()
+        else:
+            (path / "state.json").write_text("{\"step\": 1" if garbage == "bad state.json" else "{}")
+    with pytest.raises(MasgraphError, match=re.escape(message)):
+        checkpoint_adapters(resolve_checkpoint(path))

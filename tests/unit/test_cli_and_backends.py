@@ -14,7 +14,7 @@ import pytest
 from masgraph.backends.base import Request
 from masgraph.cli import main
 from masgraph.graph import GraphBuilder
-from masgraph.tasks import load_task_file
+from masgraph.tasks import get_task, load_task_file
 
 
 def test_validate_reports_located_errors_without_traceback(tmp_path, capsys):
@@ -91,6 +91,18 @@ def test_memory_node_compacts_the_log(scripted, runner_for, run):
     assert tr.status == "ok" and tr.turns == 4
     assert "Summary: 1 earlier step(s) compacted" in seen[0] and seen[0].count("tool: calculator") == 2
 
+
+
+def test_every_llm_call_records_its_sampling_params(scripted, runner_for, run):
+    graph = (GraphBuilder("hot").add_policy("p", backend="scripted",
+                                            sampling={"temperature": 0.7, "top_p": 0.9, "max_tokens": 8})
+             .add_policy("q", backend="scripted")
+             .add_node("a", role="generator", policy="p").add_node("b", role="generator", policy="q")
+             .add_edge("a", "b").set(entry="a", exit="b").compile())
+    backend = scripted({"a": "Answer: 1", "b": "Answer: 2"})
+    [tr] = run(runner_for(graph, backend, n=1).run_task(get_task("basic_arithmetic"))).traces
+    assert [(c.policy, c.temperature, c.top_p) for c in tr.llm_calls] == [("p", 0.7, 0.9), ("q", 0.0, 1.0)]
+    assert type(tr).model_validate_json(tr.model_dump_json()) == tr  # stored and read back
 
 class _OpenAIStub(BaseHTTPRequestHandler):
     def do_POST(self):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
+from masgraph.errors import MasgraphError
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.flow_grpo import (FlowGRPOConfig, aggregate, build_rows, group_advantages,
-                                         informative_queries, kl_k3, ppo_clip_loss, row_weights,
-                                         trajectory_rewards)
+                                         informative_queries, kl_k3, logprob_temperature, mini_batches,
+                                         ppo_clip_loss, row_weights, trajectory_rewards)
 
 
 def test_group_advantages_hand_computed():
@@ -49,8 +51,25 @@ def test_row_weights_by_hand():
     assert row_weights([2, 1, 4], [0, 0, 1], "token-mean") == pytest.approx([1 / 7] * 3)
     # nested: 1 / (2 trajectories x rows in the trajectory x tokens in the row)
     assert row_weights([2, 1, 4], [0, 0, 1], "nested") == pytest.approx([1 / 8, 1 / 4, 1 / 8])
-    with pytest.raises(ValueError, match="unknown loss aggregation"):
+    with pytest.raises(MasgraphError, match="unknown loss aggregation 'sum'; use 'token-mean' or 'nested'"):
         row_weights([1], [0], "sum")
+
+
+def test_mini_batches_partition_the_rows_seeded():
+    batches = mini_batches(10, 3, random.Random(7))
+    assert sorted(i for b in batches for i in b) == list(range(10)) and [len(b) for b in batches] == [3, 3, 4]
+    assert all(b == sorted(b) for b in batches)
+    assert batches == mini_batches(10, 3, random.Random(7)) != mini_batches(10, 3, random.Random(8))
+    assert mini_batches(2, 4, random.Random(0)) in ([[0], [1]], [[1], [0]])  # never an empty mini-batch
+    assert mini_batches(5, 1, random.Random(0)) == [[0, 1, 2, 3, 4]]  # one mini-batch: the rows in order
+
+
+def test_logprob_temperature_of_a_call():
+    call = LLMCall(policy="p", prompt_ids=[1], completion_ids=[2], logprobs=[-0.5], text="x", temperature=0.5)
+    config = FlowGRPOConfig(temperature=0.7)
+    assert logprob_temperature(call, config) == 0.5  # the call's own, not the trainer's
+    assert logprob_temperature(call.model_copy(update={"temperature": 0.0}), config) == 1.0  # greedy: raw logits
+    assert logprob_temperature(call.model_copy(update={"temperature": None}), config) == 0.7  # recorded before
 
 
 def _trace(item: str, reward: float | None, calls: dict[str, int], status: str = "ok", ep: str = "") -> Trace:
@@ -72,6 +91,7 @@ def test_rows_broadcast_reward_and_count_each_trajectory_once():
     # per trajectory, not per turn-row: [1, 0] -> +-0.7071 (per-row stats would give mean 0.8)
     assert [r.advantage for r in rows] == pytest.approx([0.70710678] * 4 + [-0.70710678])
     assert rows[0].old_logprobs == [-0.1, -0.2, -0.3] and rows[0].policy_version == 2
+    assert rows[0].temperature == 1.0  # as the calls were sampled (their temperature, else the trainer's)
     kept = build_rows(traces, {"planner": "planner"}, FlowGRPOConfig(zero_variance="keep"))
     assert [r.advantage for r in kept if r.traj >= 2] == [0.0, 0.0, 0.0]
 

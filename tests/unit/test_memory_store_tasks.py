@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 
 from masgraph.memory.action_log import Action, ActionLog
-from masgraph.store import RunStore, read_traces
-from masgraph.tasks import TASKS, get_task, load_kb, make_kb
+from masgraph.store import RunStore, read_jsonl, read_traces
+from masgraph.tasks import (
+    TASKS,
+    get_task,
+    is_test_question,
+    load_kb,
+    make_kb,
+    split_seed,
+)
 from masgraph.trace import EpisodeFinished, EpisodeStarted, Step, StepFinished, Trace
 
 
@@ -53,3 +60,55 @@ def test_lookup_kb_is_the_generated_one_and_answerable():
     people = load_kb()["people"]
     cities = {d["facts"]["city"]: d["facts"]["country"] for d in shipped if d["id"].startswith("city-")}
     assert all(cities[p["city"]] == p["country"] for p in people)
+
+
+def test_seeds_give_independent_test_sets():
+    for name, most_shared in (("long_arithmetic", 0), ("gsm_symbolic", 0), ("basic_arithmetic", 20)):
+        task = get_task(name)
+        zero, one = ({it.question for it in task.items("test", 200, seed)} for seed in (0, 1))
+        assert len(zero) > 190 and len(zero & one) <= most_shared, (name, len(zero & one))  # HEAD: 199 shared
+        assert task.items("train", 50, 1)[:-1] != task.items("train", 50, 0)[1:], name  # HEAD: shifted by one
+
+
+def test_test_split_is_disjoint_from_all_of_train_by_construction():
+    assert sum(map(is_test_question, (f"q{i}" for i in range(10_000)))) in range(1800, 2200)  # about 1 in 5
+    for name in ("basic_arithmetic", "chain_sum", "gsm_symbolic"):
+        task = get_task(name)
+        for seed in (0, 1, 7):
+            assert all(is_test_question(it.question) for it in task.items("test", 30, seed)), name
+            assert not any(is_test_question(it.question) for it in task.items("train", 300, seed)), name
+    assert len({split_seed("chain_sum", split, seed) for split in ("train", "test") for seed in (0, 1)}) == 4
+
+
+def test_a_cut_line_loses_only_itself_and_a_resumed_store_starts_a_new_line(tmp_path):
+    def finished(i):
+        return EpisodeFinished(trace=Trace(episode_id=f"e{i}", item_id="i", query="q", answer="a", reward=1.0))
+
+    store = RunStore(tmp_path, spec=None, config={})
+    store.emit(finished(1))
+    store.close({})
+    with open(tmp_path / "events.jsonl", "a") as f:  # killed mid-write
+        f.write('{"v":1,"kind":"episode_fin')
+    resumed = RunStore(tmp_path, spec=None, config={})
+    resumed.emit(finished(2))
+    resumed.close({})
+    with open(tmp_path / "events.jsonl", "a") as f:  # a garbage line between two good ones
+        f.write("not json\n")
+    third = RunStore(tmp_path, spec=None, config={})
+    third.emit(finished(3))
+    third.close({})
+    bad: list[int] = []
+    assert [t.episode_id for t in read_traces(tmp_path, bad)] == ["e1", "e2", "e3"]  # HEAD: ["e1"]
+    assert bad == [2, 4]
+
+
+def test_model_text_with_unicode_line_separators_round_trips(tmp_path):
+    text = "a\u0085b\u2028c\u2029d\re"
+    trace = Trace(episode_id="e", item_id="i", query=text, answer=text, reward=1.0,
+                  steps=[Step(episode_id="e", index=0, node="n", role="generator", turn=1, text=text)])
+    store = RunStore(tmp_path, spec=None, config={})
+    store.emit(EpisodeFinished(trace=trace))
+    store.close({})
+    assert list(read_traces(tmp_path)) == [trace]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"note": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"note": text}]

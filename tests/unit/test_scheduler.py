@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
-from masgraph.agents.registry import register_agent
+from masgraph.agents.registry import register_agent, resolve_agents
 from masgraph.agents.tools.registry import register_tool
 from masgraph.backends.base import BackendError
 from masgraph.graph import GraphBuilder, compile_spec
@@ -16,7 +17,7 @@ from masgraph.node import NodeOutput
 from masgraph.scheduler import EpisodeInput
 from masgraph.store import read_traces
 from masgraph.tasks import Item, Task
-from masgraph.trace import ListSink
+from masgraph.trace import ListSink, ToolCall
 
 
 class Sum(Task):
@@ -118,7 +119,7 @@ def test_tool_that_raises_or_hangs_is_recorded_and_run_goes_on(scripted, runner_
         result = run(runner_for(graph, scripted(), n=2).run_task(Sum()))
         assert [t.status for t in result.traces] == ["ok", "ok"]
         step = result.traces[0].steps[0]
-        assert step.tool.error == expect and step.tool.output is None and step.text.startswith("Error:")
+        assert step.tool.error.startswith(expect) and step.tool.output is None and step.text.startswith("Error:")
 
 
 def test_backend_error_fails_episode_not_run(root, scripted, runner_for, run):
@@ -222,3 +223,205 @@ def test_scheduler_without_runner_emits_events(root, scripted, run):
     [tr] = run(sched.run([EpisodeInput("q", "What is 2 + 3?")]))
     kinds = [e.kind for e in sink.events]
     assert kinds == ["episode_started"] + ["step"] * 4 + ["episode_finished"] and tr.answer == "5"
+
+
+# --- fan-in waits for every live branch (uneven lengths, failures, dead branches, loops) ----------------
+
+@register_agent("echo")
+async def echo(ctx):
+    return NodeOutput(text=ctx.node)
+
+
+@register_agent("say-x")
+async def say_x(ctx):
+    return NodeOutput(text="x")
+
+
+@register_agent("gather")
+async def gather(ctx):
+    """The fan-in node: which branches it saw, and the merged view."""
+    return NodeOutput(text=",".join(src for src, _ in ctx.inputs) + "|" + ctx.merged, answer=ctx.merged)
+
+
+def fan_in_graph(merge="concat", b2="say-x", extra=(), **limits):
+    """src -> a -> join, src -> b1 -> b2 -> join, src -> c -> join (+ extra nodes/edges)."""
+    g = GraphBuilder("fanin").add_node("src", role="custom", agent="echo")
+    for name, agent in (("a", "echo"), ("b1", "echo"), ("c", "say-x"), ("b2", b2), *[n for n, _ in extra]):
+        g = g.add_node(name, role="custom", agent=agent)
+    g = g.add_node("join", role="custom", agent="gather", merge=merge)
+    for s, t, *when in [("src", "a"), ("src", "b1"), ("src", "c"), ("a", "join"), ("b1", "b2"), ("b2", "join"),
+                        ("c", "join"), *[e for _, e in extra]]:
+        g = g.add_edge(s, t, *when)
+    return g.set(limits=limits or {}).compile()
+
+
+def run_one(graph, run, scripted=None, query="q"):
+    from masgraph.scheduler import Policy, Scheduler
+
+    policies = {n: Policy(n, p, scripted) for n, p in graph.spec.policies.items()} if scripted else {}
+    tools = {}
+    if graph.spec.tools:
+        from masgraph.agents.tools.registry import build_tools
+        tools = build_tools(graph.spec.tools)
+    [tr] = run(Scheduler(graph, resolve_agents(graph.spec), policies, tools).run([EpisodeInput("q", query)]))
+    return tr
+
+
+@pytest.mark.parametrize("merge, answer", [("concat", "[a]\na\n\n[c]\nx\n\n[b2]\nx"), ("first", "a"), ("vote", "x")])
+def test_fan_in_waits_for_the_longer_branch(merge, answer, run):
+    tr = run_one(fan_in_graph(merge), run)
+    assert tr.status == "ok" and [s.node for s in tr.steps] == ["src", "a", "b1", "c", "b2", "join"]
+    assert tr.steps[-1].text.startswith("a,c,b2|") and tr.answer == answer
+
+
+def test_fan_in_branch_failure_fails_the_episode_before_the_join(run):
+    @register_agent("explodes")
+    async def explodes(ctx):
+        raise RuntimeError("branch exploded")
+
+    tr = run_one(fan_in_graph(b2="explodes"), run)
+    assert tr.status == "error" and "'b2' failed" in tr.error and "branch exploded" in tr.error
+    assert [s.node for s in tr.steps] == ["src", "a", "b1", "c", "b2"] and tr.steps[-1].error
+
+
+def test_fan_in_does_not_wait_for_dead_branches(run):
+    @register_agent("route-done")
+    async def route_done(ctx):
+        return NodeOutput(text="b1", route="done")
+
+    # b1 routes away from the join (b1 -> b2 only `when: more`; `done` leads to a dead end), c is two long
+    graph = (GraphBuilder("dead").add_node("src", role="custom", agent="echo")
+             .add_node("a", role="custom", agent="echo").add_node("b1", role="custom", agent="route-done")
+             .add_node("b2", role="custom", agent="echo").add_node("side", role="custom", agent="echo")
+             .add_node("c1", role="custom", agent="echo").add_node("c2", role="custom", agent="echo")
+             .add_node("join", role="custom", agent="gather", merge="concat")
+             .add_edge("src", "a").add_edge("src", "b1").add_edge("src", "c1").add_edge("a", "join")
+             .add_edge("b1", "b2", when="more").add_edge("b1", "side", when="done").add_edge("b2", "join")
+             .add_edge("c1", "c2").add_edge("c2", "join").compile())
+    tr = run_one(graph, run)
+    assert tr.status == "ok" and [s.node for s in tr.steps] == ["src", "a", "b1", "c1", "side", "c2", "join"]
+    assert tr.steps[-1].text.startswith("a,c2|")
+
+
+def test_fan_out_inside_a_loop_joins_once_per_turn(run):
+    @register_agent("always-continue")
+    async def always_continue(ctx):
+        return NodeOutput(text="again", route="continue")
+
+    graph = (GraphBuilder("loop").add_node("planner", role="custom", agent="echo")
+             .add_node("a", role="custom", agent="echo").add_node("b1", role="custom", agent="echo")
+             .add_node("b2", role="custom", agent="echo")
+             .add_node("join", role="custom", agent="gather", merge="concat")
+             .add_node("verifier", role="custom", agent="always-continue")
+             .add_node("gen", role="custom", agent="echo")
+             .add_edge("planner", "a").add_edge("planner", "b1").add_edge("b1", "b2").add_edge("a", "join")
+             .add_edge("b2", "join").add_edge("join", "verifier").add_edge("verifier", "planner", when="continue")
+             .add_edge("verifier", "gen", when="stop").set(limits={"max_turns": 2}).compile())
+    tr = run_one(graph, run)
+    assert tr.status == "ok", tr.error
+    assert [s.node for s in tr.steps] == ["planner", "a", "b1", "b2", "join", "verifier"] * 2 + ["gen"]
+    joins = [s for s in tr.steps if s.node == "join"]
+    assert [s.turn for s in joins] == [1, 2] and all(s.text.startswith("a,b2|") for s in joins)
+    assert tr.steps[-2].bounded and tr.answer == "gen"
+
+
+# --- the merged view ranks real results over failed tools, parse errors and empty output ----------------
+
+@register_agent("tool-failed")
+async def tool_failed(ctx):
+    return NodeOutput(text="Error: boom", tool=ToolCall(tool="t", input="1 +", error="boom"))
+
+
+@register_agent("parse-failed")
+async def parse_failed(ctx):
+    return NodeOutput(text="Error: boom", parse_error="no `Input:` line; used the first line")
+
+
+@register_agent("five")
+async def five(ctx):
+    return NodeOutput(text="5", answer="5", tool=ToolCall(tool="t", input="2 + 3", output="5"))
+
+
+@pytest.mark.parametrize("merge, answer", [("first", "5"), ("vote", "5"),
+                                           ("concat", "[bad1]\nError: boom\n\n[bad2]\nError: boom\n\n[good]\n5")])
+def test_merge_prefers_real_results(merge, answer, run):
+    graph = (GraphBuilder("merge").add_node("src", role="custom", agent="echo")
+             .add_node("bad1", role="custom", agent="tool-failed").add_node("good", role="custom", agent="five")
+             .add_node("bad2", role="custom", agent="parse-failed")
+             .add_node("join", role="custom", agent="gather", merge=merge)
+             .add_edge("src", "bad1").add_edge("src", "good").add_edge("src", "bad2")
+             .add_edge("bad1", "join").add_edge("good", "join").add_edge("bad2", "join").compile())
+    assert run_one(graph, run).answer == answer
+
+
+def test_merge_of_only_non_results_keeps_them():
+    from masgraph.scheduler import _merge
+
+    bad = [("x", NodeOutput(text="Error: a", parse_error="p")), ("y", NodeOutput(text="", no_result=True)),
+           ("z", NodeOutput(text="Error: a", tool=ToolCall(tool="t", input="", error="a")))]
+    assert _merge("first", bad) == "Error: a" and _merge("vote", bad) == "Error: a"
+    assert _merge("concat", bad) == "[x]\nError: a\n\n[y]\n\n\n[z]\nError: a"
+
+
+NO_OUTPUT = "(no output; print() the result)"  # what the python tool returns when a snippet prints nothing
+
+
+def test_executor_that_printed_nothing_ranks_below_a_result(scripted, run):
+    @register_tool(name="quiet")
+    def quiet(code: str) -> str:
+        """Prints nothing, like a python snippet without print()."""
+        return NO_OUTPUT
+
+    graph = (GraphBuilder("quiet").add_policy("p", backend="scripted").add_tool("calculator", kind="calculator")
+             .add_tool("quiet", kind="quiet").add_node("planner", role="planner", policy="p")
+             .add_node("calc", role="executor", tools=["calculator"]).add_node("py", role="executor", tools=["quiet"])
+             .add_node("judge", role="generator", policy="p", merge="concat")
+             .add_edge("planner", "calc").add_edge("planner", "py").add_edge("calc", "judge").add_edge("py", "judge")
+             .compile())
+    seen = []
+    backend = scripted({"judge": lambda req: seen.append(req.messages[-1]["content"]) or "Answer: 5"})
+    tr = run_one(graph, run, backend, "What is 2 + 3?")
+    assert tr.status == "ok" and tr.steps[2].tool.output == NO_OUTPUT
+    assert seen[0].endswith(f"[py]\n{NO_OUTPUT}\n\n[calc]\n5")
+
+
+def test_executor_reports_tool_error_subclasses_by_message(scripted, runner_for, run):
+    from masgraph.agents.tools.registry import ToolError
+
+    class BadInput(ToolError):
+        pass
+
+    @register_tool(name="strict")
+    def strict(text: str) -> str:
+        """Rejects every input."""
+        raise BadInput("input rejected: use digits")
+
+    graph = (GraphBuilder("t").add_policy("p", backend="scripted").add_tool("strict", kind="strict")
+             .add_node("executor", role="executor", tools=["strict"])
+             .add_node("generator", role="generator", policy="p").add_edge("executor", "generator").compile())
+    [tr] = run(runner_for(graph, scripted(), n=1).run_task(Sum())).traces
+    assert tr.steps[0].tool.error == "input rejected: use digits" and tr.steps[0].route == "error"
+
+
+# --- a sync agent runs off the event loop -----------------------------------------------------------------
+
+@register_agent("sync-sleeper")
+def sync_sleeper(ctx):
+    time.sleep(1.0 if ctx.query == "slow" else 0.0)
+    return NodeOutput(text="done", answer=f"{ctx.query}@{time.monotonic()}")
+
+
+def test_sync_agent_does_not_block_other_episodes(run):
+    from masgraph.scheduler import Scheduler
+
+    graph = GraphBuilder("sync").add_node("solo", role="custom", agent="sync-sleeper", timeout_s=5).compile()
+    sched = Scheduler(graph, resolve_agents(graph.spec), {}, {}, concurrency=2)
+    slow, fast = run(sched.run([EpisodeInput("s", "slow"), EpisodeInput("f", "fast")]))
+    assert slow.status == fast.status == "ok"
+    assert float(fast.answer.split("@")[1]) < float(slow.answer.split("@")[1]) - 0.5  # done while slow slept
+
+
+def test_sync_agent_node_timeout_is_enforced(run):
+    graph = GraphBuilder("sync").add_node("solo", role="custom", agent="sync-sleeper", timeout_s=0.1).compile()
+    tr = run_one(graph, run, query="slow")
+    assert tr.status == "error" and "timed out after 0.1s" in tr.steps[0].error and tr.duration_s < 0.8

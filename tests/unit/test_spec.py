@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from masgraph.errors import SpecError
 from masgraph.graph import GraphBuilder, compile_spec
 from masgraph.loader import load_spec, parse_spec
-from masgraph.spec import GraphSpec
+from masgraph.spec import EdgeSpec, GraphSpec
 
 LOOP = """\
 name: loop
@@ -156,3 +160,116 @@ def test_edge_condition_must_be_a_route_the_source_emits():
     err = _errors(LOOP.replace("target: generator, when: stop", "target: generator, when: stpo"))
     [p] = err.problems
     assert p.path == "edges[3].when" and "never emits route 'stpo'" in p.message and "continue" in p.fix
+
+
+def test_duplicate_keys_are_located_not_last_wins():
+    err = _errors(LOOP.replace("  verifier: {role: verifier, policy: p}\n",
+                               "  verifier: {role: verifier, policy: p}\n  verifier: {role: generator, policy: p}\n"))
+    [p] = err.problems
+    assert p.path == "nodes.verifier" and p.line == 10 and "duplicate key 'verifier' (first at line 9)" in p.message
+
+
+def test_tool_options_are_validated_against_their_kind():
+    err = _errors(LOOP.replace("calculator: {kind: calculator}",
+                               "calculator: {kind: calculator, options: {precision: 3}}\n"
+                               "  search: {kind: search, options: {top_k: 0, topk: 2}}"))
+    by_path = {p.path: p for p in err.problems}
+    assert set(by_path) == {"tools.calculator.options.precision", "tools.search.options.top_k",
+                            "tools.search.options.topk"}
+    assert by_path["tools.search.options.topk"].fix == "did you mean 'top_k'?"
+    top_k = by_path["tools.search.options.top_k"]
+    assert top_k.line == 6 and top_k.fix == "use a value ≥ 1"
+
+
+def test_unknown_prompt_is_located():
+    err = _errors(LOOP.replace("generator: {role: generator, policy: p}",
+                               "generator: {role: generator, policy: p, prompt: drect}"))
+    [p] = err.problems
+    assert (p.path, p.line) == ("nodes.generator.prompt", 10) and p.fix == "did you mean 'direct'?"
+
+
+def test_exit_beyond_max_steps_is_rejected():
+    err = _errors(LOOP.replace("limits: {max_turns: 3}", "limits: {max_turns: 3, max_steps: 3}"))
+    [p] = err.problems
+    assert p.path == "limits.max_steps" and "takes 4 steps" in p.message and "max_steps: 4" in p.fix
+    compile_spec(parse_spec(LOOP.replace("limits: {max_turns: 3}", "limits: {max_turns: 3, max_steps: 4}")))
+
+
+@pytest.mark.parametrize("value", ["true", "'8'", "8.0"])
+def test_numbers_are_strict(value):
+    err = _errors(LOOP.replace("limits: {max_turns: 3}", f"limits: {{max_turns: {value}}}"))
+    [p] = err.problems
+    assert p.path == "limits.max_turns" and p.fix == "write a whole number, e.g. 8"
+
+
+def test_floats_take_yaml_ints_but_not_bools_or_strings():
+    assert parse_spec(LOOP.replace("p: {backend: scripted}", "p: {backend: scripted, sampling: {temperature: 1}}")
+                      ).policies["p"].sampling.temperature == 1.0
+    for value in ("true", "'0.5'"):
+        err = _errors(LOOP.replace("limits: {max_turns: 3}", f"limits: {{max_turns: 3}}\n"
+                                   f"train: {{flow_grpo: {{lr: {value}}}}}"))
+        assert [p.path for p in err.problems] == ["train.flow_grpo.lr"]
+
+
+@pytest.mark.parametrize("model", ["x" * 5000, '"a\\0b"'])
+def test_model_names_the_file_system_rejects_are_located(model):
+    err = _errors(LOOP.replace("p: {backend: scripted}", f"p: {{backend: hf, model: {model}}}"))
+    [p] = err.problems
+    assert p.path == "policies.p.model" and "not installed" in p.message and p.line == 3
+
+
+def test_compile_problems_carry_the_yaml_line():
+    err = _errors(LOOP.replace("nodes:\n", "nodes:\n  orphan: {role: generator, policy: p}\n"))
+    [p] = [p for p in err.problems if p.path == "nodes.orphan"]
+    assert (p.line, p.column) == (7, 3)
+
+
+def test_check_structure_is_pure_and_fast_on_every_shipped_graph(graph_files):
+    from masgraph.graph import check_structure
+
+    for path in graph_files:
+        spec = load_spec(path)
+        args = (spec.nodes, spec.edges, spec.entry, spec.exit, spec.limits.max_turns, spec.limits.max_steps)
+        assert check_structure(*args) == []
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            check_structure(*args)
+        assert (time.perf_counter() - t0) / n < 1e-3, path.name
+    agentflow = load_spec(graph_files[0])
+    no_stop = [e for e in agentflow.edges if e.when != "stop"]  # an active sub-graph that cannot leave its loop
+    problems = check_structure(agentflow.nodes, no_stop, "planner", "generator", 3)
+    assert {p.path for p in problems} == {"nodes.generator", "exit", "edges"}
+
+
+def test_compile_is_near_linear_on_a_20k_node_chain():
+    n = 20_000
+    spec = GraphSpec.model_validate({
+        "name": "chain", "policies": {"p": {"backend": "scripted"}},
+        "nodes": {f"n{i}": {"role": "generator", "policy": "p"} for i in range(n)},
+        "edges": [{"source": f"n{i}", "target": f"n{i + 1}"} for i in range(n - 1)],
+        "entry": "n0", "exit": f"n{n - 1}", "limits": {"max_steps": n}})
+    t0 = time.perf_counter()
+    graph = compile_spec(spec)
+    assert time.perf_counter() - t0 < 1.0
+    assert graph.out_edges("n5")[0].target == "n6" and graph.in_edges("n0") == [] and graph.cycle_of == {}
+
+
+@settings(max_examples=200, derandomize=True, database=None)
+@given(st.integers(1, 10).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.tuples(st.integers(0, n - 1),
+                                                                                    st.integers(0, n - 1))))))
+def test_cycle_index_matches_networkx(graph):
+    import networkx as nx
+
+    from masgraph.graph import cycle_index
+
+    n, pairs = graph
+    nodes = {f"n{i}": None for i in range(n)}
+    edges = [EdgeSpec(source=f"n{a}", target=f"n{b}") for a, b in pairs]
+    g = nx.MultiDiGraph(pairs)
+    expected = {frozenset(f"n{i}" for i in c) for c in nx.strongly_connected_components(g)
+                if len(c) > 1 or any(g.has_edge(i, i) for i in c)}
+    found: dict[int, set[str]] = {}
+    for node, c in cycle_index(nodes, edges).items():
+        found.setdefault(c, set()).add(node)
+    assert {frozenset(c) for c in found.values()} == expected

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import socket
 
 import pytest
+from hypothesis import given, settings, strategies
 
 from masgraph.agents.tools.calculator import calculate
 from masgraph.agents.tools.python import run_python
 from masgraph.agents.tools.registry import TOOL_KINDS, ToolError, build_tools, register_tool
 from masgraph.agents.tools.search import Corpus
+from masgraph.errors import MasgraphError
 from masgraph.spec import ToolSpec
 
 
@@ -26,8 +30,52 @@ def test_calculator_rejects_non_arithmetic(expr):
         calculate(expr)
 
 
+@pytest.mark.parametrize("expr", ["compute 12 + 7 please", "12 + 7 =", "What is 12 + 7?", "Calculate: 12+7", "١٢ + ٧"])
+def test_calculator_tolerates_prose_around_one_expression(expr):
+    assert calculate(expr) == 19
+
+
+@pytest.mark.parametrize("expr,why", [("1000!", "unexpected '!'"), ("2 + 3; import os", "unexpected ';'"),
+                                      ("3 apples + 4 pears", "several expressions"), ("what is x + 1", "lacks an operand"), ("compute(3+4)", "'compute'"),
+                                      ("12 + 7 +", "invalid syntax"), ("1e308*10", "out of range"),
+                                      ("1e300 ** 2", "out of range"), ("1e999", "out of range"),
+                                      ("(-8) ** 0.5", "complex"), ("9" * 5000, "limit"),
+                                      ("(" * 300 + "1" + ")" * 300, "nested"), ("-" * 100_000 + "1", "nested")])
+def test_calculator_rejects_glued_or_several_expressions_with_a_reason(expr, why):
+    with pytest.raises(ToolError, match=re.escape(why)):
+        calculate(expr)
+
+
+@settings(max_examples=300, deadline=None)
+@given(strategies.text() | strategies.from_regex(r"[-+*/%().0-9e ^,=!;x]{0,40}", fullmatch=True))
+def test_calculator_gives_a_number_or_a_tool_error(text):
+    try:
+        value = calculate(text)
+    except ToolError:
+        return
+    assert isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def test_tool_error_is_a_user_facing_error():
+    assert issubclass(ToolError, MasgraphError)
+
+
 def test_python_runs_and_prints(run):
     assert run(run_python("print(sum(i * i for i in range(1, 11)))")) == "385"
+
+
+@pytest.mark.parametrize("code,shown", [("-9 * -9 - 7", "74"), ("print('a')\nx = 2\nx ** 10", "a\n1024"),
+                                        ("import math\nmath.sqrt(16)", "4.0"), ("'hi'", "'hi'"),
+                                        ("for i in range(2):\n    i", "(no output; print() the result)"),
+                                        ("None", "(no output; print() the result)")])
+def test_python_shows_the_last_expression_like_a_notebook_cell(run, code, shown):
+    assert run(run_python(code)) == shown
+
+
+def test_python_traceback_points_at_the_snippet(run):
+    with pytest.raises(ToolError, match=r'(?s)File "snippet.py", line 2.*ZeroDivisionError') as info:
+        run(run_python("x = 1\nx / 0"))
+    assert "<module>" in str(info.value) and "main()" not in str(info.value)
 
 
 def test_python_infinite_loop_is_killed(run):
@@ -37,7 +85,7 @@ def test_python_infinite_loop_is_killed(run):
 
 def test_python_cannot_write_outside_its_temp_dir(run, tmp_path):
     target = tmp_path / "escaped.txt"
-    with pytest.raises(ToolError, match="Read-only file system"):
+    with pytest.raises(ToolError, match="Read-only file system|No such file"):
         run(run_python(f"open({str(target)!r}, 'w').write('x')"))
     assert not target.exists()
     assert run(run_python("open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())")) == "ok"

