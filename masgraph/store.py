@@ -85,9 +85,14 @@ class RunStore:
 
 def read_traces(path: str | Path, bad_lines: list[int] | None = None) -> Iterator[Trace]:
     """Finished episodes of a run directory (or an events.jsonl file), in the order they ended. A line that is
-    not a valid event (one cut by a killed run) is skipped and its 1-based number appended to `bad_lines`."""
+    not a valid event (one cut by a killed run) is skipped and its 1-based number appended to `bad_lines`.
+    A run directory whose events.jsonl does not exist yet (the run is starting) has no traces."""
     path = Path(path)
-    for number, rec in _numbered_records(path / "events.jsonl" if path.is_dir() else path):
+    if path.is_dir():
+        path = path / "events.jsonl"
+        if not path.exists():
+            return
+    for number, rec in _numbered_records(path):
         if rec is not None and rec.get("kind") != "episode_finished":
             continue
         trace = _trace(rec)
