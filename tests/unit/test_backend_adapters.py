@@ -16,29 +16,7 @@ from masgraph.backends.hf import HFBackend, LoraConfigSpec
 from masgraph.errors import MasgraphError
 from masgraph.spec import PolicySpec
 
-WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user", "assistant", "Answer:",
-         *map(str, range(20)), *"+-*/=?.:,"]
 ODD = LoraConfigSpec(rank=4, alpha=7, target_modules=("k_proj", "o_proj", "up_proj"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A 2-layer Llama with random weights and a word-level tokenizer with a chat template, saved as an HF dir."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            unk_token="<unk>", chat_template=template).save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def _logits(backend: HFBackend, adapter: str) -> torch.Tensor:
@@ -116,4 +94,3 @@ def test_unreadable_checkpoint_is_a_masgraph_error(tiny, tmp_path):
 def test_unknown_backend_kind_is_a_masgraph_error_with_a_fix():
     with pytest.raises(MasgraphError, match=r"backend 'scripted' .* no built-in instance; fix: .*backends="):
         make_backend(PolicySpec(backend="scripted", model="m"))
-

@@ -14,37 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows, sequence_logprobs
+from masgraph.trainers.loop import TrainLoop
 
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
-from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows, sequence_logprobs
-from masgraph.trainers.loop import TrainLoop
-
-WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user", "assistant", "Answer:",
-         *map(str, range(20)), *"+-*/=?.:,"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A 2-layer Llama with random weights and a word-level tokenizer with a chat template, saved as an HF dir."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            unk_token="<unk>", chat_template=template).save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 class Sums(Task):
