@@ -12,7 +12,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration setup bench bench-learn clean
+.PHONY: demo test test-unit test-integration lint setup bench bench-learn clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -39,6 +39,9 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/pytest -q --durations=15 tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 test-unit: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/unit

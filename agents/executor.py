@@ -10,7 +10,7 @@ import time
 
 from masgraph.agents.formats import parse_tool_input
 from masgraph.agents.prompting import render
-from masgraph.agents.registry import register_agent
+from masgraph.agents.registry import builtin_agent
 from masgraph.agents.tools.registry import ToolError, describe
 from masgraph.memory.action_log import Action
 from masgraph.node import NodeContext, NodeOutput
@@ -20,7 +20,7 @@ from masgraph.trace import ToolCall
 NO_OUTPUT = "(no output; print() the result)"
 
 
-@register_agent("executor")
+@builtin_agent("executor")
 async def executor(ctx: NodeContext) -> NodeOutput:
     plan = next((out.data for _, out in ctx.inputs if "sub_goal" in out.data), {})
     sub_goal = plan.get("sub_goal") or ctx.query
@@ -28,7 +28,7 @@ async def executor(ctx: NodeContext) -> NodeOutput:
     parse_error = None
     if ctx.node_spec.policy is not None:
         completion = await ctx.generate(render(ctx, "executor", tool=tool, sub_goal=sub_goal,
-                                               tool_description=describe(ctx.spec.tools, [tool])))
+                                               tool_description=describe(ctx.tool_descriptions, [tool])))
         tool_input, parse_error = parse_tool_input(completion.text, tool)
     else:
         tool_input = sub_goal

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from masgraph.agents.formats import parse_answer
 from masgraph.agents.prompting import render
-from masgraph.agents.registry import register_agent
+from masgraph.agents.registry import builtin_agent
 from masgraph.node import NodeContext, NodeOutput
 
 
-@register_agent("generator")
+@builtin_agent("generator")
 async def generator(ctx: NodeContext) -> NodeOutput:
     template = "generator_merge" if len(ctx.inputs) > 1 else "generator"
     completion = await ctx.generate(render(ctx, template))

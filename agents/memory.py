@@ -4,12 +4,12 @@ replaces the dropped ones by a model-written summary (without one, by a count)."
 from __future__ import annotations
 
 from masgraph.agents.prompting import render
-from masgraph.agents.registry import register_agent
+from masgraph.agents.registry import builtin_agent
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import NodeContext, NodeOutput
 
 
-@register_agent("memory")
+@builtin_agent("memory")
 async def memory(ctx: NodeContext) -> NodeOutput:
     log, keep = ctx.memory, ctx.spec.memory.max_actions
     dropped = log.actions[:-keep] if len(log.actions) > keep else []

@@ -11,6 +11,7 @@ from functools import lru_cache
 from importlib.resources import files
 from string import Template
 
+from masgraph.errors import MasgraphError
 from masgraph.node import NodeContext
 
 _MARK = re.compile(r"^--- (user|assistant|system)\s*$", re.M)
@@ -20,7 +21,7 @@ _MARK = re.compile(r"^--- (user|assistant|system)\s*$", re.M)
 def load_template(name: str) -> tuple[tuple[str, Template], ...]:
     path = files("masgraph.agents") / "prompts" / f"{name}.txt"
     if not path.is_file():
-        raise FileNotFoundError(f"prompt template {name!r} not found under masgraph/agents/prompts/")
+        raise MasgraphError(f"prompt template {name!r} not found under masgraph/agents/prompts/")
     parts = _MARK.split(path.read_text())
     turns = [("system", parts[0])] + list(zip(parts[1::2], parts[2::2]))
     return tuple((role, Template(text.strip())) for role, text in turns if text.strip())
@@ -31,3 +32,9 @@ def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]
     values = {"query": ctx.query, "memory": ctx.memory.render(), "inputs": ctx.merged, **values}
     turns = load_template(ctx.node_spec.prompt or default)
     return [{"role": role, "content": t.safe_substitute(values)} for role, t in turns]
+
+
+def prompt_names() -> set[str]:
+    """The template names a node's `prompt:` may use (registered with the agents)."""
+    folder = files("masgraph.agents") / "prompts"
+    return {p.name.removesuffix(".txt") for p in folder.iterdir() if p.name.endswith(".txt")}

@@ -1,49 +1,59 @@
-"""Agents by registered name, resolved in one place (the graph's YAML never holds import strings)."""
+"""Registering agents: the built-in role agents, and user agents by name. A graph names the modules that register
+its agents under `plugins:` (so loading a graph imports them: validate only graphs you trust)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from masgraph.node import Agent
+from masgraph.registry import Registry, default_registry, record
 from masgraph.spec import GraphSpec
 
-AGENTS: dict[str, Agent] = {}
+BUILTIN_AGENTS: dict[str, Agent] = {}
+"""The role agents (planner, executor, verifier, generator, memory), registered by `masgraph.agents.register`."""
 
 
-def register_agent(name: str) -> Callable[[Agent], Agent]:
-    """Register a `(NodeContext) -> NodeOutput` function under `name` (used as `agent:` in YAML).
+def builtin_agent(role: str) -> Callable[[Agent], Agent]:
+    """Mark a function as the built-in agent of a role."""
+    def deco(fn: Agent) -> Agent:
+        BUILTIN_AGENTS[role] = fn
+        return fn
+    return deco
+
+
+def register_agent(name: str, registry: Registry | None = None,
+                   routes: set[str] | None = None) -> Callable[[Agent], Agent]:
+    """Register a `(NodeContext) -> NodeOutput` function under `name` (used as `agent:` in YAML), in `registry`
+    (default: the registry loading this module as a plugin, else the process's). `routes`: the route labels it
+    emits, so edges' `when:` can be checked.
 
     Write it as `async def` and await anything slow. A plain `def` (CPU work, `time.sleep`, blocking I/O) is
     run in a worker thread, so other episodes go on and its node timeout holds; it cannot await
     `ctx.generate` or the tools, and on timeout its thread is abandoned, not stopped. An `async def` that blocks
     inside (`time.sleep`, `requests.get`) stalls every episode and its timeout cannot fire: nothing can
     preempt it, so move such work into `await asyncio.to_thread(...)`.
+
+    A graph that uses it names the module that registers it under `plugins:`, so any process that loads the
+    graph (a server, a worker) registers it too.
     """
     def deco(fn: Agent) -> Agent:
-        AGENTS[name] = fn
+        if routes is not None:
+            fn.routes = frozenset(routes)  # type: ignore[attr-defined]
+        if registry is not None:
+            registry.agents[name] = fn
+        else:  # the registry loading this module as a plugin (else the process's); replayed for others
+            record(fn.__module__, "agents", name, fn)
         return fn
     return deco
 
 
-def load_builtin_agents() -> None:
+def load_builtin_agents() -> dict[str, Agent]:
     from masgraph.agents import executor, generator, memory, planner, verifier  # noqa: F401 (they register)
 
+    return BUILTIN_AGENTS
 
-def resolve_agents(spec: GraphSpec) -> dict[str, Agent]:
+
+def resolve_agents(spec: GraphSpec, registry: Registry | None = None) -> dict[str, Agent]:
     """The body of every node: its `agent:` if set, else its role's built-in agent (checked at compile)."""
-    load_builtin_agents()
-    return {name: AGENTS[node.agent or node.role] for name, node in spec.nodes.items()}
-
-
-def known_routes(spec: GraphSpec, node: str) -> set[str] | None:
-    """The route labels a built-in node can emit (for checking edges' `when`); None when unknown (custom)."""
-    n = spec.nodes[node]
-    if n.agent is not None and n.agent != n.role:
-        return None
-    return {
-        "planner": set(n.tools or spec.tools) | {"answer"} if n.role == "planner" else set(),
-        "executor": {"ok", "error"},
-        "verifier": {"stop", "continue"},
-        "generator": {"answer"},
-        "memory": set(),
-    }.get(n.role)
+    registry = registry or default_registry()
+    return {name: registry.agent_for(spec, name) for name in spec.nodes}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from masgraph.agents.formats import parse_verdict
 from masgraph.agents.prompting import render
-from masgraph.agents.registry import register_agent
+from masgraph.agents.registry import builtin_agent
 from masgraph.node import NodeContext, NodeOutput
 
 
-@register_agent("verifier")
+@builtin_agent("verifier")
 async def verifier(ctx: NodeContext) -> NodeOutput:
     completion = await ctx.generate(render(ctx, "verifier"))
     verdict, error = parse_verdict(completion.text)

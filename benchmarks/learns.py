@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from masgraph.backends.hf import HFBackend
+from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
@@ -40,6 +41,34 @@ GREEDY_MAX, PASSK_MIN, K = 0.30, 0.30, 8
 
 class RuleFailed(Exception):
     """The task does not qualify (greedy above the cap); raised before any training."""
+
+
+class Progress:
+    """Keeps and prints each step's metrics; stops the run (cancels it) when the untrained accuracy breaks the rule."""
+
+    def __init__(self, name: str, seed: int, check_rule: bool):
+        self.name, self.seed, self.check_rule = name, seed, check_rule
+        self.rows: list[dict] = []
+        self.failed: RuleFailed | None = None
+        self.run: asyncio.Task | None = None
+
+    def emit(self, event: Event) -> None:
+        if not isinstance(event, TrainStep):
+            return
+        m = {"step": event.step, **event.metrics}
+        self.rows.append(m)
+        tag = f"  [{self.name} s{self.seed}]"
+        if m["step"] == 0:
+            print(f"{tag} untrained: acc {m['accuracy/test']:.3f}  parse-failed episodes "
+                  f"{m['parse_failed_episodes/test']:.3f}", flush=True)
+            if self.check_rule and m["accuracy/test"] > GREEDY_MAX and self.run is not None:
+                self.failed = RuleFailed(f"greedy accuracy {m['accuracy/test']:.3f} > {GREEDY_MAX}: "
+                                         "the task does not qualify")
+                self.run.cancel()  # a sink cannot raise into the loop; it stops the run before the first step
+        else:
+            print(f"{tag} step {m['step']}  reward {m.get('reward/mean', 0):.3f}  informative "
+                  f"{m['informative_groups']:.0f}  kl {m.get('kl', 0):.4f}  {m['time/train_s'] / 60:.1f} min"
+                  + (f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""), flush=True)
 
 
 def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int) -> tuple[float, float]:
@@ -58,6 +87,17 @@ def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int) -> tup
             sum(sum(v) for v in solved.values()) / len(result.traces))
 
 
+async def _run(loop: TrainLoop, progress: Progress) -> None:
+    """The training run; a rule failure (the progress sink cancelled it) is raised as RuleFailed."""
+    progress.run = asyncio.current_task()
+    try:
+        await loop.run()
+    except asyncio.CancelledError:
+        if progress.failed is not None:
+            raise progress.failed from None
+        raise
+
+
 def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
           flow_grpo: dict | None = None) -> dict:
     """One training run (baseline eval, `minutes` of training, final eval); returns its metrics.
@@ -68,28 +108,16 @@ def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: in
                                         "eval_every": 10_000, "eval_n": eval_n, "checkpoint_every": 10_000})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), graph_path)
     run_dir = ROOT / "runs" / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    loop = TrainLoop(graph, get_task(task_name), run_dir)
-    rows: list[dict] = []
-
-    def on_step(m: dict) -> None:
-        rows.append(m)
-        if m["step"] == 0:
-            print(f"  [{spec.name} s{seed}] untrained: acc {m['accuracy/test']:.3f}  parse-failed episodes "
-                  f"{m['parse_failed_episodes/test']:.3f}", flush=True)
-            if check_rule and m["accuracy/test"] > GREEDY_MAX:
-                raise RuleFailed(f"greedy accuracy {m['accuracy/test']:.3f} > {GREEDY_MAX}: the task does not qualify")
-        else:
-            print(f"  [{spec.name} s{seed}] step {m['step']}  reward {m.get('reward/mean', 0):.3f}  informative "
-                  f"{m['informative_groups']:.0f}  kl {m.get('kl', 0):.4f}  {m['time/train_s'] / 60:.1f} min"
-                  + (f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""), flush=True)
-
-    asyncio.run(loop.run(on_step=on_step))
+    progress = Progress(spec.name, seed, check_rule)
+    loop = TrainLoop(graph, get_task(task_name), run_dir, sinks=[progress])
+    asyncio.run(_run(loop, progress))
     del loop
     gc.collect()
-    base, last = rows[0], rows[-1]
+    base, last = progress.rows[0], progress.rows[-1]
     return {"graph": spec.name, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT)), "steps": last["step"],
             "train_min": last["time/train_s"] / 60, "base": base["accuracy/test"], "trained": last["accuracy/test"],
-            "base_parse_fail": base["parse_failed_episodes/test"], "trained_parse_fail": last["parse_failed_episodes/test"]}
+            "base_parse_fail": base["parse_failed_episodes/test"],
+            "trained_parse_fail": last["parse_failed_episodes/test"]}
 
 
 def main() -> int:
@@ -114,7 +142,8 @@ def main() -> int:
     if passk is None:
         print(f"pass@{K} not measured in this run (--passk-n 0)", flush=True)
     else:
-        print(f"pass@{K} {passk:.3f} (mean sampled accuracy {sampled:.3f}, {time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"pass@{K} {passk:.3f} (mean sampled accuracy {sampled:.3f}, {time.perf_counter() - t0:.0f} s)",
+              flush=True)
     if passk is not None and passk < PASSK_MIN:
         print(f"pass@{K} below {PASSK_MIN}: the task does not qualify; not training", flush=True)
         return 1

@@ -6,9 +6,9 @@ items in the same order, the same reward (masgraph's answer parser + the task's 
 queries per step, completion cap, temperature, LoRA (r, alpha, q/v), learning rate, clip range, KL
 coefficient and dtype (pinned for both sides with --dtype, fp32 by default; masgraph's own dtype probe is
 not used), and no gradient checkpointing on either side (TRL's GRPOConfig turns it on by default; masgraph
-has none). Every setting of both sides is printed and recorded. One optimizer step = rollouts of 4 queries × 8 completions + one update, on both
-sides. Tokens are counted the same way on both: completion tokens generated per step (EOS included)
-divided by the step's wall-clock. The first step of each side is warm-up and not counted.
+has none). Every setting of both sides is printed and recorded. One optimizer step = rollouts of 4 queries × 8
+completions + one update, on both sides. Tokens are counted the same way on both: completion tokens generated per
+step (EOS included) divided by the step's wall-clock. The first step of each side is warm-up and not counted.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 5] [--dtype float32]
 """
@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from masgraph.agents.formats import parse_answer
+from masgraph.events import ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.model import resolve_model
+from masgraph.store import read_traces
 from masgraph.tasks import get_task
 from masgraph.trainers.loop import TrainLoop
 
@@ -47,20 +49,22 @@ def run_masgraph(steps: int, dtype: str) -> tuple[dict, list[dict], list[str], l
     graph = compile_spec(spec.model_copy(update={"train": cfg}))
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as run_dir:
-        loop = TrainLoop(graph, get_task(TASK), Path(run_dir), dtype=dtype)
-        asyncio.run(loop.run(on_step=records.append))
-        traces = [json.loads(line)["trace"] for line in (Path(run_dir) / "events.jsonl").open()
-                  if '"episode_finished"' in line]
+        steps_sink = ListSink()
+        loop = TrainLoop(graph, get_task(TASK), Path(run_dir), dtype=dtype, sinks=[steps_sink])
+        asyncio.run(loop.run())
+        records += [{"step": e.step, **e.metrics} for e in steps_sink.events if isinstance(e, TrainStep)]
+        traces = [t.model_dump() for t in read_traces(run_dir)]
     tok = loop.backend.tokenizer
     prompts = {}
     for t in traces:  # the exact prompt each item was rendered to
         prompts.setdefault(t["item_id"], tok.decode(t["steps"][0]["llm"][0]["prompt_ids"]))
     items = loop.items[:steps * cfg.queries_per_step]
-    config = {"model": str(resolve_model(spec.policies["main"].model)), "dtype": str(loop.backend.dtype),
+    config = {"model": str(resolve_model(spec.policies["main"].model)), "dtype": loop.learner.dtype,
               "lora": [cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets], "lr": cfg.flow_grpo.lr,
               "group_size": cfg.flow_grpo.group_size, "queries_per_step": cfg.queries_per_step,
               "max_completion_tokens": spec.policies["main"].sampling.max_tokens,
-              "temperature": cfg.flow_grpo.temperature, "clip": [cfg.flow_grpo.clip_eps_low, cfg.flow_grpo.clip_eps_high],
+              "temperature": cfg.flow_grpo.temperature,
+              "clip": [cfg.flow_grpo.clip_eps_low, cfg.flow_grpo.clip_eps_high],
               "kl_coef": cfg.flow_grpo.kl_coef, "micro_batch": cfg.flow_grpo.micro_batch,
               "zero_variance": cfg.flow_grpo.zero_variance,
               "threads": torch.get_num_threads()}
@@ -100,7 +104,8 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list) -> tuple[dict
             per_device_train_batch_size=mg["group_size"] * mg["queries_per_step"], gradient_accumulation_steps=1,
             num_generations=mg["group_size"], max_completion_length=mg["max_completion_tokens"],
             temperature=mg["temperature"], top_p=1.0, top_k=0, epsilon=mg["clip"][0], epsilon_high=mg["clip"][1],
-            beta=mg["kl_coef"], num_iterations=1, lr_scheduler_type="constant", shuffle_dataset=False, report_to=[], logging_steps=1,
+            beta=mg["kl_coef"], num_iterations=1, lr_scheduler_type="constant", shuffle_dataset=False, report_to=[],
+            logging_steps=1,
             save_strategy="no", disable_dropout=True, seed=0, dataloader_num_workers=0,
             gradient_checkpointing=False)
         lora = LoraConfig(r=mg["lora"][0], lora_alpha=mg["lora"][1], target_modules=mg["lora"][2], lora_dropout=0.0,
@@ -111,7 +116,8 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list) -> tuple[dict
         trainer.train()
     trl_config = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
                                                 "max_completion_length", "temperature", "learning_rate", "epsilon",
-                                                "epsilon_high", "beta", "loss_type", "lr_scheduler_type", "use_cpu", "bf16",
+                                                "epsilon_high", "beta", "loss_type", "lr_scheduler_type", "use_cpu",
+                                                "bf16",
                                                 "fp16", "gradient_checkpointing", "num_iterations", "top_p", "top_k")}
     trl_config["model_dtype"] = str(model.dtype)
     return trl_config, times, tokens
@@ -139,13 +145,16 @@ def main() -> int:
     ratio = (mg_tok / mg_s) / (trl_tok / trl_s)
     print(f"ratio {ratio:.2f}x (target ≥ 1.0x)")
     with open(HERE / "RESULTS.md", "a") as f:
-        f.write(f"\n### Training throughput vs TRL {trl.__version__} GRPOTrainer ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        stamp = time.strftime('%Y-%m-%d %H:%M')
+        f.write(f"\n### Training throughput vs TRL {trl.__version__} GRPOTrainer ({stamp})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — single-turn `{TASK}` on graphs/single.yaml, "
                 f"{args.steps} steps each, first step of each side not counted.\n\n"
                 f"- masgraph config: `{json.dumps(mg_config)}`\n- TRL config: `{json.dumps(trl_config)}`\n\n"
                 "| side | completion tokens | seconds | tokens/s | s/step |\n|---|---|---|---|---|\n"
-                f"| masgraph Flow-GRPO | {mg_tok:.0f} | {mg_s:.1f} | {mg_tok / mg_s:.2f} | {mg_s / (len(records) - 1):.1f} |\n"
-                f"| TRL GRPOTrainer | {trl_tok} | {trl_s:.1f} | {trl_tok / trl_s:.2f} | {trl_s / (len(times) - 1):.1f} |\n\n"
+                f"| masgraph Flow-GRPO | {mg_tok:.0f} | {mg_s:.1f} | {mg_tok / mg_s:.2f} | "
+                f"{mg_s / (len(records) - 1):.1f} |\n"
+                f"| TRL GRPOTrainer | {trl_tok} | {trl_s:.1f} | {trl_tok / trl_s:.2f} | "
+                f"{trl_s / (len(times) - 1):.1f} |\n\n"
                 f"Ratio of training tokens/s: **{ratio:.2f}x** (target ≥ 1.0x)\n")
     return 0
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from masgraph.errors import MasgraphError, SpecError
-from masgraph.trace import EpisodeFinished, Event
+from masgraph.events import EpisodeFinished, Event
 
 if TYPE_CHECKING:
     from masgraph.runner import Runner
@@ -111,9 +111,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from masgraph.spec import GraphSpec
+    from masgraph.registry import default_registry
+    from masgraph.spec import graph_json_schema
 
-    print(json.dumps(GraphSpec.model_json_schema(), indent=2))
+    reg = default_registry()
+    print(json.dumps(graph_json_schema([a.config for a in reg.algorithms.values()], list(reg.backends)), indent=2))
     return 0
 
 
@@ -167,7 +169,14 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item]) -> int:
         print(f"accuracy {s['accuracy']:.3f}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
               f"completion tokens {s['completion_tokens_mean']:.1f}  failed {s['episodes'] - s['status']['ok']}")
     print(f"run dir  {result.run_dir}")
+    _warn_sink_errors(s.get("sink_errors", 0))
     return code
+
+
+def _warn_sink_errors(n: int) -> None:
+    if n:
+        print(f"warning: {n} events could not be written by a sink (run store, metrics.jsonl or progress); "
+              "check the disk: the run's files may be incomplete", file=sys.stderr)
 
 
 def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
@@ -199,22 +208,56 @@ def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     return 0
 
 
+class TrainProgress:
+    """Prints one progress line per training step to stderr (a sink of `TrainStep` events)."""
+
+    def __init__(self, steps: int, out: TextIO | None = None):
+        self.steps, self._out = steps, out
+
+    @property
+    def out(self) -> TextIO:
+        return self._out or sys.stderr
+
+    def emit(self, event: Event) -> None:
+        from masgraph.events import TrainStep
+
+        if not isinstance(event, TrainStep):
+            return
+        m = event.metrics
+        test = f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""
+        if event.step == 0:
+            print(f"step 0/{self.steps}  (untrained){test}", file=self.out, flush=True)
+            return
+        print(f"step {event.step}/{self.steps}  reward {m.get('reward/mean', 0):.3f}  "
+              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  kl {m.get('kl', 0):.4f}  "
+              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s  "
+              f"{m['time/train_s'] / 60:.1f} min",
+              file=self.out, flush=True)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from masgraph.checkpoint import checkpoint_adapters, read_state, resolve_checkpoint
-    from masgraph.spec import TrainSpec
+    from masgraph.registry import default_registry
     from masgraph.store import new_run_dir
-    from masgraph.trainers.loop import TrainLoop
 
     graph = _load_graph(args.graph)
     spec = graph.spec
-    train = spec.train or TrainSpec()
+    registry = default_registry()  # the trainers register their algorithms (the core never imports them)
+    train = spec.train or registry.algorithm(registry.default_algorithm or "flow_grpo").config()
     overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
                                     "eval_n": args.eval_n, "eval_every": args.eval_every, "seed": args.seed,
                                     "max_minutes": args.minutes}.items() if v is not None}
     if overrides or spec.train is None:
-        from masgraph.graph import compile_spec
+        from pydantic import ValidationError
 
-        graph = compile_spec(spec.model_copy(update={"train": train.model_copy(update=overrides)}), args.graph)
+        from masgraph.graph import compile_spec
+        from masgraph.loader import problems_from
+
+        try:  # validated like the YAML
+            train = type(train).model_validate({**train.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise SpecError(problems_from(exc, prefix=("train",), model=type(train)), "command-line options") from None
+        graph = compile_spec(spec.model_copy(update={"train": train}), args.graph)
         train = graph.spec.train
     if train.task is None:
         raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
@@ -225,30 +268,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
     dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
-    loop = TrainLoop(graph, task, run_dir, dtype=dtype)  # a resumed run keeps the dtype it was trained in
+    # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
+    trainer = registry.algorithm(train.algorithm).trainer()
+    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[TrainProgress(train.steps)])
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
 
-    def show(m: dict) -> None:
-        test = f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""
-        if m["step"] == 0:
-            print(f"step 0/{train.steps}  (untrained){test}", file=sys.stderr, flush=True)
-            return
-        print(f"step {m['step']}/{train.steps}  reward {m.get('reward/mean', 0):.3f}  "
-              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  kl {m.get('kl', 0):.4f}  "
-              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s  "
-              f"{m['time/train_s'] / 60:.1f} min",
-              file=sys.stderr, flush=True)
-
     async def run_training() -> None:
-        await loop.run(on_step=show)
+        await loop.run()
 
     code = _run_cancellable(run_training)
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
         return code
+    _warn_sink_errors(loop.sink_errors)
     print(f"done: {loop.step} steps; metrics {run_dir / 'metrics.jsonl'}; checkpoints {run_dir / 'checkpoints'}")
     return 0
 
@@ -274,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--samples", type=positive_int, default=1, help="rollouts per item")
     r.add_argument("--concurrency", type=positive_int, default=16, help="episodes in flight")
     r.add_argument("--seed", type=non_negative_int, default=0)
-    r.add_argument("--deterministic", action="store_true", help="bit-exact: each hf row decodes alone, per-request seeds")
+    r.add_argument("--deterministic", action="store_true",
+                   help="bit-exact: each hf row decodes alone, per-request seeds")
     r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
     r.add_argument("--checkpoint", help="serve trained adapters: a training run dir (latest) or RUN/checkpoints/step-N")
     r.set_defaults(fn=cmd_run)

@@ -52,3 +52,7 @@ class SpecError(MasgraphError):
 
 class ModelNotFoundError(MasgraphError):
     """A policy names a model that is neither the embedded default nor a local directory."""
+
+
+class ToolError(MasgraphError):
+    """A tool rejected its input or failed; the message is shown to the model (the step records it)."""

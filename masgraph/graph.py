@@ -5,9 +5,8 @@ from __future__ import annotations
 import difflib
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,40 @@ import networkx as nx
 from pydantic import ValidationError
 
 from masgraph.errors import Problem, SpecError, one_of, shorten
-from masgraph.loader import locate, problems_from
+from masgraph.loader import keep_source, locate, problems_from, validate_train
+from masgraph.registry import Registry, default_registry
 from masgraph.spec import EdgeSpec, GraphSpec, NodeSpec
 
-# Backends that return the token ids and per-token logprobs an RL trainer needs.
-TOKEN_BACKENDS = frozenset({"hf", "scripted"})
-EMBEDDED_MODELS = frozenset({"smollm2-135m"})
+
+@dataclass(frozen=True)
+class Topology:
+    """The part of a graph one episode runs: the graph minus the nodes and edges switched off (edges by their
+    index in `spec.edges`; a node switched off takes its edges with it). Hashable, so views are cached."""
+
+    nodes_off: frozenset[str] = frozenset()
+    edges_off: frozenset[int] = frozenset()
+
+    def to_dict(self) -> dict[str, list]:
+        return {"nodes_off": sorted(self.nodes_off), "edges_off": sorted(self.edges_off)}
+
+
+@dataclass(frozen=True)
+class GraphView:
+    """What the scheduler reads of a graph or sub-graph, computed once per topology."""
+
+    out_edges: dict[str, list[EdgeSpec]]
+    """Active edges leaving each active node, in spec order."""
+    cycle_of: dict[str, int]
+    """Active node -> index of its cycle (only nodes on a cycle of the sub-graph)."""
+    waits_for: dict[str, frozenset[str]]
+    """Fan-in node -> the nodes that can still feed it in the same pass (see `live_branch_sources`)."""
+    problems: list[Problem]
+    """Structural problems of the sub-graph (empty for the compiled graph itself)."""
+
+    def leaves_cycle(self, edge: EdgeSpec) -> bool:
+        """Whether the edge goes from a node on a cycle to a node off that cycle."""
+        c = self.cycle_of.get(edge.source)
+        return c is not None and self.cycle_of.get(edge.target) != c
 
 
 @dataclass(frozen=True)
@@ -28,6 +55,49 @@ class Graph:
     """A validated graph: the spec plus its edge indexes and loop structure. Build with `compile_spec`."""
 
     spec: GraphSpec
+    registry: Registry | None = field(default=None, compare=False, repr=False)
+    """The registry it was compiled against (what an Engine runs it with unless given another)."""
+
+    def view(self, topology: Topology | None = None) -> GraphView:
+        """The graph as one episode runs it: whole (`None`), or the sub-graph of a topology — the nodes still
+        reachable from the entry over the edges left on — checked by the same pure rules as at compile time
+        (exit reachable, cycles bounded, fan-ins merged; microseconds on the shipped graphs; cached)."""
+        views = self._views
+        found = views.get(topology)
+        if found is None:
+            found = views[topology] = self._make_view(topology)
+        return found
+
+    @cached_property
+    def _views(self) -> dict[Topology | None, GraphView]:
+        return {}
+
+    def _make_view(self, topology: Topology | None) -> GraphView:
+        spec = self.spec
+        if topology is None:
+            nodes, edges, problems = spec.nodes, spec.edges, []
+        else:
+            off = topology.nodes_off
+            bad = [Problem("topology", f"edge index {i} is not an edge of the graph", "") for i in
+                   sorted(topology.edges_off) if not 0 <= i < len(spec.edges)]
+            bad += [Problem("topology", f"node {shorten(n)!r} is not a node of the graph", "") for n in sorted(off)
+                    if n not in spec.nodes]
+            edges = [e for i, e in enumerate(spec.edges)
+                     if i not in topology.edges_off and e.source not in off and e.target not in off]
+            live = _reachable(spec.entry, edges) if spec.entry not in off else set()
+            nodes = {n: s for n, s in spec.nodes.items() if n in live}  # a node nothing leads to is off too
+            edges = [e for e in edges if e.source in live]
+            if not bad and spec.exit not in live:
+                bad.append(Problem("topology", f"exit {shorten(spec.exit)!r} is not reachable from entry "
+                                   f"{shorten(spec.entry)!r}", ""))
+            if bad:
+                return GraphView({}, {}, {}, bad)
+            problems = check_structure(nodes, edges, spec.entry, spec.exit, spec.limits.max_turns,
+                                       spec.limits.max_steps)
+            if problems:
+                return GraphView({}, {}, {}, problems)
+        return GraphView(_index(nodes, edges, "source"), cycle_index(nodes, edges),
+                         live_branch_sources(nodes, edges, spec.entry), problems)
 
     @cached_property
     def nx(self) -> nx.MultiDiGraph:
@@ -62,6 +132,19 @@ class Graph:
         """Whether the edge goes from a node on a cycle to a node off that cycle."""
         c = self.cycle_of.get(edge.source)
         return c is not None and self.cycle_of.get(edge.target) != c
+
+
+def _reachable(entry: str, edges: Sequence[EdgeSpec]) -> set[str]:
+    succ: dict[str, list[str]] = {}
+    for e in edges:
+        succ.setdefault(e.source, []).append(e.target)
+    seen, stack = {entry}, [entry]
+    while stack:
+        for nxt in succ.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
 
 
 def _index(nodes: Mapping[str, Any], edges: Sequence[EdgeSpec], end: str) -> dict[str, list[EdgeSpec]]:
@@ -117,6 +200,56 @@ def cycle_index(nodes: Mapping[str, Any], edges: Sequence[EdgeSpec]) -> dict[str
                     out.update((m, cycles) for m in comp)
                     cycles += 1
     return out
+
+
+def live_branch_sources(nodes: Mapping[str, Any], edges: Sequence[EdgeSpec], entry: str) -> dict[str, frozenset[str]]:
+    """Fan-in node -> the nodes that can still feed it in the same pass: its ancestors once each loop's back edge
+    is cut, so a join inside a loop never waits for its own next turn. Linear in nodes + edges per fan-in."""
+    sources: dict[str, set[str]] = {}
+    for e in edges:
+        if e.source != e.target:
+            sources.setdefault(e.target, set()).add(e.source)
+    fan_in = [n for n, srcs in sources.items() if len(srcs) > 1]
+    if not fan_in:
+        return {}
+    succ: dict[str, list[str]] = {n: [] for n in nodes}
+    for e in edges:
+        succ[e.source].append(e.target)
+    back = back_edges(entry, succ)
+    pred: dict[str, list[str]] = {n: [] for n in nodes}
+    for e in edges:
+        if (e.source, e.target) not in back:
+            pred[e.target].append(e.source)
+    out = {}
+    for n in fan_in:
+        seen: set[str] = set()
+        stack = list(pred[n])
+        while stack:
+            m = stack.pop()
+            if m not in seen:
+                seen.add(m)
+                stack.extend(pred[m])
+        out[n] = frozenset(seen)
+    return out
+
+
+def back_edges(entry: str, succ: Mapping[str, Sequence[str]]) -> set[tuple[str, str]]:
+    """Edges into a node still on the depth-first stack from the entry (in edge order): the loops' back edges."""
+    on_stack, done, back = {entry}, set(), set()
+    stack = [(entry, iter(succ[entry]))]
+    while stack:
+        node, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            stack.pop()
+            on_stack.discard(node)
+            done.add(node)
+        elif nxt in on_stack:
+            back.add((node, nxt))
+        elif nxt not in done:
+            on_stack.add(nxt)
+            stack.append((nxt, iter(succ[nxt])))
+    return back
 
 
 def check_structure(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], entry: str, exit: str,
@@ -206,28 +339,53 @@ def _merge_problems(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec]) ->
             for name, srcs in sources.items() if len(srcs) > 1 and nodes[name].merge is None]
 
 
-def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = True) -> Graph:
-    """Check the structural rules (reachability, bounded cycles, fan-in merges, trainable backends)."""
+def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = True,
+                 registry: Registry | None = None) -> Graph:
+    """Check a spec against the structural rules (reachability, bounded cycles, fan-in merges) and the registry
+    (plugins load, agents, routes, tools, backends, models and the `train:` section exist and fit), every problem
+    located; the Graph's spec has its `train:` section as its algorithm's typed model."""
+    registry = registry or default_registry()
     problems = check_structure(spec.nodes, spec.edges, spec.entry, spec.exit, spec.limits.max_turns,
                                spec.limits.max_steps)
-    problems += _policy_problems(spec, check_models) + _train_problems(spec) + _registry_problems(spec)
+    problems += registry.load_plugins(spec.plugins, _folder_of(file))
+    problems += _policy_problems(spec, registry, check_models) + _registry_problems(spec, registry)
+    train, train_problems = validate_train(spec.train, registry)
+    problems += train_problems
+    if train is not None and not train_problems:
+        problems += registry.algorithm(train.algorithm).check(spec, registry)
     if problems:
         raise SpecError(locate(problems, spec), file)
-    return Graph(spec)
+    if train is not spec.train:
+        spec = keep_source(spec.model_copy(update={"train": train}), spec)
+    return Graph(spec, registry)
 
 
-def _policy_problems(spec: GraphSpec, check_models: bool) -> list[Problem]:
+def _policy_problems(spec: GraphSpec, registry: Registry, check_models: bool) -> list[Problem]:
     problems = []
     for pname, pol in spec.policies.items():
-        if pol.trainable and pol.backend not in TOKEN_BACKENDS:
+        kind = registry.backends.get(pol.backend)
+        if kind is None:
+            problems.append(Problem(f"policies.{pname}.backend", f"backend {shorten(pol.backend)!r} is not registered",
+                                    f"use one of {one_of(registry.backends)}"))
+            continue
+        if pol.trainable and not kind.returns_tokens:
+            tokens = sorted(n for n, k in registry.backends.items() if k.returns_tokens)
             problems.append(Problem(f"policies.{pname}.backend",
                                     f"trainable policy uses backend {pol.backend!r}, which returns no token "
-                                    "ids/logprobs",
-                                    f"use one of {sorted(TOKEN_BACKENDS)} or set trainable: false"))
-        if check_models and pol.backend == "hf" and pol.model not in EMBEDDED_MODELS and not _is_dir(pol.model):
+                                    "ids/logprobs", f"use one of {tokens} or set trainable: false"))
+        if check_models and kind.local_models and pol.model not in registry.models and not _is_dir(pol.model):
             problems.append(Problem(f"policies.{pname}.model", f"model {shorten(pol.model)!r} is not installed",
-                                    f"use {min(EMBEDDED_MODELS)!r} (embedded) or a local HF model directory"))
+                                    f"use one of {one_of(registry.models)} (embedded) or a local HF model "
+                                    "directory"))
     return problems
+
+
+def _folder_of(file: str | None) -> Path | None:
+    """The folder of the graph file (where relative plugin paths start), when `file` is one."""
+    try:
+        return Path(file).parent if file and Path(file).is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _is_dir(path: str) -> bool:
@@ -237,56 +395,32 @@ def _is_dir(path: str) -> bool:
         return False
 
 
-def _train_problems(spec: GraphSpec) -> list[Problem]:
-    if spec.train is None:
-        return []
-    trainable = {n: p for n, p in spec.policies.items() if p.trainable}
-    if not trainable:
-        return [Problem("train", "the graph has a `train:` section but no trainable policy",
-                        "set `trainable: true` (and an `adapter:`) on the policies to train")]
-    problems = []
-    adapters: dict[str, str] = {}
-    for pname, pol in trainable.items():
-        if pol.backend != "hf" or pol.adapter is None:
-            problems.append(Problem(f"policies.{pname}", "a trained policy needs `backend: hf` and an `adapter:`",
-                                    "give it its own adapter name, e.g. `adapter: " + pname + "`"))
-        elif adapters.setdefault(pol.adapter, pname) != pname:
-            problems.append(Problem(f"policies.{pname}.adapter", f"adapter {shorten(pol.adapter)!r} is also trained "
-                                    f"by policy {shorten(adapters[pol.adapter])!r}",
-                                    "give each trainable policy its own adapter"))
-    return problems
-
-
-def _registry_problems(spec: GraphSpec) -> list[Problem]:
+def _registry_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
     """Agents, routes, tool kinds (with their options) and prompt templates must exist."""
-    from masgraph.agents.registry import AGENTS, known_routes, load_builtin_agents
-
-    load_builtin_agents()
     out = []
     for name, node in spec.nodes.items():
         key = node.agent or node.role
-        if key not in AGENTS:
+        if key not in registry.agents:
             out.append(Problem(f"nodes.{name}.agent", f"agent {shorten(key)!r} is not registered",
-                               f"use one of {sorted(AGENTS)} or register it with register_agent({shorten(key)!r})"))
+                               f"use one of {one_of(registry.agents)}, or register it with "
+                               f"register_agent({shorten(key)!r}) in a module listed under `plugins:`"))
     for i, e in enumerate(spec.edges):
-        routes = known_routes(spec, e.source) if e.when is not None else None
+        routes = registry.routes(spec, e.source) if e.when is not None and e.source in spec.nodes else None
         if routes is not None and e.when not in routes:
             fix = f"use one of {one_of(routes)}" if routes else f"drop `when:` ({shorten(e.source)!r} emits none)"
             out.append(Problem(f"edges[{i}].when", f"{shorten(e.source)!r} never emits route {shorten(e.when)!r}", fix))
-    return out + _tool_problems(spec) + _prompt_problems(spec)
+    return out + _tool_problems(spec, registry) + _prompt_problems(spec, registry)
 
 
-def _tool_problems(spec: GraphSpec) -> list[Problem]:
+def _tool_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
     """Each tool's kind is registered and its `options` validate against that kind's ToolOptions model."""
-    from masgraph.agents.tools.registry import TOOL_KINDS, load_builtin_tools
-
-    load_builtin_tools()
     out = []
     for name, tool in spec.tools.items():
-        kind = TOOL_KINDS.get(tool.kind)
+        kind = registry.tools.get(tool.kind)
         if kind is None:
             out.append(Problem(f"tools.{name}.kind", f"tool kind {shorten(tool.kind)!r} is not registered",
-                               f"use one of {sorted(TOOL_KINDS)} or register a function with register_tool"))
+                               f"use one of {one_of(registry.tools)} or register a function with register_tool "
+                               "(in a module listed under `plugins:`)"))
             continue
         try:
             kind.options.model_validate(tool.options)
@@ -295,13 +429,12 @@ def _tool_problems(spec: GraphSpec) -> list[Problem]:
     return out
 
 
-def _prompt_problems(spec: GraphSpec) -> list[Problem]:
-    """A node's `prompt:` names a template file under masgraph/agents/prompts/ (the only place prompts load from)."""
+def _prompt_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
+    """A node's `prompt:` names a registered template (masgraph/agents/prompts/*.txt)."""
     named = {n: node.prompt for n, node in spec.nodes.items() if node.prompt is not None}
     if not named:
         return []
-    folder = files("masgraph.agents").joinpath("prompts")
-    available = sorted(p.name.removesuffix(".txt") for p in folder.iterdir() if p.name.endswith(".txt"))
+    available = sorted(registry.prompts)
     out = []
     for name, prompt in named.items():
         if prompt not in available:
@@ -347,7 +480,7 @@ class GraphBuilder:
         return self
 
     def set(self, **sections: Any) -> GraphBuilder:
-        """Set top-level sections: entry, exit, memory, limits."""
+        """Set top-level sections: entry, exit, memory, limits, plugins, train."""
         self._doc.update(sections)
         return self
 
@@ -360,5 +493,5 @@ class GraphBuilder:
         except ValidationError as exc:
             raise SpecError(problems_from(exc), f"GraphBuilder({doc['name']!r})") from None
 
-    def compile(self, check_models: bool = True) -> Graph:
-        return compile_spec(self.spec(), f"GraphBuilder({self._doc['name']!r})", check_models)
+    def compile(self, check_models: bool = True, registry: Registry | None = None) -> Graph:
+        return compile_spec(self.spec(), f"GraphBuilder({self._doc['name']!r})", check_models, registry)

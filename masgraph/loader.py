@@ -6,12 +6,16 @@ import difflib
 import re
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from masgraph.errors import Problem, SpecError, shorten
+from masgraph.errors import Problem, SpecError, one_of, shorten
 from masgraph.spec import GraphSpec
+
+if TYPE_CHECKING:
+    from masgraph.registry import Registry
 
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists in a spec (a graph needs about 5; far deeper YAML exhausts the stack)."""
@@ -21,18 +25,24 @@ ALIAS_BUDGET = 10_000
 _SOURCES: dict[int, yaml.Node] = {}  # id(spec) -> its composed YAML, kept beside the spec (not in it) for locating
 
 
-def load_spec(path: str | Path) -> GraphSpec:
-    """Read and validate a graph YAML file; raise SpecError naming file, location and fix."""
+def load_spec(path: str | Path, registry: Registry | None = None) -> GraphSpec:
+    """Read and validate a graph YAML file (its `train:` section against the registry's algorithms); raise
+    SpecError naming file, location and fix."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise SpecError([Problem("", f"cannot read file: {reason}", "check the path")], str(path)) from None
-    return parse_spec(data, str(path))
+    spec = parse_spec(data, str(path), registry)
+    if any(p.endswith(".py") for p in spec.plugins):  # plugin files resolve beside the graph, from anywhere
+        here = path.resolve().parent
+        spec = keep_source(spec.model_copy(update={"plugins": [str(here / p) if p.endswith(".py") else p
+                                                               for p in spec.plugins]}), spec)
+    return spec
 
 
-def parse_spec(text: str | bytes, file: str | None = None) -> GraphSpec:
+def parse_spec(text: str | bytes, file: str | None = None, registry: Registry | None = None) -> GraphSpec:
     """Validate YAML text (or UTF-8 bytes) as a GraphSpec."""
     if isinstance(text, bytes):
         text = _decode(text, file)
@@ -41,18 +51,63 @@ def parse_spec(text: str | bytes, file: str | None = None) -> GraphSpec:
         line, col = _mark(root.start_mark) if root is not None else (1, 1)
         raise SpecError([Problem("", "the file must hold a mapping (name:, nodes:, edges:, ...)",
                                  "see graphs/*.yaml", line, col)], file)
+    from masgraph.registry import default_registry
+
+    problems: list[Problem] = []
     try:
         spec = GraphSpec.model_validate(data, strict=True)
     except ValidationError as exc:
-        raise SpecError(problems_from(exc, root), file) from None
+        problems, spec = problems_from(exc, root), None
+    train, train_problems = validate_train(data.get("train"), registry or default_registry(), root)
+    problems += train_problems
+    if problems or spec is None:
+        raise SpecError(problems, file)
+    if train is not spec.train:
+        spec = spec.model_copy(update={"train": train})
+    _remember(spec, root)
+    return spec
+
+
+def validate_train(raw: Any, registry: Registry, root: yaml.Node | None = None) -> tuple[Any, list[Problem]]:
+    """A `train:` section as its algorithm's model (`algorithm:` picks it; the registry's default if absent)."""
+    if raw is None or isinstance(raw, BaseModel):
+        return raw, []
+    if not isinstance(raw, dict):
+        return None, locate_in([Problem("train", f"expected a mapping, got {type(raw).__name__}",
+                                        "write `train:` as a mapping, e.g. `train: {task: basic_arithmetic}`")], root)
+    name = raw.get("algorithm", registry.default_algorithm)
+    if not isinstance(name, str) or name not in registry.algorithms:
+        fix = f"use one of {one_of(registry.algorithms)}" if registry.algorithms else \
+            "install masgraph with its trainers (pip install -e .): no training algorithm is registered"
+        return None, locate_in([Problem("train.algorithm", f"unknown training algorithm {shorten(str(name))!r}",
+                                        fix)], root)
+    model = registry.algorithms[name].config
+    try:
+        return model.model_validate({**raw, "algorithm": name}, strict=True), []
+    except ValidationError as exc:
+        return None, problems_from(exc, root, prefix=("train",), model=model)
+
+
+def _remember(spec: GraphSpec, root: yaml.Node | None) -> None:
     _SOURCES[id(spec)] = root
     weakref.finalize(spec, _SOURCES.pop, id(spec), None)
-    return spec
+
+
+def keep_source(new: GraphSpec, old: GraphSpec) -> GraphSpec:
+    """`new` (a copy of `old`) keeps `old`'s YAML source, so its problems are located in the same file."""
+    root = _SOURCES.get(id(old))
+    if root is not None:
+        _remember(new, root)
+    return new
 
 
 def locate(problems: list[Problem], spec: GraphSpec) -> list[Problem]:
     """Give problems without a line the line:column of their key path in the YAML `spec` was loaded from."""
-    root = _SOURCES.get(id(spec))
+    return locate_in(problems, _SOURCES.get(id(spec)))
+
+
+def locate_in(problems: list[Problem], root: yaml.Node | None) -> list[Problem]:
+    """Give problems without a line the line:column of their key path in a composed YAML document."""
     if root is None:
         return problems
     out, cache = [], {}
@@ -242,7 +297,7 @@ def problems_from(exc: ValidationError, root: yaml.Node | None = None, prefix: t
         node = _find(root, loc, cache) if root is not None else None
         if node is not None:
             line, col = _mark(node.start_mark)
-        allowed = sorted(model.model_fields) if model is not None and len(loc) == len(prefix) + 1 else None
+        allowed = _model_fields_at(model, loc[len(prefix):-1]) if model is not None else None
         msg, fix = _explain(err, loc, allowed)
         problems.append(Problem(_render(loc), msg, fix, line, col))
     return problems
@@ -333,11 +388,21 @@ def _fields_at(loc: list) -> list[str]:
         (): (s.GraphSpec,), ("nodes", "*"): node_models, ("policies", "*"): (s.PolicySpec,),
         ("policies", "*", "sampling"): (s.SamplingSpec,), ("tools", "*"): (s.ToolSpec,),
         ("edges", "*"): (s.EdgeSpec,), ("memory",): (s.MemoryConfig,), ("limits",): (s.Limits,),
-        ("train",): (s.TrainSpec,), ("train", "flow_grpo"): (s.FlowGRPOConfig,),
     }
     keyed = loc[:1] in (["nodes"], ["policies"], ["tools"], ["edges"])  # sections whose 2nd part is a name/index
     key = tuple("*" if i == 1 and keyed else p for i, p in enumerate(loc))
     return sorted({f for m in table.get(key, ()) for f in m.model_fields})
+
+
+def _model_fields_at(model: type[BaseModel], loc: list) -> list[str] | None:
+    """Keys allowed at a path inside `model` (through nested model fields); None when the path leaves models."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        inner = getattr(field, "annotation", None)
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return None
+        model = inner
+    return sorted(model.model_fields)
 
 
 def _explain(err: dict, loc: list, allowed: list[str] | None = None) -> tuple[str, str]:

@@ -53,6 +53,8 @@ class NodeContext:
     """Call this node's policy with chat messages; the call is recorded in the step."""
     tools: dict[str, ToolFn]
     """The node's tools by name (already bound to their time limits)."""
+    tool_descriptions: dict[str, str] = field(default_factory=dict)
+    """Every tool of the graph by name -> the description shown to the model."""
 
     @property
     def node_spec(self) -> Any:

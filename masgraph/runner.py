@@ -1,7 +1,7 @@
-"""Run a graph on a task: build backends, tools and agents, drive the scheduler, store and summarise.
+"""Run a graph on a task: items x samples through the engine's scheduler, stored and summarised.
 
-`masgraph run`, the benchmarks and (later) the trainers all go through `Runner`, so rollouts in
-training are the same code path as evaluation."""
+`masgraph run`, the benchmarks and the trainers' rollouts and evaluations all go through `Runner`, so rollouts
+in training are the same code path as evaluation."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from masgraph.agents.registry import resolve_agents
-from masgraph.agents.tools.registry import build_tools
-from masgraph.backends import Backend, make_backend
-from masgraph.errors import MasgraphError
+from masgraph.backends import Backend
+from masgraph.engine import BackendOptions, Engine
+from masgraph.events import ListSink, Sink
 from masgraph.graph import Graph
+from masgraph.registry import Registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.store import RunStore, new_run_dir
 from masgraph.tasks import Item, Task
-from masgraph.trace import ListSink, Sink, Trace
+from masgraph.trace import Trace
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RunResult:
 
 
 class Runner:
-    """Owns the backends of one graph (shared across runs, so the model loads once).
+    """Runs tasks on one engine (its backends shared across runs, so the model loads once).
 
     Example:
         >>> runner = Runner(graph, RunConfig(n=8))
@@ -61,51 +61,29 @@ class Runner:
         >>> result.summary["accuracy"]
     """
 
-    def __init__(self, graph: Graph, config: RunConfig | None = None, backends: dict[str, Backend] | None = None):
+    def __init__(self, graph: Graph, config: RunConfig | None = None, backends: dict[str, Backend] | None = None,
+                 registry: Registry | None = None, engine: Engine | None = None):
         self.graph, self.config = graph, config or RunConfig()
-        spec = graph.spec
-        self.agents = resolve_agents(spec)
-        self.tools = build_tools(spec.tools)
-        self.backends: dict[tuple, Backend] = {}
-        self.policies: dict[str, Policy] = {}
+        c = self.config
+        self.engine = engine or Engine(graph, registry, backends, BackendOptions(
+            c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed))
         self.last_result: RunResult | None = None
         """The latest run's result, set also when that run was cancelled (its summary counts what finished)."""
-        for name, pol in spec.policies.items():
-            if pol.backend == "scripted" and "scripted" not in (backends or {}):
-                raise MasgraphError(
-                    f"policy {name!r} uses `backend: scripted`, which replays canned replies for tests and has none "
-                    "in a graph file; serve it with `backend: hf` (a local model) or `backend: litellm` (a server), "
-                    "or run the graph from Python with Runner(graph, backends={'scripted': ScriptedBackend(...)})")
-            key = (pol.backend, pol.model, pol.api_base)
-            if key not in self.backends:
-                given = (backends or {}).get(pol.backend)
-                self.backends[key] = given or make_backend(pol, **self._options(pol.backend))
-            backend = self.backends[key]
-            if pol.adapter and hasattr(backend, "add_adapter") and pol.adapter not in getattr(backend, "versions", {}):
-                backend.add_adapter(pol.adapter)
-            self.policies[name] = Policy(name, pol, backend)
+
+    @property
+    def backends(self) -> dict[tuple, Backend]:
+        return self.engine.backends
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        return self.engine.policies
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""
-        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
-
-        checkpoint = resolve_checkpoint(path)
-        for name, adapter_dir in checkpoint_adapters(checkpoint).items():
-            for backend in self.backends.values():
-                if hasattr(backend, "load_adapter"):
-                    backend.load_adapter(name, str(adapter_dir))
-        return checkpoint
-
-    def _options(self, kind: str) -> dict[str, Any]:
-        c = self.config
-        if kind == "hf":
-            return {"deterministic": c.deterministic, "max_batch_size": c.max_batch_size,
-                    "batch_wait_ms": c.batch_wait_ms, "seed": c.seed}
-        return {}
+        return self.engine.load_checkpoint(path)
 
     def scheduler(self, sinks: Sequence[Sink] = (), score: Any = None) -> Scheduler:
-        return Scheduler(self.graph, self.agents, self.policies, self.tools, sinks,
-                         concurrency=self.config.concurrency, seed=self.config.seed, score=score)
+        return self.engine.scheduler(sinks, score, concurrency=self.config.concurrency, seed=self.config.seed)
 
     async def run_items(self, task: Task, items: list[Item], sinks: Sequence[Sink] = (),
                         store: bool = True) -> RunResult:
@@ -144,8 +122,7 @@ class Runner:
         return await self.run_items(task, items, sinks, store)
 
     async def aclose(self) -> None:
-        for b in self.backends.values():
-            await b.aclose()
+        await self.engine.aclose()
 
 
 def mean(values: Any) -> float:

@@ -12,24 +12,36 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
-
 from masgraph.backends.base import Backend, Request
-from masgraph.graph import Graph
+from masgraph.errors import MasgraphError
+from masgraph.events import (
+    EpisodeFinished,
+    EpisodeStarted,
+    LLMCallFinished,
+    Sink,
+    StepFinished,
+    StepStarted,
+    ToolCallFinished,
+)
+from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
-from masgraph.trace import EpisodeFinished, EpisodeStarted, LLMCall, Sink, Step, StepFinished, Trace
+from masgraph.trace import LLMCall, Step, Trace
 
 
 @dataclass(frozen=True)
 class EpisodeInput:
-    """One episode to run: a query and where it came from (sample = index within a group of rollouts)."""
+    """One episode to run: a query and where it came from (sample = index within a group of rollouts), and
+    optionally the part of the graph it runs (`topology`; default the whole graph) and its id."""
 
     item_id: str
     query: str
     sample: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    topology: Topology | None = None
+    episode_id: str | None = None
+    """Default: `<run index>-<item_id>-<sample>`."""
 
 
 @dataclass
@@ -62,15 +74,20 @@ class Scheduler:
 
     def __init__(self, graph: Graph, agents: dict[str, Agent], policies: dict[str, Policy],
                  tools: dict[str, ToolFn], sinks: Sequence[Sink] = (), concurrency: int = 8, seed: int = 0,
-                 score: Callable[[EpisodeInput, Trace], float] | None = None):
+                 score: Callable[[EpisodeInput, Trace], float] | None = None,
+                 tool_descriptions: dict[str, str] | None = None):
         self.graph, self.policies, self.tools = graph, policies, tools
         self.agents = {name: _as_async(agent) for name, agent in agents.items()}
         self.sinks, self.concurrency, self.seed, self.score = list(sinks), concurrency, seed, score
+        if tool_descriptions is None:
+            from masgraph.registry import default_registry
+            from masgraph.tools import tool_descriptions as describe
+
+            tool_descriptions = describe((graph.registry or default_registry()).tools, graph.spec.tools)
+        self.tool_descriptions = tool_descriptions
         self._spec = graph.spec
-        self._out_edges = {n: graph.out_edges(n) for n in self._spec.nodes}
         self._node_tools = {n: {t: tools[t] for t in (getattr(s, "tools", None) or tools) if t in tools}
                             for n, s in self._spec.nodes.items()}
-        self._waits_for = _live_branch_sources(graph)
         self.sink_errors = 0
         """Events a sink failed to take (counted, never fatal)."""
 
@@ -92,13 +109,21 @@ class Scheduler:
             raise
 
     async def run_episode(self, ep: EpisodeInput, index: int = 0) -> Trace:
-        trace = Trace(episode_id=f"{index:06d}-{ep.item_id}-{ep.sample}", item_id=ep.item_id, query=ep.query,
-                      meta={"sample": ep.sample, **ep.meta})
-        self._emit(EpisodeStarted(episode_id=trace.episode_id, item_id=ep.item_id, query=ep.query))
+        """Run one episode on its topology (the whole graph by default); it always yields a Trace."""
+        trace = Trace(episode_id=ep.episode_id or f"{index:06d}-{ep.item_id}-{ep.sample}", item_id=ep.item_id,
+                      query=ep.query, meta={"sample": ep.sample, **ep.meta})
+        if ep.topology is not None:
+            trace.meta["topology"] = ep.topology.to_dict()
+        self._emit(EpisodeStarted(episode_id=trace.episode_id, item_id=ep.item_id, query=ep.query,
+                                  started=time.time()))
         t0 = time.perf_counter()
         try:
+            view = self.graph.view(ep.topology)
+            if view.problems:
+                raise _StepFailed("the episode's topology is not a valid graph: "
+                                  + "; ".join(f"{p.path}: {p.message}" for p in view.problems))
             async with asyncio.timeout(self._spec.limits.episode_timeout_s):
-                await self._loop(ep, trace, index)
+                await self._loop(ep, trace, index, view)
         except TimeoutError:
             trace.status, trace.error = "timeout", f"episode exceeded {self._spec.limits.episode_timeout_s}s"
         except asyncio.CancelledError:
@@ -119,15 +144,15 @@ class Scheduler:
         self._emit(EpisodeFinished(trace=trace))
         return trace
 
-    async def _loop(self, ep: EpisodeInput, trace: Trace, index: int) -> None:
+    async def _loop(self, ep: EpisodeInput, trace: Trace, index: int, view: GraphView) -> None:
         spec, limits = self._spec, self._spec.limits
         memory = ActionLog(spec.memory.max_actions, spec.memory.max_result_chars)
         runs: Counter[str] = Counter()
         frontier: _Frontier = {spec.entry: []}
         while frontier:
-            ready, waiting = self._plan(frontier)
+            ready, waiting = _plan(frontier, view.waits_for)
             for node in ready:
-                if node in self.graph.cycle_of and runs[node] >= (limits.max_turns or 1):
+                if node in view.cycle_of and runs[node] >= (limits.max_turns or 1):
                     raise _StepFailed(f"node {node!r} would exceed max_turns={limits.max_turns}")
             if len(trace.steps) + len(ready) > limits.max_steps:
                 raise _StepFailed(f"episode exceeded max_steps={limits.max_steps}")
@@ -139,6 +164,14 @@ class Scheduler:
             else:
                 results = await asyncio.gather(*(self._step(ep, trace, index, n, runs[n], inp, memory)
                                                  for n, inp in ready.items()))
+            nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
+            answer = None
+            for node, out, step in results:  # routed first, so a step event never changes after it is sent
+                if node == spec.exit:
+                    answer = out.answer if out.answer is not None else out.text
+                elif step.error is None:
+                    for edge in _route(view, limits.max_turns, node, out, runs[node], step):
+                        nxt.setdefault(edge.target, []).append((node, out))
             for _, _, step in results:  # recorded in plan order, so traces do not depend on timing
                 step.index = len(trace.steps)
                 trace.steps.append(step)
@@ -146,48 +179,24 @@ class Scheduler:
             failed = next((s for _, _, s in results if s.error is not None), None)
             if failed is not None:
                 raise _StepFailed(f"node {failed.node!r} failed after {failed.attempts} attempt(s): {failed.error}")
-            nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
-            for node, out, step in results:
-                if node == spec.exit:
-                    trace.answer = out.answer if out.answer is not None else out.text
-                    return
-                for edge in self._route(node, out, runs[node], step):
-                    nxt.setdefault(edge.target, []).append((node, out))
+            if answer is not None:
+                trace.answer = answer
+                return
             frontier = nxt
         raise _StepFailed("no edge fired and the exit node was not reached")
-
-    def _plan(self, frontier: _Frontier) -> tuple[_Frontier, _Frontier]:
-        """Split the frontier into the nodes to run now and the fan-in nodes that wait: those that another
-        frontier node can still reach (a live branch). One always runs: the graph minus back edges is a DAG."""
-        if len(frontier) == 1 or not self._waits_for:
-            return frontier, {}
-        waiting = {n: inputs for n, inputs in frontier.items()
-                   if n in self._waits_for and not self._waits_for[n].isdisjoint(frontier)}
-        if not waiting:
-            return frontier, {}
-        return {n: inputs for n, inputs in frontier.items() if n not in waiting}, waiting
-
-    def _route(self, node: str, out: NodeOutput, turn: int, step: Step) -> list[EdgeSpec]:
-        edges = self._out_edges[node]
-        fired = [e for e in edges if e.when is None or e.when == out.route]
-        max_turns = self._spec.limits.max_turns
-        if max_turns is not None and turn >= max_turns and node in self.graph.cycle_of:
-            leaving = [e for e in edges if self.graph.leaves_cycle(e)]
-            if leaving:  # the turn bound forces the loop's exit
-                step.bounded = True  # (rare: one assignment per bounded loop)
-                return [e for e in leaving if e in fired] or leaving
-        return fired
 
     async def _step(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int,
                     inputs: list[tuple[str, NodeOutput]], memory: ActionLog) -> tuple[str, NodeOutput, Step]:
         nspec = self._spec.nodes[node]
         started, t0 = time.time(), time.perf_counter()
+        self._emit(StepStarted.model_construct(episode_id=trace.episode_id, node=node, turn=turn, started=started))
         agent, merged = self.agents[node], _merge(nspec.merge, inputs)
         out, error, calls, attempt = NodeOutput(), None, [], 0
-        for attempt in range(1, nspec.retries + 2):
+        for attempt in range(1, nspec.retries + 2):  # noqa: B007 (the last attempt's number is recorded)
             calls = []  # only the last attempt's LLM calls are part of the step
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
-                              self._generator(ep, index, node, turn, calls), self._node_tools[node])
+                              self._generator(ep, trace, index, node, turn, calls), self._node_tools[node],
+                              self.tool_descriptions)
             try:
                 async with asyncio.timeout(nspec.timeout_s):  # no extra task per step, unlike wait_for
                     out = await agent(ctx)
@@ -201,14 +210,18 @@ class Scheduler:
         step = Step(episode_id=trace.episode_id, index=0, node=node, role=nspec.role, turn=turn,
                     route=out.route, text=out.text, llm=calls, tool=out.tool, parse_error=out.parse_error,
                     error=error, attempts=attempt, started=started, duration_s=time.perf_counter() - t0)
+        if out.tool is not None:
+            self._emit(ToolCallFinished.model_construct(
+                episode_id=trace.episode_id, node=node, turn=turn, tool=out.tool.tool, ok=out.tool.error is None,
+                duration_s=out.tool.duration_s))
         return node, out, step
 
-    def _generator(self, ep: EpisodeInput, index: int, node: str, turn: int, calls: list[LLMCall]):
+    def _generator(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int, calls: list[LLMCall]):
         policy_name = self._spec.nodes[node].policy
 
         async def generate(messages: list[dict[str, str]]):
             if policy_name is None:
-                raise RuntimeError(f"node {node!r} has no policy to generate with")
+                raise MasgraphError(f"node {node!r} has no `policy:` to generate with; give it one in the graph")
             policy = self.policies[policy_name]
             k = len(calls)
             seed = zlib.crc32(f"{self.seed}|{ep.item_id}|{ep.sample}|{node}|{turn}|{k}".encode())
@@ -216,12 +229,16 @@ class Scheduler:
                           key=(index, node, turn, k))
             t0 = time.perf_counter()
             [c] = await policy.backend.complete([req])
+            latency = time.perf_counter() - t0
             calls.append(LLMCall(
                 policy=policy_name, adapter=policy.spec.adapter, policy_version=c.policy_version,
                 prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-                finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated,
-                latency_s=time.perf_counter() - t0))
+                finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency))
+            self._emit(LLMCallFinished.model_construct(
+                episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name, adapter=policy.spec.adapter,
+                prompt_tokens=len(c.prompt_ids), completion_tokens=len(c.completion_ids), latency_s=latency,
+                batch_size=getattr(c, "batch_size", 1)))
             return c
 
         return generate
@@ -232,6 +249,30 @@ class Scheduler:
                 sink.emit(event)
             except Exception:  # a broken sink is counted, never fatal
                 self.sink_errors += 1
+
+
+def _plan(frontier: _Frontier, waits_for: dict[str, frozenset[str]]) -> tuple[_Frontier, _Frontier]:
+    """Split the frontier into the nodes to run now and the fan-in nodes that wait: those that another frontier
+    node can still reach (a live branch). One always runs: the graph minus back edges is a DAG."""
+    if len(frontier) == 1 or not waits_for:
+        return frontier, {}
+    waiting = {n: inputs for n, inputs in frontier.items() if n in waits_for and not waits_for[n].isdisjoint(frontier)}
+    if not waiting:
+        return frontier, {}
+    return {n: inputs for n, inputs in frontier.items() if n not in waiting}, waiting
+
+
+def _route(view: GraphView, max_turns: int | None, node: str, out: NodeOutput, turn: int, step: Step) -> list[EdgeSpec]:
+    """The edges that fire after a step: unconditional ones and those whose `when` is the step's route; on a loop's
+    last allowed turn, only edges leaving the loop (the turn bound forces the exit)."""
+    edges = view.out_edges[node]
+    fired = [e for e in edges if e.when is None or e.when == out.route]
+    if max_turns is not None and turn >= max_turns and node in view.cycle_of:
+        leaving = [e for e in edges if view.leaves_cycle(e)]
+        if leaving:
+            step.bounded = True  # (rare: one assignment per bounded loop)
+            return [e for e in leaving if e in fired] or leaving
+    return fired
 
 
 def _merge(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> str:
@@ -262,36 +303,3 @@ def _as_async(agent: Agent) -> Agent:
         out = await asyncio.to_thread(agent, ctx)
         return await out if inspect.isawaitable(out) else out  # a def that returns a coroutine
     return threaded
-
-
-def _live_branch_sources(graph: Graph) -> dict[str, frozenset[str]]:
-    """Fan-in node -> the nodes that can still feed it in the same pass: its ancestors once each loop's back
-    edge is cut, so a join inside a loop never waits for its own next turn. Computed once per scheduler."""
-    spec = graph.spec
-    fan_in = [n for n in spec.nodes if len({e.source for e in graph.in_edges(n) if e.source != n}) > 1]
-    if not fan_in:
-        return {}
-    back = _back_edges(spec.entry, graph.nx)
-    dag = nx.DiGraph()
-    dag.add_nodes_from(spec.nodes)
-    dag.add_edges_from((e.source, e.target) for e in spec.edges if (e.source, e.target) not in back)
-    return {n: frozenset(nx.ancestors(dag, n)) for n in fan_in}
-
-
-def _back_edges(entry: str, g: nx.MultiDiGraph) -> set[tuple[str, str]]:
-    """Edges into a node still on the depth-first stack from the entry (in edge order): the loops' back edges."""
-    on_stack, done, back = {entry}, set(), set()
-    stack = [(entry, iter(g.successors(entry)))]
-    while stack:
-        node, succ = stack[-1]
-        nxt = next(succ, None)
-        if nxt is None:
-            stack.pop()
-            on_stack.discard(node)
-            done.add(node)
-        elif nxt in on_stack:
-            back.add((node, nxt))
-        elif nxt not in done:
-            on_stack.add(nxt)
-            stack.append((nxt, iter(g.successors(nxt))))
-    return back

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from masgraph.errors import one_of, shorten
-from masgraph.trainers.config import FlowGRPOConfig
 
 SCHEMA_VERSION = 1
 
@@ -30,8 +29,9 @@ class SamplingSpec(_Strict):
 class PolicySpec(_Strict):
     """A named model endpoint that nodes call: backend + model + optional LoRA adapter + sampling."""
 
-    backend: Literal["hf", "litellm", "scripted"] = "hf"
-    """Which backend serves it. `hf` runs transformers in-process (token ids + logprobs)."""
+    backend: str = "hf"
+    """A registered backend: `hf` runs transformers in-process (token ids + logprobs), `litellm` calls any API or
+    OpenAI-compatible server (text only), `scripted` replays canned replies (tests, from Python)."""
     model: str = "smollm2-135m"
     """Model name: `smollm2-135m` (embedded default), a local HF directory, or a litellm model string."""
     adapter: str | None = None
@@ -82,6 +82,13 @@ class _NodeBase(_Strict):
     merge: Literal["concat", "vote", "first"] | None = None
     """How inputs from parallel predecessors are merged (required on fan-in nodes)."""
 
+    needs_policy: ClassVar[bool] = False
+    """Whether a node of this role must name a policy."""
+
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        """The route labels this role's built-in agent emits (checked against edges' `when`); None = unknown."""
+        return set()
+
 
 class PlannerSpec(_NodeBase):
     """Chooses the next sub-goal and tool from the query, the tools and the memory."""
@@ -89,6 +96,11 @@ class PlannerSpec(_NodeBase):
     role: Literal["planner"] = "planner"
     tools: list[str] | None = None
     """Tools the planner may choose from (default: all tools of the graph)."""
+
+    needs_policy: ClassVar[bool] = True
+
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        return set(self.tools or spec.tools) | {"answer"}
 
 
 class ExecutorSpec(_NodeBase):
@@ -98,17 +110,28 @@ class ExecutorSpec(_NodeBase):
     tools: list[str] = Field(min_length=1)
     """Tools this executor may call."""
 
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        return {"ok", "error"}
+
 
 class VerifierSpec(_NodeBase):
     """Reads the memory and says `stop` or `continue` (its route label)."""
 
     role: Literal["verifier"] = "verifier"
+    needs_policy: ClassVar[bool] = True
+
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        return {"stop", "continue"}
 
 
 class GeneratorSpec(_NodeBase):
     """Writes the final answer from the query and the memory."""
 
     role: Literal["generator"] = "generator"
+    needs_policy: ClassVar[bool] = True
+
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        return {"answer"}
 
 
 class MemoryNodeSpec(_NodeBase):
@@ -124,13 +147,20 @@ class CustomSpec(_NodeBase):
     tools: list[str] = Field(default_factory=list)
     """Tools the agent may use."""
 
+    def routes(self, spec: GraphSpec) -> set[str] | None:
+        return None
+
 
 NodeSpec = Annotated[
     PlannerSpec | ExecutorSpec | VerifierSpec | GeneratorSpec | MemoryNodeSpec | CustomSpec,
     Field(discriminator="role"),
 ]
 
-NEEDS_POLICY = {"planner", "verifier", "generator"}
+ROLES: dict[str, type[_NodeBase]] = {
+    cls.model_fields["role"].default: cls
+    for cls in (PlannerSpec, ExecutorSpec, VerifierSpec, GeneratorSpec, MemoryNodeSpec, CustomSpec)}
+"""The node roles (the one list): role name -> its spec model, which says whether it needs a policy and which
+routes its built-in agent emits. Agents implementing the roles are registered separately (the Registry)."""
 
 
 class EdgeSpec(_Strict):
@@ -153,42 +183,6 @@ class Limits(_Strict):
     """Wall-clock limit per episode."""
     max_steps: int = Field(200, ge=1)
     """Most node steps per episode (a last-resort bound)."""
-
-
-class TrainSpec(_Strict):
-    """How `masgraph train` trains the graph: Flow-GRPO on the LoRA adapters of its trainable policies."""
-
-    algorithm: Literal["flow_grpo"] = "flow_grpo"
-    """The RL algorithm."""
-    task: str | None = None
-    """Default task (`--task` overrides)."""
-    steps: int = Field(20, ge=1)
-    """Optimizer steps."""
-    queries_per_step: int = Field(4, ge=1)
-    """Training queries per step (each rolled out `flow_grpo.group_size` times)."""
-    max_minutes: float | None = Field(None, gt=0)
-    """Stop after this much training wall-clock (rollouts + updates; evaluation not counted), even before `steps`."""
-    eval_every: int = Field(5, ge=0)
-    """Held-out evaluation (greedy, the graph's own sampling) at step 0 (untrained), every N steps and at the end;
-    0 = only at the end."""
-    eval_n: int = Field(32, ge=1)
-    """Held-out items per evaluation."""
-    checkpoint_every: int = Field(5, ge=1)
-    """Checkpoint every N steps (and at the end, and on Ctrl-C)."""
-    seed: int = 0
-    """Seeds the data order, sampling and LoRA initialisation."""
-    deterministic: bool = True
-    """Run the hf backend in deterministic mode (reproducible runs and resumes)."""
-    concurrency: int = Field(16, ge=1)
-    """Episodes in flight during rollouts and evaluation."""
-    lora_rank: int = Field(16, ge=1)
-    """LoRA rank of every trainable adapter."""
-    lora_alpha: int = Field(32, ge=1)
-    """LoRA alpha."""
-    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Module names that get LoRA."""
-    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
-    """Algorithm knobs."""
 
 
 class GraphSpec(_Strict):
@@ -223,8 +217,13 @@ class GraphSpec(_Strict):
     """The node whose step ends the episode (normally a generator)."""
     limits: Limits = Field(default_factory=Limits)
     """Episode bounds."""
-    train: TrainSpec | None = None
-    """Training settings for `masgraph train` (optional)."""
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules that register the custom agents and tools this graph uses: a dotted module name, or a
+    `.py` file relative to the graph file; imported when the graph compiles (so a server or worker that loads
+    the graph loads them too)."""
+    train: Any = None
+    """Training settings for `masgraph train`: a mapping keyed by `algorithm:` (default `flow_grpo`), validated by
+    that algorithm's config model (registered by `masgraph.trainers`; `masgraph schema` lists the knobs)."""
 
     @model_validator(mode="after")
     def _check_references(self) -> GraphSpec:
@@ -241,7 +240,7 @@ class GraphSpec(_Strict):
                         f"edges[{i}].{end} {shorten(getattr(e, end))!r} is not a node; use one of {one_of(names)}"
                     )
         for name, node in self.nodes.items():
-            if node.policy is None and node.role in NEEDS_POLICY:
+            if node.policy is None and node.needs_policy:
                 raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {one_of(self.policies)})")
             if node.policy is not None and node.policy not in self.policies:
                 raise ValueError(
@@ -257,3 +256,24 @@ class GraphSpec(_Strict):
                         f"or use one of {one_of(self.tools)}"
                     )
         return self
+
+
+def graph_json_schema(train_sections: list[type[BaseModel]], backends: list[str]) -> dict[str, Any]:
+    """GraphSpec's JSON Schema for editors, with `train:` as the union of the registered algorithms' sections
+    (keyed by `algorithm`) and `backend:` as the registered backends."""
+    from typing import Union
+
+    from pydantic import TypeAdapter
+
+    schema = GraphSpec.model_json_schema()
+    defs = schema.setdefault("$defs", {})
+    if train_sections:
+        union = train_sections[0] if len(train_sections) == 1 else Union[tuple(train_sections)]  # noqa: UP007
+        train = TypeAdapter(union).json_schema(ref_template="#/$defs/{model}")
+        defs.update(train.pop("$defs", {}))
+        if "$ref" not in train and "title" in train:  # one algorithm: its section inline; keep it under $defs
+            defs[train["title"]], train = train, {"$ref": f"#/$defs/{train['title']}"}
+        doc = schema["properties"]["train"].get("description", "")
+        schema["properties"]["train"] = {"anyOf": [train, {"type": "null"}], "default": None, "description": doc}
+    defs["PolicySpec"]["properties"]["backend"]["enum"] = sorted(backends)
+    return schema

@@ -89,7 +89,7 @@ def _digest(text: str) -> int:
 
 def _check_split(split: str) -> None:
     if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        raise MasgraphError(f"split must be 'train' or 'test', not {split!r}")
 
 
 class PartitionedTask(Task):
@@ -106,7 +106,7 @@ TASKS: dict[str, type[Task]] = {}
 
 def register_task(cls: type[Task]) -> type[Task]:
     if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a class attribute `name`")
+        raise MasgraphError(f"task class {cls.__name__} needs a class attribute `name`")
     TASKS[cls.name] = cls
     return cls
 

@@ -1,19 +1,19 @@
-"""Typed records of an episode (Trace of Steps, each with its LLM call and tool call) and the events that carry them."""
+"""Typed records of an episode: a Trace of Steps, each with its LLM calls and tool call (events.py carries them)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-EVENT_SCHEMA_VERSION = 1
 
+class Record(BaseModel):
+    """Base of trace records and events: unknown fields are errors."""
 
-class _Record(BaseModel):
     model_config = {"extra": "forbid"}
 
 
-class LLMCall(_Record):
+class LLMCall(Record):
     """One completion exactly as the model saw and produced it (token-in / token-out)."""
 
     policy: str
@@ -36,7 +36,7 @@ class LLMCall(_Record):
     latency_s: float = 0.0
 
 
-class ToolCall(_Record):
+class ToolCall(Record):
     """One tool invocation and its result or error."""
 
     tool: str
@@ -46,7 +46,7 @@ class ToolCall(_Record):
     duration_s: float = 0.0
 
 
-class Step(_Record):
+class Step(Record):
     """One node step of one episode."""
 
     episode_id: str
@@ -72,7 +72,7 @@ class Step(_Record):
     duration_s: float = 0.0
 
 
-class Trace(_Record):
+class Trace(Record):
     """A whole episode: the query, every step, the answer, the reward and how it ended."""
 
     episode_id: str
@@ -104,41 +104,12 @@ class Trace(_Record):
         return max((s.turn for s in self.steps), default=0)
 
 
-class EpisodeStarted(_Record):
-    kind: Literal["episode_started"] = "episode_started"
-    episode_id: str
-    item_id: str
-    query: str
+_MOVED = {"EVENT_SCHEMA_VERSION", "EpisodeStarted", "StepFinished", "EpisodeFinished", "Event", "Sink", "ListSink"}
 
 
-class StepFinished(_Record):
-    kind: Literal["step"] = "step"
-    step: Step
+def __getattr__(name: str):  # the event types moved to masgraph.events; old imports keep working
+    if name in _MOVED:
+        from masgraph import events
 
-
-class EpisodeFinished(_Record):
-    kind: Literal["episode_finished"] = "episode_finished"
-    trace: Trace
-
-
-Event = EpisodeStarted | StepFinished | EpisodeFinished
-
-
-class Sink(Protocol):
-    """Receives events from the scheduler; must be cheap and must not raise."""
-
-    def emit(self, event: Event) -> None: ...
-
-
-class ListSink:
-    """Keeps every event in memory (tests, notebooks)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def emit(self, event: Event) -> None:
-        self.events.append(event)
-
-    @property
-    def traces(self) -> list[Trace]:
-        return [e.trace for e in self.events if isinstance(e, EpisodeFinished)]
+        return getattr(events, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

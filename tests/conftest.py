@@ -24,6 +24,19 @@ REPLIES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _isolated_registry():
+    """Agents and tools a test registers do not leak into the next test (the process registry is restored)."""
+    from masgraph.registry import default_registry
+
+    reg = default_registry()
+    saved = {k: dict(v) if isinstance(v, dict) else set(v) if isinstance(v, set) else v
+             for k, v in vars(reg).items()}
+    yield
+    for k, v in saved.items():
+        setattr(reg, k, v)
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

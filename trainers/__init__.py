@@ -1,4 +1,20 @@
-"""RL trainers for masgraph graphs; installed as masgraph.trainers."""
+"""RL trainers for masgraph graphs; installed as masgraph.trainers (a `masgraph.plugins` entry point)."""
 
 if __name__ != "masgraph.trainers":  # the repo root is on sys.path (e.g. `python` started there)
     raise ImportError("this directory installs as `masgraph.trainers`; import that name instead of `trainers`")
+
+
+def register(registry) -> None:
+    """Entry point: the training algorithms (their `train:` section models, compile checks and trainers)."""
+    from masgraph.registry import Algorithm
+    from masgraph.trainers.checks import flow_grpo_problems
+    from masgraph.trainers.config import DEFAULT_ALGORITHM, TrainSpec
+
+    registry.algorithms["flow_grpo"] = Algorithm("flow_grpo", TrainSpec, flow_grpo_problems, _flow_grpo_trainer)
+    registry.default_algorithm = registry.default_algorithm or DEFAULT_ALGORITHM
+
+
+def _flow_grpo_trainer():
+    from masgraph.trainers.loop import TrainLoop
+
+    return TrainLoop

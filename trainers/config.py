@@ -1,4 +1,5 @@
-"""Trainer configs (torch-free, so a graph's `train:` section validates without importing torch)."""
+"""The `train:` section of a graph, one model per algorithm keyed by `algorithm:` (torch-free, so a graph
+validates without importing torch). `masgraph.trainers` registers them; the core spec keeps `train` opaque."""
 
 from __future__ import annotations
 
@@ -52,3 +53,49 @@ class FlowGRPOConfig(BaseModel):
     micro_batch: int = Field(16, ge=1)
     """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per
     pass)."""
+
+
+class TrainBase(BaseModel):
+    """What every training algorithm shares: task, steps, budget, evaluation, checkpoints, seed."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    task: str | None = None
+    """Default task (`--task` overrides)."""
+    steps: int = Field(20, ge=1)
+    """Optimizer steps."""
+    queries_per_step: int = Field(4, ge=1)
+    """Training queries per step (each rolled out `group_size` times)."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop after this much training wall-clock (rollouts + updates; evaluation not counted), even before `steps`."""
+    eval_every: int = Field(5, ge=0)
+    """Held-out evaluation (greedy, the graph's own sampling) at step 0 (untrained), every N steps and at the end;
+    0 = only at the end."""
+    eval_n: int = Field(32, ge=1)
+    """Held-out items per evaluation."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Checkpoint every N steps (and at the end, and on Ctrl-C)."""
+    seed: int = 0
+    """Seeds the data order, sampling and LoRA initialisation."""
+    deterministic: bool = True
+    """Run the hf backend in deterministic mode (reproducible runs and resumes)."""
+    concurrency: int = Field(16, ge=1)
+    """Episodes in flight during rollouts and evaluation."""
+
+
+class TrainSpec(TrainBase):
+    """`algorithm: flow_grpo` — Flow-GRPO on the LoRA adapters of the graph's trainable policies."""
+
+    algorithm: Literal["flow_grpo"] = "flow_grpo"
+    """The RL algorithm."""
+    lora_rank: int = Field(16, ge=1)
+    """LoRA rank of every trainable adapter."""
+    lora_alpha: int = Field(32, ge=1)
+    """LoRA alpha."""
+    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names that get LoRA."""
+    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
+    """Algorithm knobs."""
+
+
+DEFAULT_ALGORITHM = "flow_grpo"

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from masgraph.errors import MasgraphError, Problem, SpecError
+from masgraph.learner import Learner
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
-__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "build_rows", "informative_queries", "trajectory_rewards",
-           "group_advantages", "ppo_clip_loss", "kl_k3", "row_weights", "aggregate", "sequence_logprobs",
-           "logprob_temperature", "mini_batches"]
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "group_advantages", "informative_queries",
+           "kl_k3", "logprob_temperature", "mini_batches", "ppo_clip_loss", "row_weights", "trajectory_rewards"]
 
 
 @dataclass
@@ -170,66 +170,17 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
 # ---- the update --------------------------------------------------------------------------------------
 
-def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
-    """Length of the longest prefix common to all `seqs`, at most `limit`."""
-    n = min([limit, *map(len, seqs)])
-    first = seqs[0]
-    for s in seqs[1:]:
-        k = 0
-        while k < n and s[k] == first[k]:
-            k += 1
-        n = k
-    return n
-
-
-def sequence_logprobs(model: torch.nn.Module, rows: list[Row], pad_id: int) -> list[torch.Tensor]:
-    """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced;
-    only the completion positions' logits are computed).
-
-    Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
-    once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
-    same layout as generation: prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper per row."""
-    from transformers import DynamicCache
-
-    seqs = [r.prompt_ids + r.completion_ids for r in rows]
-    # keep at least the last prompt token in every suffix: it predicts the first completion token
-    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 else 0
-    B, K = len(seqs), max(len(r.completion_ids) for r in rows)
-    S = max(len(s) for s in seqs) - P
-    ids = torch.full((B, S), pad_id, dtype=torch.long)  # (B, S): suffixes, left-padded
-    mask = torch.zeros((B, P + S), dtype=torch.long)  # (B, P+S): prefix | pad gap | suffix
-    mask[:, :P] = 1
-    for i, s in enumerate(seqs):
-        ids[i, S - (len(s) - P):] = torch.tensor(s[P:])
-        mask[i, P + S - (len(s) - P):] = 1
-    pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)  # (B, S)
-    cache = None
-    if P:
-        cache = DynamicCache()
-        model(input_ids=torch.tensor([seqs[0][:P]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(B)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
-    temps = torch.tensor([r.temperature for r in rows])[:, None, None]  # (B, 1, 1)
-    logp = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # position t predicts token t+1
-    out = []
-    for i, r in enumerate(rows):
-        n = len(r.completion_ids)
-        targets = torch.tensor(r.completion_ids)
-        out.append(logp[i, K - n:].gather(-1, targets[:, None])[:, 0])
-    return out
-
-
 class FlowGRPO:
-    """Applies Flow-GRPO updates to the LoRA adapters of an `HFBackend`, one Adam optimizer per adapter.
+    """Applies Flow-GRPO updates to a learner's LoRA adapters, one Adam optimizer per adapter; each updated adapter
+    becomes a new version (`learner.new_version`), which the training loop then publishes to the rollout backends.
 
     Example:
-        >>> algo = FlowGRPO(backend, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig())
+        >>> algo = FlowGRPO(learner, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig())
         >>> metrics = algo.update(traces)          # traces: G rollouts per query from the Runner
     """
 
-    def __init__(self, backend, trainable: dict[str, str], config: FlowGRPOConfig):
-        self.backend, self.trainable, self.config = backend, trainable, config
+    def __init__(self, learner: Learner, trainable: dict[str, str], config: FlowGRPOConfig):
+        self.learner, self.trainable, self.config = learner, trainable, config
         lrs: dict[str, float] = {}
         for node, adapter in trainable.items():
             lr = config.node_lr.get(node, config.lr)
@@ -237,12 +188,15 @@ class FlowGRPO:
                 raise SpecError([Problem(
                     f"train.flow_grpo.node_lr.{node}", f"nodes sharing adapter {adapter!r} were given different "
                     f"learning rates ({lrs[adapter]} and {lr})", "give every node of one adapter the same `node_lr`")])
-        self.params = {a: [p for n, p in backend.model.named_parameters() if "lora_" in n and f".{a}." in n]
-                       for a in lrs}
+        missing = sorted(a for a in lrs if a not in learner.adapters())
+        if missing:
+            raise MasgraphError(f"adapters {missing} are not on the learner; add each with "
+                                f"`learner.add_adapter(name, LoraConfigSpec(...))` before building the trainer")
+        self.params = {a: learner.parameters(a) for a in lrs}
         for a, ps in self.params.items():
             if not ps:
-                raise MasgraphError(f"adapter {a!r} has no LoRA parameters on the backend's model; add it with "
-                                    f"`backend.add_adapter({a!r})` before building the trainer")
+                raise MasgraphError(f"adapter {a!r} has no LoRA parameters on the learner's model; add it with "
+                                    f"`learner.add_adapter({a!r}, LoraConfigSpec(...))` before building the trainer")
         self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
 
     def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
@@ -263,7 +217,7 @@ class FlowGRPO:
                 losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
                                                    totals, grad_norms))
         for adapter in grad_norms:
-            self.backend.versions[adapter] = self.backend.versions.get(adapter, 0) + 1  # new policy version
+            self.learner.new_version(adapter)
         n_tok = cfg.ppo_epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
             "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
@@ -272,13 +226,13 @@ class FlowGRPO:
 
     def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
         """Each row's logprobs under the base model (adapters off); fixed for the whole update."""
-        model, out = self.backend.model, [torch.empty(0)] * len(rows)
+        out = [torch.empty(0)] * len(rows)
         for adapter in sorted({r.adapter for r in rows}):
             mine = [i for i, r in enumerate(rows) if r.adapter == adapter]
             for start in range(0, len(mine), self.config.micro_batch):
                 chunk = mine[start:start + self.config.micro_batch]
-                with torch.no_grad(), model.disable_adapter():
-                    for i, lp in zip(chunk, sequence_logprobs(model, [rows[i] for i in chunk], self.backend.pad_id)):
+                with torch.no_grad():
+                    for i, lp in zip(chunk, self.learner.sequence_logprobs([rows[i] for i in chunk], None)):
                         out[i] = lp
         return out
 
@@ -286,27 +240,26 @@ class FlowGRPO:
                         grad_norms: dict[str, list[float]]) -> float:
         """One optimizer step per adapter on a mini-batch (its loss aggregated over the mini-batch alone);
         accumulates token statistics into `totals` and returns the mini-batch's loss."""
-        cfg, model = self.config, self.backend.model
+        cfg = self.config
         weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.loss_agg)
         adapters = sorted({r.adapter for r in rows})
         for a in adapters:
             self.optimizers[a].zero_grad(set_to_none=True)
         total = 0.0
-        model.train()
+        self.learner.train()
         try:
             for adapter in adapters:
                 mine = [k for k, r in enumerate(rows) if r.adapter == adapter]
-                model.set_adapter(adapter)
                 for start in range(0, len(mine), cfg.micro_batch):
                     chunk = mine[start:start + cfg.micro_batch]
-                    new = sequence_logprobs(model, [rows[k] for k in chunk], self.backend.pad_id)
+                    new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
                     loss = torch.zeros(())
                     for k, lp in zip(chunk, new):
                         loss = loss + weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
                     loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
                     total += float(loss.detach())
         finally:
-            model.eval()
+            self.learner.train(False)
         for a in adapters:
             grad_norms[a].append(float(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.max_grad_norm)))
             self.optimizers[a].step()

@@ -1,27 +1,33 @@
 """The training loop around an algorithm: rollouts through the same Runner/Scheduler as `masgraph run`,
-updates, metrics.jsonl, held-out evaluation, atomic checkpoints, exact resume."""
+updates on a learner, weight sync to the rollout backends, held-out evaluation, atomic checkpoints, exact
+resume; train-step, evaluation and checkpoint events to sinks (metrics.jsonl is one)."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from masgraph.backends.hf import HFBackend, LoraConfigSpec
+from masgraph.backends.base import SyncedBackend
+from masgraph.backends.hf import HFBackend
+from masgraph.backends.hf_learner import HFLearner
 from masgraph.checkpoint import checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError, Problem, SpecError
+from masgraph.events import CheckpointSaved, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
+from masgraph.learner import Learner, LoraConfigSpec, WeightSync
+from masgraph.metrics import MetricsSink
 from masgraph.runner import RunConfig, Runner, mean, summarize
-from masgraph.spec import GraphSpec, TrainSpec
+from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
+from masgraph.trainers.config import TrainSpec
 from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
 
 # fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint
@@ -56,13 +62,20 @@ def base_model(spec: GraphSpec) -> str:
 class TrainLoop:
     """Trains a graph's trainable policies on a task; the run directory holds everything needed to resume.
 
+    The learner (default: an in-process `HFLearner` on the graph's base model) owns the adapters; after each
+    update `WeightSync` publishes their new versions to the rollout backend and the evaluation backend (default:
+    hf backends serving the learner's own model, evaluation's in deterministic mode). A given `backend` needs only
+    `complete`, `aclose` and `publish`, and serves evaluation too unless `eval_backend` is given. Every training
+    step, evaluation and checkpoint is an event to `sinks`; RUN/metrics.jsonl is always one of them.
+
     Example:
-        >>> loop = TrainLoop(graph, get_task("basic_arithmetic"), Path("runs/train-1"))
+        >>> loop = TrainLoop(graph, get_task("basic_arithmetic"), Path("runs/train-1"), sinks=[ListSink()])
         >>> asyncio.run(loop.run())
     """
 
-    def __init__(self, graph: Graph, task: Task, run_dir: Path, backend: HFBackend | None = None,
-                 dtype: str = "auto"):
+    def __init__(self, graph: Graph, task: Task, run_dir: Path, learner: Learner | None = None,
+                 backend: SyncedBackend | None = None, eval_backend: SyncedBackend | None = None,
+                 dtype: str = "auto", sinks: Sequence[Sink] = ()):
         if graph.spec.train is None:
             raise SpecError([Problem("train", "the graph has no `train:` section",
                                      "add `train: {task: basic_arithmetic}` (see TrainSpec for the knobs)")])
@@ -71,52 +84,60 @@ class TrainLoop:
         spec = graph.spec
         torch.manual_seed(self.cfg.seed)  # LoRA init
         model = base_model(spec)
-        self.backend = backend or HFBackend(model, dtype=dtype, deterministic=self.cfg.deterministic,
-                                            seed=self.cfg.seed)
+        self.learner: Learner = learner or HFLearner(model, dtype=dtype)
+        if backend is None:
+            if not isinstance(self.learner, HFLearner):
+                raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
+                                    "learner's adapters to rollouts), or leave both out for the in-process hf pair")
+            backend = HFBackend(self.learner.weights, deterministic=self.cfg.deterministic, seed=self.cfg.seed)
+            # evaluation decodes deterministically: a second serving view over the same weights
+            eval_backend = eval_backend or HFBackend(self.learner.weights, deterministic=True, seed=self.cfg.seed)
+        self.backend, self.eval_backend = backend, eval_backend or backend
         lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
         for pol in spec.policies.values():
-            if pol.trainable and pol.adapter not in self.backend.versions:
-                self.backend.add_adapter(pol.adapter, lora)
+            if pol.trainable and pol.adapter not in self.learner.adapters():
+                self.learner.add_adapter(pol.adapter, lora)
+        self.sync = WeightSync(self.learner, [self.backend, self.eval_backend])
+        self.sync()  # the rollout backends serve every trained adapter from the start
         self.trainable = {n: spec.policies[s.policy].adapter for n, s in spec.nodes.items()
                           if s.policy and spec.policies[s.policy].trainable}
-        self.algo = FlowGRPO(self.backend, self.trainable, self.cfg.flow_grpo)
+        self.algo = FlowGRPO(self.learner, self.trainable, self.cfg.flow_grpo)
         # training rollouts sample the trainable policies; evaluation uses the graph as written (greedy)
         train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.cfg.flow_grpo.group_size, **common),
                                backends={"hf": self.backend})
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, **common),
-                                backends={"hf": self.backend})
+                                backends={"hf": self.eval_backend})
         fg = self.cfg.flow_grpo
         rounds = 1 + (fg.resample_rounds if fg.zero_variance == "resample" else 0)
         self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
         self.step = 0
         self.cursor = 0  # next unused training item
         self.train_seconds = 0.0  # rollouts + updates so far (the `max_minutes` budget)
-        self._rng = self._rng_state()  # RNG states as of the last completed step (what a checkpoint stores)
+        self._rng = self.learner.rng_state()  # RNG states as of the last completed step (what a checkpoint stores)
         self._updating = False  # adapters are mid-update: the weights match no step
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks: list[Sink] = [MetricsSink(self.run_dir / "metrics.jsonl"), *sinks]
+        self._emit = Emitter(self.sinks)
 
     # ---- the loop ---------------------------------------------------------------------------------
-    async def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Train from the current step to `steps`; checkpoint on schedule, at the end and when interrupted."""
+    async def run(self) -> dict[str, Any]:
+        """Train from the current step to `steps`; checkpoint on schedule, at the end and when interrupted. Each
+        step's metrics (and step 0's untrained evaluation) go to the sinks as a `TrainStep`."""
         store = RunStore(self.run_dir, self.graph.spec, {"train": self.cfg.model_dump(), "task": self.task.name})
+        self._emit.sinks.append(store)  # train events join the episodes in events.jsonl
         last: dict[str, Any] = {}
         try:
             if self.step == 0 and self.cfg.eval_every and not (self.run_dir / "metrics.jsonl").exists():
-                baseline = {"step": 0, **await self.evaluate()}  # the untrained graph
-                self._append_metrics(baseline)
-                if on_step is not None:
-                    on_step(baseline)
+                self._record({"step": 0, **await self.evaluate()})  # the untrained graph
             while self.step < self.cfg.steps and not self.out_of_time():
                 last = await self._one_step(store)
                 try:
                     if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 or self.finished():
                         last.update(await self.evaluate())
                 finally:  # an interrupted evaluation still records the step it followed
-                    self._append_metrics(last)
-                if on_step is not None:
-                    on_step(last)
+                    self._record(last)
                 if self.step % self.cfg.checkpoint_every == 0 or self.finished():
                     self.save()
         except BaseException:
@@ -124,8 +145,18 @@ class TrainLoop:
                 self.save()  # Ctrl-C (or a failure) keeps the last completed step, not the interrupted one
             raise
         finally:
+            self._emit.sinks.remove(store)
             store.close({"step": self.step, **last})
         return last
+
+    @property
+    def sink_errors(self) -> int:
+        """Events a sink failed to take (counted, never fatal)."""
+        return self._emit.errors
+
+    def _record(self, record: dict[str, Any]) -> None:
+        """A step's metrics to the sinks (metrics.jsonl's line is `{"step": ..., **metrics}`)."""
+        self._emit(TrainStep(step=record["step"], metrics={k: v for k, v in record.items() if k != "step"}))
 
     def out_of_time(self) -> bool:
         return self.cfg.max_minutes is not None and self.train_seconds >= 60 * self.cfg.max_minutes
@@ -153,7 +184,8 @@ class TrainLoop:
         t_roll = time.perf_counter() - t0
         self._updating = True  # no await until the commit: a cancellation cannot land in between
         metrics = self.algo.update(traces, seed=f"{self.cfg.seed}:{self.step}")
-        self.step, self.cursor, self._rng, self._updating = self.step + 1, cursor, self._rng_state(), False
+        self.sync()  # later rollouts use the new adapter versions (and are stamped with them)
+        self.step, self.cursor, self._rng, self._updating = self.step + 1, cursor, self.learner.rng_state(), False
         elapsed = time.perf_counter() - t0
         self.train_seconds += elapsed
         tokens = sum(t.completion_tokens for t in traces)
@@ -162,37 +194,26 @@ class TrainLoop:
                 "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
                 "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
 
-    def _append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
     async def evaluate(self) -> dict[str, float]:
         """Held-out accuracy with the graph's own (greedy) sampling, and how often its outputs failed to parse.
 
-        Always in the backend's deterministic mode, so the same adapters score the same; the RNG states are
-        put back afterwards, so evaluating (or not) never changes what training samples next."""
-        rng, deterministic = self._rng_state(), self.backend.deterministic
-        self.backend.deterministic = True
+        Served by the evaluation backend (the in-process one decodes deterministically), so the same adapters
+        score the same; the RNG states are put back afterwards, so evaluating (or not) never changes what training
+        samples next. Emits `EvalFinished`."""
+        rng = self.learner.rng_state()
         try:
             result = await self.evaluator.run_task(self.task, store=False)
         finally:
-            self.backend.deterministic = deterministic
-            self._set_rng_state(rng)
-        return {"accuracy/test": result.summary["accuracy"],
-                "parse_error_rate/test": result.summary["parse_error_rate"],
-                "parse_failed_episodes/test": mean([any(s.parse_error for s in t.steps) for t in result.traces])}
+            self.learner.set_rng_state(rng)
+        metrics = {"accuracy/test": result.summary["accuracy"],
+                   "parse_error_rate/test": result.summary["parse_error_rate"],
+                   "parse_failed_episodes/test": mean([any(s.parse_error for s in t.steps) for t in result.traces])}
+        self._emit(EvalFinished(step=self.step, metrics=metrics))
+        return metrics
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step-{step}"
-
-    def _rng_state(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state(), "backend": self.backend._rng.get_state(), "python": random.getstate()}
-
-    def _set_rng_state(self, rng: dict[str, Any]) -> None:
-        torch.set_rng_state(rng["torch"])
-        self.backend._rng.set_state(rng["backend"])
-        random.setstate(rng["python"])
 
     def save(self) -> Path:
         """Write adapters (PEFT format), optimizer states, RNG states, step and data cursor of the last
@@ -202,19 +223,20 @@ class TrainLoop:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         adapters = sorted(set(self.trainable.values()))
-        self.backend.model.save_pretrained(tmp / "adapters", selected_adapters=adapters)
+        self.learner.save(str(tmp / "adapters"), adapters)
         if os.environ.get(_PAUSE_ENV):
             time.sleep(float(os.environ[_PAUSE_ENV]))
         torch.save({a: opt.state_dict() for a, opt in self.algo.optimizers.items()}, tmp / "optimizer.pt")
         torch.save(self._rng, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({
             "step": self.step, "cursor": self.cursor, "train_seconds": self.train_seconds,
-            "versions": {a: self.backend.versions[a] for a in adapters}, "adapters": adapters,
-            "dtype": str(self.backend.dtype).removeprefix("torch.")}))
+            "versions": {a: self.learner.version(a) for a in adapters}, "adapters": adapters,
+            "dtype": self.learner.dtype}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (self.run_dir / "checkpoints" / "latest.tmp").write_text(final.name)
         os.replace(self.run_dir / "checkpoints" / "latest.tmp", self.run_dir / "checkpoints" / "latest")
+        self._emit(CheckpointSaved(step=self.step, path=str(final)))
         return final
 
     def load(self, checkpoint: Path) -> None:
@@ -228,7 +250,7 @@ class TrainLoop:
         for name, path in checkpoint_adapters(checkpoint).items():
             self._check_lora_shape(name, path)
             try:
-                self.backend.load_adapter(name, str(path))
+                self.learner.load_adapter(name, str(path), version=state["versions"].get(name))
             except Exception as exc:  # safetensors / peft raise several kinds for a truncated or foreign file
                 raise MasgraphError(f"cannot load adapter {name!r} from {path} ({type(exc).__name__}: {exc}); "
                                     f"{_EARLIER}") from exc
@@ -236,15 +258,15 @@ class TrainLoop:
         try:
             for a in trained:
                 self.algo.optimizers[a].load_state_dict(optimizers[a])
-            self._set_rng_state(rng)
+            self.learner.set_rng_state(rng)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise MasgraphError(f"checkpoint {checkpoint} does not match this graph's trainer ({exc}); "
                                 f"{_EARLIER}") from exc
-        self._rng = self._rng_state()
+        self._rng = self.learner.rng_state()
+        self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
         self.step = state["step"]
         self.cursor = state.get("cursor", self.step * self.cfg.queries_per_step)
         self.train_seconds = state.get("train_seconds", 0.0)
-        self.backend.versions.update(state["versions"])
         _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
 
 

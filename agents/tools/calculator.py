@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ast
-import operator
 import math
+import operator
 import re
 import unicodedata
 from typing import Any

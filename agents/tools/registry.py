@@ -1,4 +1,4 @@
-"""Tool registry: built-in kinds and user tools registered as typed Python functions (signature -> JSON schema)."""
+"""Registering tools: the built-in kinds, and user tools as typed Python functions (signature -> JSON schema)."""
 
 from __future__ import annotations
 
@@ -7,56 +7,38 @@ import inspect
 import json
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from masgraph.errors import MasgraphError
+from masgraph.errors import ToolError
 from masgraph.node import ToolFn
+from masgraph.registry import Registry, default_registry, record
 from masgraph.spec import ToolSpec
+from masgraph.tools import ToolKind, ToolOptions
+from masgraph.tools import build_tools as _build
+
+__all__ = ["BUILTIN_TOOLS", "ToolError", "ToolKind", "ToolOptions", "build_tools", "describe", "register_kind",
+           "register_tool"]
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
-class ToolOptions(BaseModel):
-    """Base of every tool kind's typed `options:` (unknown keys are errors); a kind with none uses it as is."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
-
-
-@dataclass(frozen=True)
-class ToolKind:
-    """A registered tool: a factory from its validated options to an async `str -> str` function."""
-
-    name: str
-    description: str
-    factory: Callable[[Any], ToolFn]
-    schema: dict[str, Any]
-    options: type[ToolOptions] = ToolOptions
-    """The pydantic model that `tools.<name>.options` is validated against (at compile time)."""
-
-
-TOOL_KINDS: dict[str, ToolKind] = {}
-
-
-class ToolError(MasgraphError):
-    """The tool rejected its input or failed; the message is shown to the model."""
+BUILTIN_TOOLS: dict[str, ToolKind] = {}
+"""The built-in kinds (calculator, python, search), registered by `masgraph.agents.register`."""
 
 
 def register_kind(name: str, description: str, schema: dict[str, Any] | None = None,
                   options: type[ToolOptions] = ToolOptions):
     """Register a built-in tool kind whose factory takes its validated `options` model instance."""
     def deco(factory: Callable[[Any], ToolFn]) -> Callable[[Any], ToolFn]:
-        TOOL_KINDS[name] = ToolKind(name, description, factory,
-                                    schema or {"type": "object", "properties": {"input": {"type": "string"}}},
-                                    options)
+        BUILTIN_TOOLS[name] = ToolKind(name, description, factory,
+                                       schema or {"type": "object", "properties": {"input": {"type": "string"}}},
+                                       options)
         return factory
     return deco
 
 
-def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = None):
-    """Register a typed Python function as a tool kind (sync or async).
+def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, registry: Registry | None = None):
+    """Register a typed Python function as a tool kind (sync or async), in `registry` (default: the process's).
 
     The model's input is parsed as a JSON object of keyword arguments when it looks like one, otherwise
     it is passed (converted to the annotated type) as the first parameter.
@@ -66,7 +48,7 @@ def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = No
         ... def word_count(text: str) -> int:
         ...     "Count the words in a text."
         ...     return len(text.split())
-        >>> TOOL_KINDS["word_count"].schema["properties"]["text"]
+        >>> default_registry().tools["word_count"].schema["properties"]["text"]
         {'type': 'string'}
     """
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,7 +67,11 @@ def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = No
             return call
 
         tool_name = name or f.__name__
-        TOOL_KINDS[tool_name] = ToolKind(tool_name, (inspect.getdoc(f) or tool_name).split("\n")[0], factory, schema)
+        kind = ToolKind(tool_name, (inspect.getdoc(f) or tool_name).split("\n")[0], factory, schema)
+        if registry is not None:
+            registry.tools[tool_name] = kind
+        else:  # the registry loading this module as a plugin (else the process's); replayed for others
+            record(f.__module__, "tools", tool_name, kind)
         return f
     return deco(fn) if fn is not None else deco
 
@@ -109,34 +95,17 @@ def _parse_args(raw: str, params: list[inspect.Parameter], hints: dict[str, Any]
         raise ToolError(f"expected {typ.__name__} for {first.name!r}, got {text!r}") from None
 
 
-def load_builtin_tools() -> None:
+def load_builtin_tools() -> dict[str, ToolKind]:
     from masgraph.agents.tools import calculator, python, search  # noqa: F401  (they register)
 
-
-def build_tools(specs: dict[str, ToolSpec]) -> dict[str, ToolFn]:
-    """Instantiate the graph's tools (kinds checked at compile), each bound to its time limit."""
-    load_builtin_tools()
-    out = {}
-    for name, spec in specs.items():
-        kind = TOOL_KINDS[spec.kind]
-        out[name] = _with_timeout(kind.factory(kind.options.model_validate(spec.options)), spec.timeout_s, name)
-    return out
+    return BUILTIN_TOOLS
 
 
-def describe(specs: dict[str, ToolSpec], names: list[str]) -> str:
-    """One line per tool for prompts: `name: description`."""
-
-    return "\n".join(f"- {n}: {specs[n].description or TOOL_KINDS[specs[n].kind].description}"
-                     for n in names if specs[n].kind in TOOL_KINDS)
+def build_tools(specs: dict[str, ToolSpec], registry: Registry | None = None) -> dict[str, ToolFn]:
+    """A graph's tools from the registry's kinds (default: the process's), each bound to its time limit."""
+    return _build((registry or default_registry()).tools, specs)
 
 
-def _with_timeout(fn: ToolFn, timeout_s: float, name: str) -> ToolFn:
-    """Bound `fn` to `timeout_s` (a ToolError past it); a cancelled caller's cancellation propagates unchanged."""
-    async def call(raw: str) -> str:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await fn(raw)
-        except TimeoutError:
-            raise ToolError(f"{name} timed out after {timeout_s}s; raise tools.{name}.timeout_s if it needs "
-                            "longer") from None
-    return call
+def describe(descriptions: dict[str, str], names: list[str]) -> str:
+    """One line per tool for prompts: `name: description` (descriptions as in NodeContext.tool_descriptions)."""
+    return "\n".join(f"- {n}: {descriptions[n]}" for n in names if n in descriptions)

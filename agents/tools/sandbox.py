@@ -5,18 +5,29 @@ namespace and no nested ones, all capabilities dropped, uid/gid 65534, an empty 
 only the system libraries and the interpreter, a size-capped tmpfs as the work dir (the host disk is never
 written), a fresh /proc and /dev, `/` remounted read-only last. The process count is capped by a pids cgroup
 when one is writable, else by launching bwrap as an unprivileged uid with RLIMIT_NPROC.
+
+Last, a seccomp filter (`--seccomp`, applied by bwrap just before exec and inherited by every child) denies with
+EPERM the syscalls a snippet has no business with. It exists for ptrace: bwrap's pid-1 init runs as the same uid
+inside, and attaching it stops it, so it never sees the snippet exit and the call hangs until the wall timeout.
+Denying ptrace keeps the init, its reaping of orphans and the exit status on --json-status-fd; `--as-pid-1` would
+instead make the snippet pid 1 (no reaper, signals from its own children ignored, getppid() == 0). The filter is a
+classic-BPF deny-list generated here (no libseccomp): it checks the architecture first, so the i386/arm32 compat
+ABIs and x86_64's x32 numbers cannot route around the list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import math
 import os
+import platform
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -42,6 +53,35 @@ _SETUP_HINTS = {
                          "must be able to read the Python install: make a pids cgroup writable or install "
                          "Python outside a private directory such as /root",
 }
+
+# Denied by the seccomp filter, as (x86_64, aarch64) numbers: peeking at or stopping other processes, kernel
+# keyrings, loading kernel code or BPF, perf counters, userfaultfd and io_uring (large attack surfaces), changing
+# mounts or namespaces, and personality (e.g. READ_IMPLIES_EXEC).
+_DENIED_SYSCALLS = {
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "kcmp": (312, 272),
+    "pidfd_getfd": (438, 438),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "mount": (165, 40), "umount2": (166, 39), "open_tree": (428, 428), "move_mount": (429, 429),
+    "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "mount_setattr": (442, 442), "unshare": (272, 97), "setns": (308, 268),
+    "personality": (135, 92),
+}
+# platform.machine() -> (AUDIT_ARCH_* the kernel reports in seccomp_data.arch, column in _DENIED_SYSCALLS)
+_SECCOMP_ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}
+_X32_SYSCALL_BIT = 0x40000000
+
+# Classic BPF as seccomp runs it (linux/filter.h, linux/seccomp.h): each instruction is a struct sock_filter
+# {u16 code; u8 jt; u8 jf; u32 k}, the jumps are relative to the next instruction, the accumulator is loaded from
+# struct seccomp_data {int nr; u32 arch; u64 instruction_pointer; u64 args[6]}.
+_BPF_LOAD = 0x20  # BPF_LD | BPF_W | BPF_ABS: A = seccomp_data[k]
+_BPF_JEQ = 0x15  # BPF_JMP | BPF_JEQ | BPF_K: jump jt if A == k else jf
+_BPF_JGE = 0x35  # BPF_JMP | BPF_JGE | BPF_K: jump jt if A >= k else jf
+_BPF_RET = 0x06  # BPF_RET | BPF_K: return k
+_SECCOMP_DATA_NR, _SECCOMP_DATA_ARCH = 0, 4
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 
 
 @dataclass(frozen=True)
@@ -80,14 +120,15 @@ async def run_sandboxed(argv: list[str], files: dict[str, bytes], limits: Sandbo
     bwrap = _bwrap_binary()
     with contextlib.ExitStack() as stack:
         fds = [stack.enter_context(_memfd(name, data)) for name, data in files.items()]
+        seccomp = stack.enter_context(_memfd("seccomp", _seccomp_filter(platform.machine())))
         status_r, status_w = os.pipe()
         stack.callback(_close, status_r)
         cgroup = stack.enter_context(_pids_cgroup(limits.max_procs))
-        args = _bwrap_args(bwrap, argv, dict(zip(files, fds)), status_w, limits)
+        args = _bwrap_args(bwrap, argv, dict(zip(files, fds)), status_w, seccomp, limits)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args, env={}, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, pass_fds=[*fds, status_w], start_new_session=True,
+                stderr=asyncio.subprocess.PIPE, pass_fds=[*fds, seccomp, status_w], start_new_session=True,
                 preexec_fn=_launcher(limits, cgroup))
         except (OSError, subprocess.SubprocessError) as exc:
             raise ToolError(f"could not start the python sandbox ({bwrap}): {exc}") from None
@@ -115,7 +156,7 @@ def _bwrap_binary() -> str:
     return path
 
 
-def _bwrap_args(bwrap: str, argv: list[str], file_fds: dict[str, int], status_fd: int,
+def _bwrap_args(bwrap: str, argv: list[str], file_fds: dict[str, int], status_fd: int, seccomp_fd: int,
                 limits: SandboxLimits) -> list[str]:
     disk = str(limits.disk_mb << 20)
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -127,7 +168,8 @@ def _bwrap_args(bwrap: str, argv: list[str], file_fds: dict[str, int], status_fd
     args += ["--size", disk, "--tmpfs", WORK_DIR]
     for name, fd in file_fds.items():
         args += ["--file", str(fd), f"{WORK_DIR}/{name}"]
-    return args + ["--chdir", WORK_DIR, "--remount-ro", "/", "--json-status-fd", str(status_fd), "--", *argv]
+    return args + ["--chdir", WORK_DIR, "--remount-ro", "/", "--seccomp", str(seccomp_fd),
+                   "--json-status-fd", str(status_fd), "--", *argv]
 
 
 def _system_binds() -> list[str]:
@@ -142,6 +184,32 @@ def _system_binds() -> list[str]:
         if not prefix.startswith("/usr/"):
             args += ["--ro-bind", prefix, prefix]
     return args
+
+
+def _seccomp_filter(machine: str) -> bytes:
+    """A seccomp classic-BPF program for `machine` (as platform.machine() names it) that allows every syscall
+    except _DENIED_SYSCALLS, which fail with EPERM, as does any syscall made through another ABI.
+    """
+    if machine not in _SECCOMP_ARCHES:
+        raise ToolError(f"the python sandbox has a seccomp filter for {' and '.join(_SECCOMP_ARCHES)} only, "
+                        f"not {machine}: run masgraph on one of those or leave the python tool out of the graph")
+    arch, column = _SECCOMP_ARCHES[machine]
+    checks = [(_BPF_JGE, _X32_SYSCALL_BIT)] if machine == "x86_64" else []  # x32 numbers alias x86_64 syscalls
+    checks += [(_BPF_JEQ, nr) for nr in sorted({numbers[column] for numbers in _DENIED_SYSCALLS.values()})]
+    deny = 3 + len(checks) + 1  # index of the last instruction; a jump of k skips k instructions
+    program = [
+        _bpf(_BPF_LOAD, _SECCOMP_DATA_ARCH),
+        _bpf(_BPF_JEQ, arch, jf=deny - 2),
+        _bpf(_BPF_LOAD, _SECCOMP_DATA_NR),
+        *(_bpf(op, k, jt=deny - i - 4) for i, (op, k) in enumerate(checks)),  # check i is instruction 3 + i
+        _bpf(_BPF_RET, _SECCOMP_RET_ALLOW),
+        _bpf(_BPF_RET, _SECCOMP_RET_ERRNO | errno.EPERM),
+    ]
+    return b"".join(program)
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("=HBBI", code, jt, jf, k)
 
 
 @contextlib.contextmanager

@@ -7,12 +7,10 @@ import math
 import re
 from collections import Counter
 from functools import lru_cache
-from typing import Any
 
 from pydantic import Field
 
 from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
-
 
 
 def _tokens(text: str) -> list[str]:
@@ -63,7 +61,8 @@ class SearchOptions(ToolOptions):
     """Passages returned per query."""
 
 
-@register_kind("search", "searches the local knowledge base and returns the best matching passages, e.g. Input: Ilsa Varn",
+@register_kind("search", "searches the local knowledge base and returns the best matching passages, "
+                         "e.g. Input: Ilsa Varn",
                options=SearchOptions)
 def make_search(options: SearchOptions):
     path, k = options.corpus or default_corpus_path(), options.top_k

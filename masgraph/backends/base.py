@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from masgraph.errors import MasgraphError
 from masgraph.spec import SamplingSpec
+
+if TYPE_CHECKING:
+    from masgraph.learner import AdapterSource
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Completion:
     finish_reason: str = "stop"
     prompt_truncated: bool = False
     policy_version: int = 0
+    batch_size: int = 1
+    """Rows decoded together with this one, itself included (1 for backends that do not batch)."""
 
 
 class BackendError(MasgraphError, RuntimeError):
@@ -49,6 +54,35 @@ class Backend(Protocol):
     async def complete(self, requests: list[Request]) -> list[Completion]: ...
 
     async def aclose(self) -> None: ...
+
+
+class SyncedBackend(Backend, Protocol):
+    """A backend that serves the adapter versions a learner publishes (see `masgraph.learner.WeightSync`)."""
+
+    def publish(self, adapter: str, version: int, source: AdapterSource) -> None:
+        """Serve `version` of `adapter` from now on, its weights read from `source` unless already in place
+        (in process, on the learner's own model). Called between rollouts; may block."""
+        ...
+
+
+class AdapterBackend(Backend, Protocol):
+    """A backend that serves named LoRA adapters of its base model (hf today): what `Engine` uses to serve a
+    graph's untrained adapters and a checkpoint's trained ones."""
+
+    def has_adapter(self, name: str) -> bool: ...
+
+    def add_adapter(self, name: str) -> None:
+        """Serve a fresh (zero-effect) adapter `name`."""
+        ...
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the saved PEFT directory `path` as adapter `name` (strictly, in its saved LoRA shape)."""
+        ...
+
+
+def serves_adapters(backend: Backend) -> bool:
+    """Whether `backend` implements AdapterBackend."""
+    return all(callable(getattr(backend, m, None)) for m in ("has_adapter", "add_adapter", "load_adapter"))
 
 
 def truncate_middle(ids: list[int], budget: int, marker: list[int]) -> tuple[list[int], bool]:

@@ -50,6 +50,12 @@ def test_deterministic_mode_is_independent_of_concurrency_and_timing(root, hf, r
     finally:
         hf.deterministic = False
     assert sigs[0] == sigs[1] == sigs[2]
+    # evaluation's deterministic view: a second backend over the same weights, nothing flipped on the first
+    from masgraph.backends.hf import HFBackend
+
+    view = HFBackend(hf.weights, deterministic=True, max_batch_size=16)
+    assert view.model is hf.model and hf.deterministic is False
+    assert _signature(run(runner_for(graph, view, n=8, concurrency=8, seed=3).run_task(task))) == sigs[0]
     assert all(lps for _, _, calls in sigs[0] for _, lps in calls)
     calls = [c for t in run(runner_for(graph, hf, n=1, seed=3).run_task(task)).traces for c in t.llm_calls]
     assert calls and all((c.temperature, c.top_p) == (0.7, 1.0) for c in calls)  # the sampling is recorded

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -13,7 +12,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
-from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, Row, build_rows, sequence_logprobs
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, Row, build_rows
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +28,8 @@ class AlternatingReward(BasicArithmetic):
 
 def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for, run):
     from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec, WeightSync
 
     spec = load_spec(root / "graphs" / "agentflow.yaml")
     hot = SamplingSpec(temperature=1.0, max_tokens=24)
@@ -38,14 +39,19 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
                                                                "sampling": hot.model_copy(update={"max_tokens": 8})})
     graph = compile_spec(spec.model_copy(update={"policies": policies, "limits": spec.limits.model_copy(
         update={"max_turns": 2})}))
-    backend = HFBackend(dtype="float32", max_batch_size=16)
+    learner = HFLearner(dtype="float32")
+    for adapter in ("planner", "verifier"):
+        learner.add_adapter(adapter, LoraConfigSpec())
+    backend = HFBackend(learner.weights, max_batch_size=16)  # serves the learner's own model
+    sync = WeightSync(learner, [backend])
+    sync()
     result = run(runner_for(graph, backend, n=1, samples=4, concurrency=4).run_task(AlternatingReward()))
     traces = result.traces
     assert all(t.status == "ok" for t in traces) and {t.reward for t in traces} == {0.0, 1.0}
 
     trainable = {"planner": "planner", "verifier": "verifier"}
     config = FlowGRPOConfig(lr=2e-3, micro_batch=4)
-    algo = FlowGRPO(backend, trainable, config)
+    algo = FlowGRPO(learner, trainable, config)
     rows = build_rows(traces, trainable, config)
     assert {r.adapter for r in rows} == {"planner", "verifier"}
     positive = [r for r in rows if r.advantage > 0]
@@ -54,39 +60,38 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
         out = []
         with torch.no_grad():
             for r in rs:
-                backend.model.set_adapter(r.adapter)
-                out.append(float(sequence_logprobs(backend.model, [r], backend.pad_id)[0].sum()))
+                out.append(float(learner.sequence_logprobs([r], r.adapter)[0].sum()))
         return out
 
     def base_tensors():
-        return {k.replace(".base_layer", ""): v.detach().clone() for k, v in backend.base_model.state_dict().items()
-                if "lora" not in k}
+        return {k.replace(".base_layer", ""): v.detach().clone()
+                for k, v in learner.weights.base_model.state_dict().items() if "lora" not in k}
 
     # the batched, shared-prefix forward gives each row's own logprobs and gradients (the prefix's grads summed)
     planner_rows = [r for r in rows if r.adapter == "planner"]
-    backend.model.set_adapter("planner")
     lora = algo.params["planner"]
-    backend.model.zero_grad(set_to_none=True)
-    batched = sequence_logprobs(backend.model, planner_rows, backend.pad_id)
+    learner.weights.model.zero_grad(set_to_none=True)
+    batched = learner.sequence_logprobs(planner_rows, "planner")
     torch.stack([lp.sum() for lp in batched]).sum().backward()
     grads_batched = [p.grad.clone() for p in lora]
-    backend.model.zero_grad(set_to_none=True)
-    single = [sequence_logprobs(backend.model, [r], backend.pad_id)[0] for r in planner_rows]
+    learner.weights.model.zero_grad(set_to_none=True)
+    single = [learner.sequence_logprobs([r], "planner")[0] for r in planner_rows]
     torch.stack([lp.sum() for lp in single]).sum().backward()
     for a, b in zip(batched, single):
         assert torch.allclose(a, b, atol=2e-4), (a, b)
     for p, g in zip(lora, grads_batched):
         assert torch.allclose(g, p.grad, rtol=1e-3, atol=1e-5)
-    backend.model.zero_grad(set_to_none=True)
+    learner.weights.model.zero_grad(set_to_none=True)
 
     base_before, lp_before = base_tensors(), row_logprobs(positive)
     metrics = algo.update(traces)
+    assert sync() == ["planner", "verifier"]  # the weight-sync step: both new versions published
 
     assert math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["kl"])
     for adapter, params in algo.params.items():
         assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in params), adapter
         assert metrics[f"grad_norm/{adapter}"] > 0
-        assert backend.versions[adapter] == 1  # the next rollouts are stamped with the new version
+        assert learner.version(adapter) == backend.versions[adapter] == 1  # next rollouts: the new version
     lp_after = row_logprobs(positive)
     gains = [a - b for a, b in zip(lp_after, lp_before)]
     assert sum(gains) / len(gains) > 0, gains  # positive-advantage samples became more likely
@@ -103,12 +108,14 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
 def test_recorded_logprobs_are_recomputed_at_the_calls_sampling_params(hf, temperature, top_p):
     """The update's teacher-forced logprobs match the recorded ones at T != 1 and under top_p < 1 (both are the
     temperature-scaled softmax before nucleus truncation; greedy calls record the raw logits')."""
+    from masgraph.backends.hf_learner import HFLearner
+
     sampling = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=16)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three fruits."}]
     calls = hf.generate([Request(msgs, sampling=sampling, seed=s) for s in range(3)])
     rows = [Row(0, "n", "a", c.prompt_ids, c.completion_ids, c.logprobs, 1.0, 0, temperature or 1.0) for c in calls]
-    with torch.no_grad(), hf.model.disable_adapter() if hf.model is not hf.base_model else contextlib.nullcontext():
-        recomputed = sequence_logprobs(hf.model, rows, hf.pad_id)
+    with torch.no_grad():  # the reference (adapters off) through a learner on the backend's own weights
+        recomputed = HFLearner(hf.weights).sequence_logprobs(rows, None)
     for row, lp in zip(rows, recomputed):
         assert torch.allclose(lp, torch.tensor(row.old_logprobs), atol=1e-4), (lp, row.old_logprobs)
 

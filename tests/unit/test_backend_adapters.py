@@ -92,5 +92,5 @@ def test_unreadable_checkpoint_is_a_masgraph_error(tiny, tmp_path):
 
 
 def test_unknown_backend_kind_is_a_masgraph_error_with_a_fix():
-    with pytest.raises(MasgraphError, match=r"backend 'scripted' .* no built-in instance; fix: .*backends="):
+    with pytest.raises(MasgraphError, match=r"backend: scripted. .* no built-in instance.*; fix: .*backends="):
         make_backend(PolicySpec(backend="scripted", model="m"))

@@ -32,7 +32,8 @@ def test_latest_complete_checkpoint_wins(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step-2")  # the pointer wins when it is complete
     assert latest_checkpoint(tmp_path).name == "step-2"
     assert resolve_checkpoint(ten) == ten
-    assert checkpoint_adapters(ten) == {"planner": ten / "adapters" / "planner", "verifier": ten / "adapters" / "verifier"}
+    assert checkpoint_adapters(ten) == {"planner": ten / "adapters" / "planner",
+                                        "verifier": ten / "adapters" / "verifier"}
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):

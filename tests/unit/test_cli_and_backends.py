@@ -33,7 +33,14 @@ def test_run_with_unknown_task_is_a_clean_error(root, capsys):
 
 def test_schema_command_prints_json_schema(capsys):
     assert main(["schema"]) == 0
-    assert json.loads(capsys.readouterr().out)["title"] == "GraphSpec"
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "GraphSpec"
+    # the train section is the registered algorithms' union, documented knob by knob; backends are the registered
+    train = schema["properties"]["train"]["anyOf"][0]
+    section = schema["$defs"][train["$ref"].rsplit("/", 1)[1]]
+    assert section["properties"]["algorithm"]["const"] == "flow_grpo"
+    assert "group_size" in schema["$defs"]["FlowGRPOConfig"]["properties"]
+    assert schema["$defs"]["PolicySpec"]["properties"]["backend"]["enum"] == ["hf", "litellm", "scripted"]
 
 
 def test_validate_subprocess_has_no_traceback(root, tmp_path):
@@ -109,7 +116,8 @@ class _OpenAIStub(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                  "choices": [{"index": 0, "finish_reason": "stop",
-                              "message": {"role": "assistant", "content": "Answer: " + body["messages"][-1]["content"]}}],
+                              "message": {"role": "assistant",
+                                          "content": "Answer: " + body["messages"][-1]["content"]}}],
                  "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
         data = json.dumps(reply).encode()
         self.send_response(200)

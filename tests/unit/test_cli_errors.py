@@ -23,7 +23,8 @@ SCRIPTED_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\n"
                   "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
 
 ENTRY = '''
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.cli import run_with_progress
 from masgraph.graph import GraphBuilder
@@ -39,9 +40,9 @@ class Ones(Task):
 
 graph = GraphBuilder("slow").add_policy("main", backend="scripted").add_node("answer", role="generator",
                                                                              policy="main").compile()
-runner = Runner(graph, RunConfig(n=40, concurrency=2, runs_dir=sys.argv[1]),
+runner = Runner(graph, RunConfig(n=400, concurrency=2, runs_dir=sys.argv[1]),
                 backends={"scripted": ScriptedBackend(default="Answer: 1", delay_s=0.1)})
-sys.exit(run_with_progress(runner, Ones(), Ones().items("test", 40)))
+sys.exit(run_with_progress(runner, Ones(), Ones().items("test", 400)))  # 20 s: signalled long before
 '''
 
 
@@ -172,8 +173,8 @@ def test_a_signalled_cli_run_stops_cleanly_with_a_summary(tmp_path, sig, code):
     assert proc.returncode == code, err
     [run_dir] = runs.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())  # HEAD (SIGTERM): no summary.json
-    assert summary["interrupted"] is True and 3 <= summary["episodes"] < 40
-    assert summary["episodes"] + summary["cancelled"] == 40 and summary["episodes"] >= _finished(runs) - 2
+    assert summary["interrupted"] is True and 3 <= summary["episodes"] < 400
+    assert summary["episodes"] + summary["cancelled"] == 400 and summary["episodes"] >= _finished(runs) - 2
     assert f"interrupted: {summary['episodes']} episodes finished" in err and "Traceback" not in err
     assert f"run dir  {run_dir}" in out
 

@@ -10,9 +10,19 @@ import torch
 
 from masgraph.errors import MasgraphError
 from masgraph.trace import LLMCall, Step, Trace
-from masgraph.trainers.flow_grpo import (FlowGRPOConfig, aggregate, build_rows, group_advantages,
-                                         informative_queries, kl_k3, logprob_temperature, mini_batches,
-                                         ppo_clip_loss, row_weights, trajectory_rewards)
+from masgraph.trainers.flow_grpo import (
+    FlowGRPOConfig,
+    aggregate,
+    build_rows,
+    group_advantages,
+    informative_queries,
+    kl_k3,
+    logprob_temperature,
+    mini_batches,
+    ppo_clip_loss,
+    row_weights,
+    trajectory_rewards,
+)
 
 
 def test_group_advantages_hand_computed():

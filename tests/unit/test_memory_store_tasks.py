@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
+from masgraph.files import atomic_write
 from masgraph.memory.action_log import Action, ActionLog
 from masgraph.store import RunStore, read_jsonl, read_traces
 from masgraph.tasks import (
@@ -14,7 +18,7 @@ from masgraph.tasks import (
     make_kb,
     split_seed,
 )
-from masgraph.trace import EpisodeFinished, EpisodeStarted, Step, StepFinished, Trace
+from masgraph.trace import Step, Trace
 
 
 def test_action_log_truncates_old_actions_and_long_results():
@@ -41,6 +45,18 @@ def test_store_is_readable_while_written(tmp_path):
     assert [t.reward for t in read_traces(tmp_path / "run")] == [1.0]
     store.close({"accuracy": 1.0})
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"accuracy": 1.0}
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_atomic_write_replaces_whole_files_and_leaves_no_temporary(tmp_path, durable):
+    target = tmp_path / "state.json"
+    atomic_write(target, '{"step": 1} \u2028', durable=durable)
+    assert target.read_text(encoding="utf-8") == '{"step": 1} \u2028'
+    atomic_write(target, b"\x00\xff", durable=durable)
+    assert target.read_bytes() == b"\x00\xff"
+    with pytest.raises(TypeError):  # a failed write keeps the old content whole
+        atomic_write(target, {"not": "text"}, durable=durable)  # type: ignore[arg-type]
+    assert target.read_bytes() == b"\x00\xff" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
 def test_splits_are_deterministic_and_disjoint():

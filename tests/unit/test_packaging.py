@@ -32,9 +32,11 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
         "import importlib.util, masgraph, masgraph.agents, masgraph.trainers, masgraph.agents.tools.calculator;"
         "assert importlib.util.find_spec('agents') is None, 'agents importable';"
         "assert importlib.util.find_spec('trainers') is None, 'trainers importable';"
-        "assert masgraph.agents.__file__.startswith(%r), masgraph.agents.__file__;"
+        f"assert masgraph.agents.__file__.startswith({str(site)!r}), masgraph.agents.__file__;"
         "from masgraph.agents.prompting import load_template; load_template('planner');"
         "from masgraph.tasks import load_kb; assert load_kb()['people'];"
-        "print('ok')" % site)
+        "from masgraph.registry import default_registry; r = default_registry();"  # found through entry points
+        "assert 'planner' in r.agents and 'calculator' in r.tools and 'flow_grpo' in r.algorithms, r;"
+        "print('ok')")
     out = subprocess.run([str(py), "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import resource
+import struct
 import sys
 import time
 import uuid
@@ -186,12 +188,86 @@ def test_ptrace_of_the_parent_leaks_no_environment(run, monkeypatch):
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 print({os.getpid()}, libc.ptrace(16, {os.getpid()}, None, None), ctypes.get_errno())  # PTRACE_ATTACH
+try:
+    os.kill({os.getpid()}, 0)
+except OSError as exc:
+    print({os.getpid()}, type(exc).__name__)
 print(open('/proc/1/environ').read(), dict(os.environ), flush=True)
 print(os.getppid(), libc.ptrace(16, os.getppid(), None, None), ctypes.get_errno(), flush=True)
 """, SandboxLimits(wall_s=1.0))
     assert "hunter2" not in out
-    assert f"{os.getpid()} -1 3" in out  # ESRCH: the host is not even visible
+    assert f"{os.getpid()} -1 1" in out  # EPERM: ptrace is denied outright
+    assert f"{os.getpid()} ProcessLookupError" in out  # and the host is not even visible
     assert processes_with("snippet.py") == []
+
+
+def test_ptrace_of_the_sandbox_init_and_the_parent_fails_fast(run):
+    start = time.monotonic()
+    out = run(run_python("""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def attach(pid):
+    return libc.ptrace(16, pid, None, None), ctypes.get_errno()  # PTRACE_ATTACH
+print('init', attach(1))
+print('parent', attach(os.getppid()))
+child = os.fork()
+if child == 0:
+    os._exit(attach(os.getppid())[0] + 1)  # a child attaching the snippet itself
+print('snippet', os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) - 1)
+""", limits=LIMITS))
+    assert out.splitlines() == ["init (-1, 1)", "parent (-1, 1)", "snippet -1"]  # EPERM
+    assert time.monotonic() - start < LIMITS.wall_s
+
+
+def test_other_denied_syscalls_fail_inside(run):
+    x32 = platform.machine() == "x86_64"
+    out = run(run_python(f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.personality(0xFFFFFFFF), ctypes.get_errno())  # a query that always succeeds unfiltered
+if {x32}:
+    print(libc.syscall(0x40000000 | 39), ctypes.get_errno())  # x32 getpid: the deny-list's numbers differ there
+""", limits=LIMITS))
+    assert out.splitlines() == ["-1 1"] * (1 + x32)
+
+
+def seccomp_verdict(program: bytes, arch: int, nr: int) -> int:
+    """Run a seccomp classic-BPF program (the instructions the sandbox emits) on one syscall; its return value."""
+    data, pc, acc = struct.pack("=iI", nr, arch), 0, 0
+    instructions = list(struct.iter_unpack("=HBBI", program))
+    while True:
+        code, jt, jf, k = instructions[pc]
+        pc += 1
+        if code == 0x20:  # A = seccomp_data[k]
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code in (0x15, 0x35):  # jump if A == k, if A >= k
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF instruction {code:#x}")
+
+
+ALLOW, EPERM = 0x7FFF0000, 0x00050001
+
+
+@pytest.mark.parametrize("machine, arch, foreign_arch, ptrace, getpid, bypasses", [
+    ("x86_64", 0xC000003E, 0x40000003, 101, 39, [0x40000000 | 39, 0x40000000 | 521]),  # i386; x32 getpid, ptrace
+    ("aarch64", 0xC00000B7, 0x40000028, 117, 172, []),  # arm32
+])
+def test_seccomp_filter_denies_its_list_and_other_abis(machine, arch, foreign_arch, ptrace, getpid, bypasses):
+    program = sandbox._seccomp_filter(machine)
+    assert seccomp_verdict(program, arch, getpid) == ALLOW
+    assert seccomp_verdict(program, arch, ptrace) == EPERM
+    assert seccomp_verdict(program, foreign_arch, getpid) == EPERM
+    assert [seccomp_verdict(program, arch, nr) for nr in bypasses] == [EPERM] * len(bypasses)
+    allowed = {nr for nr in range(512) if seccomp_verdict(program, arch, nr) == ALLOW}
+    assert len(allowed) == 512 - len(sandbox._DENIED_SYSCALLS)  # exactly the list is denied, nothing else
+
+
+def test_unknown_architecture_fails_closed():
+    with pytest.raises(ToolError, match="seccomp filter for x86_64 and aarch64 only, not riscv64"):
+        sandbox._seccomp_filter("riscv64")
 
 
 def test_output_flood_is_cut_off_without_buffering_it(run):

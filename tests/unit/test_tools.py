@@ -12,9 +12,10 @@ from hypothesis import given, settings, strategies
 
 from masgraph.agents.tools.calculator import calculate
 from masgraph.agents.tools.python import run_python
-from masgraph.agents.tools.registry import TOOL_KINDS, ToolError, build_tools, register_tool
+from masgraph.agents.tools.registry import ToolError, build_tools, register_tool
 from masgraph.agents.tools.search import Corpus
 from masgraph.errors import MasgraphError
+from masgraph.registry import default_registry
 from masgraph.spec import ToolSpec
 
 
@@ -36,7 +37,8 @@ def test_calculator_tolerates_prose_around_one_expression(expr):
 
 
 @pytest.mark.parametrize("expr,why", [("1000!", "unexpected '!'"), ("2 + 3; import os", "unexpected ';'"),
-                                      ("3 apples + 4 pears", "several expressions"), ("what is x + 1", "lacks an operand"), ("compute(3+4)", "'compute'"),
+                                      ("3 apples + 4 pears", "several expressions"),
+                                      ("what is x + 1", "lacks an operand"), ("compute(3+4)", "'compute'"),
                                       ("12 + 7 +", "invalid syntax"), ("1e308*10", "out of range"),
                                       ("1e300 ** 2", "out of range"), ("1e999", "out of range"),
                                       ("(-8) ** 0.5", "complex"), ("9" * 5000, "limit"),
@@ -127,8 +129,8 @@ def test_custom_typed_tool(run):
         """Add days to a start day."""
         return start + days
 
-    assert TOOL_KINDS["add_days"].schema["required"] == ["days"]
-    assert TOOL_KINDS["add_days"].schema["properties"]["days"] == {"type": "integer"}
+    assert default_registry().tools["add_days"].schema["required"] == ["days"]
+    assert default_registry().tools["add_days"].schema["properties"]["days"] == {"type": "integer"}
     tools = build_tools({"d": ToolSpec(kind="add_days")})
     assert run(tools["d"]("3")) == "3"
     assert run(tools["d"]('{"days": 2, "start": 5}')) == "7"

@@ -1,7 +1,8 @@
 """TrainLoop and FlowGRPO on a tiny random Llama built here (a few KB, loads in well under a second): the
 backend comes from the policy's `model`, a step interrupted by cancellation leaves the data cursor of the last
 completed step in the checkpoint, PPO epochs make the clip act, logprobs are recomputed at each call's
-temperature, evaluation is deterministic, and broken checkpoints are MasgraphErrors."""
+temperature, evaluation is deterministic, steps/evaluations/checkpoints are events (metrics.jsonl is a sink),
+and broken checkpoints are MasgraphErrors."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows, sequence_logprobs
-from masgraph.trainers.loop import TrainLoop
 
 from masgraph.errors import MasgraphError, SpecError
+from masgraph.events import CheckpointSaved, EvalFinished, ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows
+from masgraph.trainers.loop import TrainLoop
 
 
 class Sums(Task):
@@ -67,8 +69,8 @@ TRAIN = ("{steps: 3, queries_per_step: 2, eval_every: 0, eval_n: 2, checkpoint_e
          "flow_grpo: {group_size: 4, lr: 0.01}}")
 
 
-def _loop(tiny: Path, run_dir: Path, train: str = TRAIN) -> TrainLoop:
-    return TrainLoop(_graph(tiny, train), Sums(), run_dir, dtype="float32")
+def _loop(tiny: Path, run_dir: Path, train: str = TRAIN, **kw) -> TrainLoop:
+    return TrainLoop(_graph(tiny, train), Sums(), run_dir, dtype="float32", **kw)
 
 
 def test_backend_is_built_from_the_trainable_policys_model(tiny, tmp_path):
@@ -99,20 +101,22 @@ def _losses_and_weights(run_dir: Path) -> tuple[dict[int, float], dict[str, torc
 
 def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(tiny, tmp_path):
     asyncio.run(_loop(tiny, tmp_path / "a").run())  # uninterrupted reference
-    loop = _loop(tiny, tmp_path / "b")
+    events = ListSink()
+    loop = _loop(tiny, tmp_path / "b", sinks=[events])
     task = loop.task
     per_step = loop.cfg.queries_per_step * loop.cfg.flow_grpo.group_size
-    done: list[dict] = []
 
     async def interrupt_in_step_two():
-        run = asyncio.create_task(loop.run(on_step=done.append))
+        run = asyncio.create_task(loop.run())
         # Ctrl-C lands as a cancellation: here when the first episode of step 2 has finished
         task.on_reward = lambda: run.cancel() if len(task.rewarded) == per_step + 1 else None
         with pytest.raises(asyncio.CancelledError):
             await run
 
     asyncio.run(interrupt_in_step_two())
-    assert [m["step"] for m in done] == [1]
+    assert [e.step for e in events.events if isinstance(e, TrainStep)] == [1]
+    assert [(e.step, e.path) for e in events.events if isinstance(e, CheckpointSaved)] == [
+        (1, str(tmp_path / "b" / "checkpoints" / "step-1"))]  # written on the cancellation
     state = json.loads((tmp_path / "b" / "checkpoints" / "step-1" / "state.json").read_text())
     assert state["step"] == 1 and state["cursor"] == loop.cfg.queries_per_step  # not moved by step 2's take
     resumed = _loop(tiny, tmp_path / "b")
@@ -126,57 +130,79 @@ def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(
 
 def _rollouts(tiny: Path, temperature: float, samples: int = 4):
     from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec, WeightSync
 
     torch.manual_seed(0)
-    backend = HFBackend(str(tiny), dtype="float32", seed=1)
-    backend.add_adapter("answer")
+    learner = HFLearner(str(tiny), dtype="float32")
+    learner.add_adapter("answer", LoraConfigSpec())
+    backend = HFBackend(learner.weights, seed=1)
+    WeightSync(learner, [backend])()
     graph = _graph(tiny, temperature=temperature)
     runner = Runner(graph, RunConfig(n=3, split="train", samples=samples, concurrency=12), backends={"hf": backend})
-    return backend, asyncio.run(runner.run_task(Sums(), store=False)).traces
+    return learner, backend, asyncio.run(runner.run_task(Sums(), store=False)).traces
 
 
 def test_ppo_epochs_and_mini_batches_make_the_clip_act(tiny):
-    backend, traces = _rollouts(tiny, 1.0)
-    one = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
+    learner, _, traces = _rollouts(tiny, 1.0)
+    one = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
     assert one["optimizer_steps"] == 1 and one["clip_frac"] == 0 and one["approx_kl"] < 1e-6  # ratio 1: on-policy
-    backend, traces = _rollouts(tiny, 1.0)
-    many = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(lr=0.05, ppo_epochs=4, num_mini_batches=2))
+    learner, backend, traces = _rollouts(tiny, 1.0)
+    many = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05, ppo_epochs=4, num_mini_batches=2))
     metrics = many.update(traces, seed=7)
     assert metrics["optimizer_steps"] == 8 and metrics["clip_frac"] > 0 and metrics["approx_kl"] > 1e-4
-    assert backend.versions["answer"] == 1  # one new policy version per update, however many steps
+    assert learner.version("answer") == 1  # one new policy version per update, however many steps
+    assert backend.versions["answer"] == 0  # served only once published (the loop's WeightSync)
 
 
 def test_rows_are_recomputed_at_the_temperature_they_were_sampled_at(tiny):
-    backend, traces = _rollouts(tiny, 0.5)
+    learner, _, traces = _rollouts(tiny, 0.5)
     rows = build_rows(traces, {"answer": "answer"}, FlowGRPOConfig(temperature=0.5))
     assert rows and all(r.temperature == 0.5 for r in rows)
-    backend.model.set_adapter("answer")
     with torch.no_grad():
-        recomputed = sequence_logprobs(backend.model, rows, backend.pad_id)
+        recomputed = learner.sequence_logprobs(rows, "answer")
     for r, lp in zip(rows, recomputed):
         assert torch.allclose(lp, torch.tensor(r.old_logprobs), atol=1e-4)
     hot = [dataclasses.replace(r, temperature=1.0) for r in rows]
     with torch.no_grad():
-        wrong = sequence_logprobs(backend.model, hot, backend.pad_id)
+        wrong = learner.sequence_logprobs(hot, "answer")
     assert max(float((a - torch.tensor(r.old_logprobs)).abs().max()) for r, a in zip(rows, wrong)) > 1e-2
 
 
 def test_update_uses_each_calls_recorded_temperature_not_the_config(tiny):
-    backend, traces = _rollouts(tiny, 0.5)
-    metrics = FlowGRPO(backend, {"answer": "answer"}, FlowGRPOConfig(temperature=1.0)).update(traces)
+    learner, _, traces = _rollouts(tiny, 0.5)
+    metrics = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(temperature=1.0)).update(traces)
     assert metrics["approx_kl"] < 1e-6 and metrics["clip_frac"] == 0
 
 
 def test_evaluation_runs_in_deterministic_mode_and_leaves_the_rng_alone(tiny, tmp_path):
     train = TRAIN.replace("seed: 3", "seed: 3, deterministic: false")
-    loop = _loop(tiny, tmp_path / "run", train)
+    events = ListSink()
+    loop = _loop(tiny, tmp_path / "run", train, sinks=[events])
     seen: list[bool] = []
-    generate = loop.backend.generate
-    loop.backend.generate = lambda requests: seen.append(loop.backend.deterministic) or generate(requests)
+    generate = loop.eval_backend.generate
+    loop.eval_backend.generate = lambda requests: seen.append(loop.eval_backend.deterministic) or generate(requests)
+    loop.backend.generate = lambda requests: pytest.fail("evaluation decoded on the training backend")
     before = (torch.get_rng_state(), random.getstate())
-    asyncio.run(loop.evaluate())
-    assert seen and all(seen) and loop.backend.deterministic is False
+    metrics = asyncio.run(loop.evaluate())
+    assert seen and all(seen) and loop.backend.deterministic is False  # a deterministic view; nothing flipped
+    assert loop.eval_backend.weights is loop.backend.weights  # over the same weights, not a copy
     assert torch.equal(before[0], torch.get_rng_state()) and before[1] == random.getstate()
+    assert [(type(e), e.step, e.metrics) for e in events.events] == [(EvalFinished, 0, metrics)]
+
+
+def test_a_train_run_emits_steps_evaluations_and_checkpoints_and_writes_metrics_through_a_sink(tiny, tmp_path):
+    events = ListSink()
+    loop = _loop(tiny, tmp_path / "run", TRAIN.replace("eval_every: 0", "eval_every: 2"), sinks=[events])
+    asyncio.run(loop.run())
+    kinds = [(type(e).__name__, e.step) for e in events.events]
+    assert kinds == [("EvalFinished", 0), ("TrainStep", 0), ("TrainStep", 1), ("EvalFinished", 2),
+                     ("TrainStep", 2), ("EvalFinished", 3), ("TrainStep", 3), ("CheckpointSaved", 3)]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events.events if isinstance(e, TrainStep)]
+    assert lines == [{"step": e.step, **e.metrics} for e in steps]  # metrics.jsonl is the TrainStep stream
+    assert next(iter(lines[1])) == "step" and "accuracy/test" in lines[0] and "loss/total" in lines[1]
+    assert loop.sink_errors == 0
 
 
 @pytest.fixture
@@ -184,6 +210,16 @@ def checkpoint(tiny, tmp_path) -> Path:
     loop = _loop(tiny, tmp_path / "run", TRAIN.replace("steps: 3", "steps: 1"))
     asyncio.run(loop.run())
     return tmp_path / "run" / "checkpoints" / "step-1"
+
+
+def test_a_checkpoint_with_the_old_backend_rng_still_resumes(tiny, tmp_path, checkpoint):
+    rng = torch.load(checkpoint / "rng.pt", weights_only=False)
+    assert "backend" not in rng  # sampling is seeded per request: no backend generator is saved any more
+    torch.save({**rng, "backend": torch.Generator().manual_seed(5).get_state()}, checkpoint / "rng.pt")
+    loop = _loop(tiny, tmp_path / "again")
+    loop.load(checkpoint)
+    assert loop.step == 1 and torch.equal(torch.get_rng_state(), rng["torch"])
+    assert loop.backend.versions["answer"] == loop.learner.version("answer") == 1  # published on load
 
 
 @pytest.mark.parametrize("damage,match", [

@@ -1,0 +1,60 @@
+"""The hf weights' dtype: bf16 or fp32, whichever is measured faster on this CPU (once per machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+from masgraph.model import cache_dir
+
+
+def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
+    """bf16 if it is clearly (`margin`x) faster than fp32 for a decode-shaped matmul on this CPU, else fp32.
+
+    bf16 won 1.5-2x on the machine DESIGN.md measured; on AMX-advertising VMs capped to AVX512-BF16 fp32
+    wins (254 vs 150 GFLOP/s), so the choice is measured rather than assumed. It is measured once per
+    machine and torch version and kept in the cache, so every process (a resumed training run too)
+    uses the same dtype even when the machine is busy."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+               platform.processor())
+    key = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
+    path = cache_dir() / "dtype-choice.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return getattr(torch, known[key])
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(32, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        x @ w  # warm-up
+        best = float("inf")
+        for _ in range(5):  # best of 5 trials: robust to a busy machine
+            t0 = time.perf_counter()
+            for _ in range(reps // 5):
+                x @ w
+            best = min(best, time.perf_counter() - t0)
+        times[dtype] = best
+    choice = torch.bfloat16 if times[torch.bfloat16] * margin < times[torch.float32] else torch.float32
+    known[key] = str(choice).removeprefix("torch.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return choice
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.readlines()
+    except OSError:
+        return []

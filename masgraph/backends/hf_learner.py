@@ -1,0 +1,159 @@
+"""The in-process hf learner: LoRA adapters on an `HFModel` that hf backends serve from (the same object)."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from masgraph.backends.hf_layout import left_pad, pad_token_id, prefill
+from masgraph.backends.hf_model import HFModel
+from masgraph.errors import MasgraphError
+from masgraph.learner import LoraConfigSpec, TokenRow
+
+
+class HFLearner:
+    """Trains named LoRA adapters of one transformers model; implements `masgraph.learner.Learner`.
+
+    Serve its adapters with `HFBackend(learner.weights)` and `WeightSync(learner, [backend])`: the backend decodes
+    with the very tensors the optimizer steps, so publishing a version copies nothing.
+
+    Example:
+        >>> learner = HFLearner("smollm2-135m", dtype="float32")
+        >>> learner.add_adapter("planner", LoraConfigSpec())
+        >>> backend = HFBackend(learner.weights)
+        >>> WeightSync(learner, [backend])()      # backend now serves planner v0
+    """
+
+    def __init__(self, model: str | HFModel = "smollm2-135m", dtype: str = "auto", threads: int | None = None):
+        self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads)
+        self._pad_id = pad_token_id(self.weights.tokenizer)
+        self._versions: dict[str, int] = {a: 0 for a in self.weights.adapters()}
+
+    @property
+    def dtype(self) -> str:
+        return str(self.weights.dtype).removeprefix("torch.")
+
+    def adapters(self) -> list[str]:
+        return list(self._versions)
+
+    def add_adapter(self, name: str, lora: LoraConfigSpec) -> None:
+        """Attach a fresh (zero-effect) LoRA adapter at version 0 (its init draws from torch's global RNG)."""
+        self.weights.add_adapter(name, lora)
+        self._versions[name] = 0
+
+    def parameters(self, adapter: str) -> list[torch.Tensor]:
+        self._check(adapter)
+        return [p for n, p in self.weights.model.named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+    def sequence_logprobs(self, rows: Sequence[TokenRow], adapter: str | None) -> list[torch.Tensor]:
+        """Per-token logprobs of each row's completion under `adapter` (None: the reference, adapters off)."""
+        if adapter is not None:
+            self._check(adapter)
+        with self.weights.use(adapter):
+            return sequence_logprobs(self.weights.model, rows, self._pad_id)
+
+    def train(self, mode: bool = True) -> None:
+        self.weights.model.train(mode)
+
+    def version(self, adapter: str) -> int:
+        self._check(adapter)
+        return self._versions[adapter]
+
+    def new_version(self, adapter: str) -> int:
+        self._versions[adapter] = self.version(adapter) + 1
+        return self._versions[adapter]
+
+    def source(self, adapter: str) -> HFAdapterSource:
+        self._check(adapter)
+        return HFAdapterSource(self.weights, adapter)
+
+    def save(self, path: str, adapters: Sequence[str]) -> None:
+        for a in adapters:
+            self._check(a)
+        self.weights.save(path, list(adapters))
+
+    def load_adapter(self, name: str, path: str, version: int | None = None) -> None:
+        """Load a saved PEFT directory (strictly, in its own LoRA shape; see `HFModel.load_adapter`) as `version`
+        (default: the next one). A failed load leaves no adapter `name`."""
+        try:
+            self.weights.load_adapter(name, path)
+        except MasgraphError:
+            self._versions.pop(name, None)
+            raise
+        self._versions[name] = version if version is not None else self._versions.get(name, -1) + 1
+
+    def rng_state(self) -> dict[str, Any]:
+        """The global torch RNG (LoRA init, dropout) and Python's `random`. Rollout sampling is seeded per
+        request, so no backend generator is part of it."""
+        return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        """Restore `rng_state()`; other keys (a "backend" generator in older checkpoints) are ignored."""
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+
+    def _check(self, adapter: str) -> None:
+        if adapter not in self._versions:
+            raise MasgraphError(f"adapter {adapter!r} is not on the learner (it has {sorted(self._versions)}); "
+                                f"fix: learner.add_adapter({adapter!r}, LoraConfigSpec(...)) first")
+
+
+class HFAdapterSource:
+    """One adapter of an `HFModel`, offered to receivers as a PEFT directory or a state dict."""
+
+    def __init__(self, weights: HFModel, adapter: str):
+        self.home, self.adapter = weights, adapter
+
+    def save(self, path: str) -> str:
+        self.home.save(path, [self.adapter])
+        return os.path.join(path, self.adapter)
+
+    def state_dict(self) -> dict[str, Any]:
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.home.model, adapter_name=self.adapter)
+
+
+def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
+    """Length of the longest prefix common to all `seqs`, at most `limit`."""
+    n = min([limit, *map(len, seqs)])
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int) -> list[torch.Tensor]:
+    """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced;
+    only the completion positions' logits are computed).
+
+    Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
+    once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
+    same layout as generation (`left_pad`): prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper
+    per row."""
+    seqs = [r.prompt_ids + r.completion_ids for r in rows]
+    # keep at least the last prompt token in every suffix: it predicts the first completion token
+    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 else 0
+    B, K = len(seqs), max(len(r.completion_ids) for r in rows)
+    ids, mask, pos = left_pad(P, [s[P:] for s in seqs], pad_id)
+    cache = None
+    if P:
+        cache = prefill(model, seqs[0][:P])
+        cache.batch_repeat_interleave(B)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
+    temps = torch.tensor([r.temperature for r in rows])[:, None, None]  # (B, 1, 1)
+    logp = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # position t predicts token t+1
+    out = []
+    for i, r in enumerate(rows):
+        n = len(r.completion_ids)
+        targets = torch.tensor(r.completion_ids)
+        out.append(logp[i, K - n:].gather(-1, targets[:, None])[:, 0])
+    return out

@@ -1,0 +1,98 @@
+"""The engine: a compiled graph made runnable — its backends, agents and tools built once and shared by
+`masgraph run`, training rollouts, evaluation and (next) serving. Episodes start one at a time with unique ids
+(`episode`), or many at once through a scheduler (`scheduler(...).run`)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from masgraph.backends.base import Backend, serves_adapters
+from masgraph.events import Sink
+from masgraph.graph import Graph, Topology
+from masgraph.registry import Registry, default_registry
+from masgraph.scheduler import EpisodeInput, Policy, Scheduler
+from masgraph.tools import build_tools, tool_descriptions
+from masgraph.trace import Trace
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How backends that batch (hf) serve: passed to the factories of the kinds that take them."""
+
+    deterministic: bool = False
+    """Bit-exact results whatever the concurrency: each row decodes alone, per-request seeds."""
+    max_batch_size: int = 32
+    """Most requests decoded together."""
+    batch_wait_ms: float = 3.0
+    """How long the batcher waits for more requests."""
+    seed: int = 0
+    """Seeds the backend's own sampling generator (requests from the scheduler carry their own seeds)."""
+
+
+class Engine:
+    """Graph + backends + agents + tools (+ a checkpoint's adapters), built once.
+
+    Backends are shared per (backend, model, api_base): every policy on the same model shares one instance
+    (and, for hf, one set of weights with an adapter per trainable policy). `backends` passes instances in by
+    kind name (e.g. a training run's backend, or a ScriptedBackend in tests).
+
+    Example:
+        >>> engine = Engine(compile_spec(load_spec("graphs/agentflow.yaml")))
+        >>> trace = asyncio.run(engine.episode("What is 12 * 7 + 3?"))
+        >>> trace.answer
+    """
+
+    def __init__(self, graph: Graph, registry: Registry | None = None, backends: dict[str, Backend] | None = None,
+                 options: BackendOptions | None = None):
+        self.graph, self.registry = graph, registry or graph.registry or default_registry()
+        self.options = options or BackendOptions()
+        spec = graph.spec
+        self.agents = {name: self.registry.agent_for(spec, name) for name in spec.nodes}
+        self.tools = build_tools(self.registry.tools, spec.tools)
+        self.tool_descriptions = tool_descriptions(self.registry.tools, spec.tools)
+        self.backends: dict[tuple, Backend] = {}
+        self.policies: dict[str, Policy] = {}
+        self._started = 0
+        given = backends or {}
+        for name, pol in spec.policies.items():
+            key = (pol.backend, pol.model, pol.api_base)
+            if key not in self.backends:
+                self.backends[key] = given.get(pol.backend) or self.registry.backend(pol, vars(self.options))
+            backend = self.backends[key]
+            if pol.adapter and serves_adapters(backend) and not backend.has_adapter(pol.adapter):
+                backend.add_adapter(pol.adapter)
+            self.policies[name] = Policy(name, pol, backend)
+
+    def load_checkpoint(self, path: str | Path) -> Path:
+        """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""
+        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(path)
+        for name, adapter_dir in checkpoint_adapters(checkpoint).items():
+            for backend in self.backends.values():
+                if serves_adapters(backend):
+                    backend.load_adapter(name, str(adapter_dir))
+        return checkpoint
+
+    def scheduler(self, sinks: Sequence[Sink] = (), score: Callable[[EpisodeInput, Trace], float] | None = None,
+                  concurrency: int = 16, seed: int = 0) -> Scheduler:
+        """A scheduler over this engine's parts (cheap: build one per run, with that run's sinks)."""
+        return Scheduler(self.graph, self.agents, self.policies, self.tools, sinks, concurrency=concurrency,
+                         seed=seed, score=score, tool_descriptions=self.tool_descriptions)
+
+    async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
+                      sinks: Sequence[Sink] = (), seed: int = 0, meta: dict[str, Any] | None = None) -> Trace:
+        """Run one episode now (concurrent calls batch their LLM calls together); its id is unique."""
+        episode_id = uuid.uuid4().hex[:16]
+        self._started += 1  # the sample index: repeated queries sample afresh (seeds derive from it)
+        ep = EpisodeInput(item_id or episode_id, query, sample=self._started, meta=meta or {}, topology=topology,
+                          episode_id=episode_id)
+        return await self.scheduler(sinks, seed=seed).run_episode(ep)
+
+    async def aclose(self) -> None:
+        for b in self.backends.values():
+            await b.aclose()

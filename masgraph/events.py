@@ -1,0 +1,138 @@
+"""The one event stream: everything observable in a run or a training run is a typed event sent to sinks.
+
+The scheduler emits episode, step, LLM-call and tool-call events; trainers emit train-step, evaluation and
+checkpoint events. Sinks (the run store, metrics.jsonl, the progress bar, a TUI) only receive; nothing
+else observes a run. A sink must be cheap and must not raise (a raising sink is counted, never fatal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import Field, TypeAdapter
+
+from masgraph.trace import Record, Step, Trace
+
+EVENT_SCHEMA_VERSION = 2
+"""Bumped when an event's fields change incompatibly (v1 had no step_started/llm_call/tool_call/train events)."""
+
+
+class EpisodeStarted(Record):
+    kind: Literal["episode_started"] = "episode_started"
+    episode_id: str
+    item_id: str
+    query: str
+    started: float = 0.0
+    """Wall-clock time.time() at the start."""
+
+
+class StepStarted(Record):
+    """A node step began (its inputs are ready); the matching `step` event carries the result."""
+
+    kind: Literal["step_started"] = "step_started"
+    episode_id: str
+    node: str
+    turn: int
+    started: float = 0.0
+
+
+class LLMCallFinished(Record):
+    """One completion returned to a node (the full call is in the step's `llm` list)."""
+
+    kind: Literal["llm_call"] = "llm_call"
+    episode_id: str
+    node: str
+    turn: int
+    policy: str
+    adapter: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    batch_size: int = 1
+    """Rows decoded together with this one (1 for backends that do not batch)."""
+
+
+class ToolCallFinished(Record):
+    """One tool call of a node ended (its full record is the step's `tool`)."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    episode_id: str
+    node: str
+    turn: int
+    tool: str
+    ok: bool
+    duration_s: float = 0.0
+
+
+class StepFinished(Record):
+    kind: Literal["step"] = "step"
+    step: Step
+
+
+class EpisodeFinished(Record):
+    kind: Literal["episode_finished"] = "episode_finished"
+    trace: Trace
+
+
+class TrainStep(Record):
+    """A training step's metrics (what metrics.jsonl records); step 0 is the untrained evaluation."""
+
+    kind: Literal["train_step"] = "train_step"
+    step: int
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalFinished(Record):
+    """A held-out evaluation ended."""
+
+    kind: Literal["eval"] = "eval"
+    step: int
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointSaved(Record):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+
+
+Event = Annotated[EpisodeStarted | StepStarted | LLMCallFinished | ToolCallFinished | StepFinished | EpisodeFinished
+                  | TrainStep | EvalFinished | CheckpointSaved, Field(discriminator="kind")]
+EVENT = TypeAdapter(Event)
+"""Parses one event from its JSON object (`EVENT.validate_python(obj)`)."""
+
+
+class Sink(Protocol):
+    """Receives events; must be cheap and must not raise."""
+
+    def emit(self, event: Event) -> None: ...
+
+
+class ListSink:
+    """Keeps every event in memory (tests, notebooks)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def traces(self) -> list[Trace]:
+        return [e.trace for e in self.events if isinstance(e, EpisodeFinished)]
+
+
+class Emitter:
+    """Sends events to sinks; a sink that raises is counted in `errors`, never fatal."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()):
+        self.sinks = list(sinks)
+        self.errors = 0
+
+    def __call__(self, event: Event) -> None:
+        for sink in self.sinks:
+            try:
+                sink.emit(event)
+            except Exception:
+                self.errors += 1

@@ -1,0 +1,64 @@
+"""Tool kinds and tool instances: a registered kind (factory + typed options) becomes a graph's named,
+time-limited `str -> str` async function."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from masgraph.errors import MasgraphError, ToolError
+from masgraph.node import ToolFn
+from masgraph.spec import ToolSpec
+
+__all__ = ["ToolError", "ToolKind", "ToolOptions", "build_tools", "with_timeout"]
+
+
+class ToolOptions(BaseModel):
+    """Base of every tool kind's typed `options:` (unknown keys are errors); a kind with none uses it as is."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+@dataclass(frozen=True)
+class ToolKind:
+    """A registered tool: a factory from its validated options to an async `str -> str` function."""
+
+    name: str
+    description: str
+    factory: Callable[[Any], ToolFn]
+    schema: dict[str, Any]
+    options: type[ToolOptions] = ToolOptions
+    """The pydantic model that `tools.<name>.options` is validated against (at compile time)."""
+
+
+def build_tools(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) -> dict[str, ToolFn]:
+    """Instantiate a graph's tools (kinds checked at compile), each bound to its time limit."""
+    out = {}
+    for name, spec in specs.items():
+        kind = kinds.get(spec.kind)
+        if kind is None:
+            raise MasgraphError(f"tools.{name}: tool kind {spec.kind!r} is not in this registry; compile the graph "
+                                "with the registry it is run with")
+        out[name] = with_timeout(kind.factory(kind.options.model_validate(spec.options)), spec.timeout_s, name)
+    return out
+
+
+def tool_descriptions(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) -> dict[str, str]:
+    """Tool name -> the description shown to the model (the spec's override, else the kind's)."""
+    return {n: s.description or kinds[s.kind].description for n, s in specs.items() if s.kind in kinds}
+
+
+def with_timeout(fn: ToolFn, timeout_s: float, name: str) -> ToolFn:
+    """Bound `fn` to `timeout_s` (a ToolError past it); a cancelled caller's cancellation propagates unchanged."""
+    async def call(raw: str) -> str:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await fn(raw)
+        except TimeoutError:
+            raise ToolError(f"{name} timed out after {timeout_s}s; raise tools.{name}.timeout_s if it needs "
+                            "longer") from None
+    return call

@@ -1,0 +1,26 @@
+"""Compile checks of a graph trained with Flow-GRPO (registered with the algorithm; pure functions of the spec)."""
+
+from __future__ import annotations
+
+from masgraph.errors import Problem, shorten
+from masgraph.registry import Registry
+from masgraph.spec import GraphSpec
+
+
+def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
+    """Something to train, each trained policy on the in-process hf learner with an adapter of its own."""
+    trainable = {n: p for n, p in spec.policies.items() if p.trainable}
+    if not trainable:
+        return [Problem("train", "the graph has a `train:` section but no trainable policy",
+                        "set `trainable: true` (and an `adapter:`) on the policies to train")]
+    problems = []
+    adapters: dict[str, str] = {}
+    for pname, pol in trainable.items():
+        if pol.backend != "hf" or pol.adapter is None:
+            problems.append(Problem(f"policies.{pname}", "a trained policy needs `backend: hf` and an `adapter:`",
+                                    "give it its own adapter name, e.g. `adapter: " + pname + "`"))
+        elif adapters.setdefault(pol.adapter, pname) != pname:
+            problems.append(Problem(f"policies.{pname}.adapter", f"adapter {shorten(pol.adapter)!r} is also trained "
+                                    f"by policy {shorten(adapters[pol.adapter])!r}",
+                                    "give each trainable policy its own adapter"))
+    return problems
