@@ -1,6 +1,7 @@
 """Rollout throughput on the real embedded model (SmolLM2-135M, CPU), three ratios from one run:
 
-1. episodes/s of the AgentFlow graph at concurrency 16 vs 1 (dynamic batching across episodes; target >= 4x);
+1. episodes/s of the AgentFlow graph at concurrency 16 vs 1 (dynamic batching across episodes; target >= 4x),
+   and at 16 in deterministic mode (each row decodes alone: what bit-exact runs cost);
 2. concurrency 1 in the scheduler vs the same backend's own `generate` called directly on the same requests,
    one at a time (like for like: same prefix KV cache, same decode loop; the scheduler and batcher must not
    add waiting; target >= 0.9x). For reference, also vs plain transformers `generate` on the same prompt
@@ -71,6 +72,12 @@ def main() -> None:
     eps1, eps16 = args.n / t1, args.n / t16
     print(f"agentflow: c=1 {eps1:.3f} ep/s, c=16 {eps16:.3f} ep/s -> {eps16 / eps1:.2f}x "
           f"(acc {r1.summary['accuracy']:.2f} / {r16.summary['accuracy']:.2f})", flush=True)
+    backend.deterministic = True  # what --deterministic (and train.deterministic) costs: each row decodes alone
+    _, tdet = run_graph(agentflow, backend, task, args.n, 16)
+    backend.deterministic = False
+    eps_det = args.n / tdet
+    print(f"agentflow c=16 deterministic {eps_det:.3f} ep/s vs batched {eps16:.3f} -> {eps_det / eps16:.2f}x",
+          flush=True)
 
     # 2 + 3. single-call graph with longer answers: scheduler vs plain generate vs raw batched generate
     spec = load_spec(ROOT / "graphs" / "single.yaml")
@@ -116,6 +123,8 @@ def main() -> None:
                 f"{torch.get_num_threads()} threads, n={args.n}\n\n"
                 "| measure | masgraph | peer | ratio | target |\n|---|---|---|---|---|\n"
                 f"| agentflow episodes/s, c=16 vs c=1 | {eps16:.3f} | {eps1:.3f} | **{eps16 / eps1:.2f}x** | ≥ 4x |\n"
+                f"| agentflow episodes/s at c=16, deterministic (rows decode alone) vs batched | {eps_det:.3f} | "
+                f"{eps16:.3f} | {eps_det / eps16:.2f}x | (the cost of determinism) |\n"
                 f"| tokens/s at c=1 vs the backend's `generate`, one request at a time | {tok_s1 / ts1:.1f} | "
                 f"{tok_d / td:.1f} | **{ratio_direct:.2f}x** | ≥ 0.9x |\n"
                 f"| tokens/s at c=1 (with prefix KV cache) vs plain HF `generate` (none) | {tok_s1 / ts1:.1f} | "

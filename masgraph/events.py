@@ -103,6 +103,18 @@ EVENT = TypeAdapter(Event)
 """Parses one event from its JSON object (`EVENT.validate_python(obj)`)."""
 
 
+def fast(cls: type[Record], **values: Any) -> Any:
+    """An event built without validation or default filling, for the scheduler's hot path (~0.3 µs instead of
+    ~4 µs for `model_construct`): `values` must name every field of `cls` except `kind`, with the right types."""
+    obj = object.__new__(cls)
+    values["kind"] = cls.model_fields["kind"].default
+    object.__setattr__(obj, "__dict__", values)
+    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
+
+
 class Sink(Protocol):
     """Receives events; must be cheap and must not raise."""
 

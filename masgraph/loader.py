@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from masgraph.errors import Problem, SpecError, one_of, shorten
-from masgraph.spec import GraphSpec
+from masgraph.spec import ROLES, GraphSpec
 
 if TYPE_CHECKING:
     from masgraph.registry import Registry
@@ -303,7 +303,6 @@ def problems_from(exc: ValidationError, root: yaml.Node | None = None, prefix: t
     return problems
 
 
-_ROLES = {"planner", "executor", "verifier", "generator", "memory", "custom"}
 _PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.[\w-]+(?:\[\d+\])?)*)[ :]")
 
 
@@ -321,7 +320,7 @@ def _path_in_message(err: dict) -> list:
 
 def _strip_tag(loc: list) -> list:
     """Drop the discriminator value pydantic inserts into union locations: nodes.<name>.<role>.<field>."""
-    if len(loc) > 2 and loc[0] == "nodes" and loc[2] in _ROLES:
+    if len(loc) > 2 and loc[0] == "nodes" and loc[2] in ROLES:
         return loc[:2] + loc[3:]
     return loc
 
@@ -383,7 +382,7 @@ def _fields_at(loc: list) -> list[str]:
     """Allowed keys at a key path of a GraphSpec document (for 'did you mean')."""
     from masgraph import spec as s
 
-    node_models = (s.PlannerSpec, s.ExecutorSpec, s.VerifierSpec, s.GeneratorSpec, s.MemoryNodeSpec, s.CustomSpec)
+    node_models = tuple(s.ROLES.values())
     table: dict[tuple, tuple[type[BaseModel], ...]] = {
         (): (s.GraphSpec,), ("nodes", "*"): node_models, ("policies", "*"): (s.PolicySpec,),
         ("policies", "*", "sampling"): (s.SamplingSpec,), ("tools", "*"): (s.ToolSpec,),
@@ -416,7 +415,7 @@ def _explain(err: dict, loc: list, allowed: list[str] | None = None) -> tuple[st
     if kind == "missing":
         return "required key is missing", f"add `{loc[-1]}:`"
     if kind == "union_tag_invalid" or kind == "union_tag_not_found":
-        return msg, "set `role:` to one of planner, executor, verifier, generator, memory, custom"
+        return msg, f"set `role:` to one of {', '.join(ROLES)}"
     if kind == "literal_error":
         return msg, "use one of the listed values"
     if kind == "value_error":

@@ -22,6 +22,7 @@ from masgraph.events import (
     StepFinished,
     StepStarted,
     ToolCallFinished,
+    fast,
 )
 from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
@@ -175,7 +176,7 @@ class Scheduler:
             for _, _, step in results:  # recorded in plan order, so traces do not depend on timing
                 step.index = len(trace.steps)
                 trace.steps.append(step)
-                self._emit(StepFinished(step=step))
+                self._emit(fast(StepFinished, step=step))
             failed = next((s for _, _, s in results if s.error is not None), None)
             if failed is not None:
                 raise _StepFailed(f"node {failed.node!r} failed after {failed.attempts} attempt(s): {failed.error}")
@@ -189,7 +190,7 @@ class Scheduler:
                     inputs: list[tuple[str, NodeOutput]], memory: ActionLog) -> tuple[str, NodeOutput, Step]:
         nspec = self._spec.nodes[node]
         started, t0 = time.time(), time.perf_counter()
-        self._emit(StepStarted.model_construct(episode_id=trace.episode_id, node=node, turn=turn, started=started))
+        self._emit(fast(StepStarted, episode_id=trace.episode_id, node=node, turn=turn, started=started))
         agent, merged = self.agents[node], _merge(nspec.merge, inputs)
         out, error, calls, attempt = NodeOutput(), None, [], 0
         for attempt in range(1, nspec.retries + 2):  # noqa: B007 (the last attempt's number is recorded)
@@ -211,9 +212,8 @@ class Scheduler:
                     route=out.route, text=out.text, llm=calls, tool=out.tool, parse_error=out.parse_error,
                     error=error, attempts=attempt, started=started, duration_s=time.perf_counter() - t0)
         if out.tool is not None:
-            self._emit(ToolCallFinished.model_construct(
-                episode_id=trace.episode_id, node=node, turn=turn, tool=out.tool.tool, ok=out.tool.error is None,
-                duration_s=out.tool.duration_s))
+            self._emit(fast(ToolCallFinished, episode_id=trace.episode_id, node=node, turn=turn, tool=out.tool.tool,
+                            ok=out.tool.error is None, duration_s=out.tool.duration_s))
         return node, out, step
 
     def _generator(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int, calls: list[LLMCall]):
@@ -235,10 +235,10 @@ class Scheduler:
                 prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p,
                 finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency))
-            self._emit(LLMCallFinished.model_construct(
-                episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name, adapter=policy.spec.adapter,
-                prompt_tokens=len(c.prompt_ids), completion_tokens=len(c.completion_ids), latency_s=latency,
-                batch_size=getattr(c, "batch_size", 1)))
+            self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
+                            adapter=policy.spec.adapter, prompt_tokens=len(c.prompt_ids),
+                            completion_tokens=len(c.completion_ids), latency_s=latency,
+                            batch_size=getattr(c, "batch_size", 1)))
             return c
 
         return generate

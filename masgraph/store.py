@@ -123,13 +123,15 @@ class RunStore:
                 self._write(_finished_line(event, sent))  # type: ignore[arg-type]
                 return
         self._pending.append(event)
+        if self._flush_loop is not None and not self._flush_loop.is_closed():
+            return  # a flush is already scheduled (the common case: no loop lookup per event)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on an event loop: no timer to flush later
             loop = None
         if loop is None or self.flush_s <= 0:
             self._write()
-        elif self._flush_loop is not loop:  # none scheduled, or one on a loop that has ended since
+        else:
             self._flush_loop = loop
             loop.call_later(self.flush_s, self._timed_flush)
 

@@ -153,7 +153,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_episodes(root, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "run", str(root / "graphs" / "single.yaml"),
                              "--task", "basic_arithmetic", "--n", "64", "--concurrency", "2",
                              "--runs-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            # a shell's background job starts its children with SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while time.time() < deadline:
         runs = list(tmp_path.iterdir())
