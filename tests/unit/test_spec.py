@@ -249,9 +249,14 @@ def test_compile_is_near_linear_on_a_20k_node_chain():
         "nodes": {f"n{i}": {"role": "generator", "policy": "p"} for i in range(n)},
         "edges": [{"source": f"n{i}", "target": f"n{i + 1}"} for i in range(n - 1)],
         "entry": "n0", "exit": f"n{n - 1}", "limits": {"max_steps": n}})
-    t0 = time.perf_counter()
-    graph = compile_spec(spec)
-    assert time.perf_counter() - t0 < 1.0
+    compile_spec(GraphSpec.model_validate({"name": "w", "policies": {"p": {"backend": "scripted"}}, "nodes": {
+        "a": {"role": "generator", "policy": "p"}}, "entry": "a", "exit": "a"}))  # registry and imports warm
+    seconds = []
+    for _ in range(2):  # best of 2: the machine is shared
+        t0 = time.perf_counter()
+        graph = compile_spec(spec)
+        seconds.append(time.perf_counter() - t0)
+    assert min(seconds) < 1.0  # was 19 s
     assert graph.out_edges("n5")[0].target == "n6" and graph.in_edges("n0") == [] and graph.cycle_of == {}
 
 
