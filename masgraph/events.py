@@ -27,23 +27,25 @@ class EpisodeStarted(Record):
     """Wall-clock time.time() at the start."""
 
 
-class StepStarted(Record):
+class NodeEvent(Record):
+    """An event of one node step: the episode, the node and its turn (the run of that node in the episode)."""
+
+    episode_id: str
+    node: str
+    turn: int
+
+
+class StepStarted(NodeEvent):
     """A node step began (its inputs are ready); the matching `step` event carries the result."""
 
     kind: Literal["step_started"] = "step_started"
-    episode_id: str
-    node: str
-    turn: int
     started: float = 0.0
 
 
-class LLMCallFinished(Record):
-    """One completion returned to a node (the full call is in the step's `llm` list)."""
+class LLMCallFinished(NodeEvent):
+    """One completion returned to a node (the step's `llm` list keeps the calls of its last attempt in full)."""
 
     kind: Literal["llm_call"] = "llm_call"
-    episode_id: str
-    node: str
-    turn: int
     policy: str
     adapter: str | None = None
     prompt_tokens: int = 0
@@ -53,13 +55,10 @@ class LLMCallFinished(Record):
     """Rows decoded together with this one (1 for backends that do not batch)."""
 
 
-class ToolCallFinished(Record):
+class ToolCallFinished(NodeEvent):
     """One tool call of a node ended (its full record is the step's `tool`)."""
 
     kind: Literal["tool_call"] = "tool_call"
-    episode_id: str
-    node: str
-    turn: int
     tool: str
     ok: bool
     duration_s: float = 0.0
