@@ -77,8 +77,9 @@ class TrainBase(BaseModel):
     """Checkpoint every N steps (and at the end, and on Ctrl-C)."""
     seed: int = 0
     """Seeds the data order, sampling and LoRA initialisation."""
-    deterministic: bool = True
-    """Run the hf backend in deterministic mode (reproducible runs and resumes)."""
+    deterministic: bool = False
+    """Decode rollouts in the hf backend's deterministic mode: bit-exact runs and kill -9 resumes, at ~0.4x the
+    rollout throughput of batched decoding (measured). Held-out evaluation is always deterministic."""
     concurrency: int = Field(16, ge=1)
     """Episodes in flight during rollouts and evaluation."""
 

@@ -34,6 +34,7 @@ train:
   eval_n: 2
   checkpoint_every: 1
   seed: 5
+  deterministic: true
   flow_grpo: {group_size: 4, lr: 0.002}
 """
 # real arithmetic items; a reward that varies inside every group, so every step has a learning signal
