@@ -16,7 +16,7 @@ from masgraph.graph import Graph, Topology
 from masgraph.registry import Registry, default_registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.tools import build_tools, tool_descriptions
-from masgraph.trace import Trace
+from masgraph.trace import TopologyChoice, Trace
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,14 @@ class Engine:
                          seed=seed, score=score, tool_descriptions=self.tool_descriptions)
 
     async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
-                      sinks: Sequence[Sink] = (), seed: int = 0, meta: dict[str, Any] | None = None) -> Trace:
-        """Run one episode now (concurrent calls batch their LLM calls together); its id is unique."""
+                      choice: TopologyChoice | None = None, sinks: Sequence[Sink] = (), seed: int = 0,
+                      meta: dict[str, Any] | None = None) -> Trace:
+        """Run one episode now (concurrent calls batch their LLM calls together); its id is unique. `topology`
+        is the sub-graph to run, `choice` the topology policy's decisions behind it (kept in the trace)."""
         episode_id = uuid.uuid4().hex[:16]
         self._started += 1  # the sample index: repeated queries sample afresh (seeds derive from it)
         ep = EpisodeInput(item_id or episode_id, query, sample=self._started, meta=meta or {}, topology=topology,
-                          episode_id=episode_id)
+                          choice=choice, episode_id=episode_id)
         return await self.scheduler(sinks, seed=seed).run_episode(ep)
 
     async def aclose(self) -> None:

@@ -68,6 +68,12 @@ class Graph:
             found = views[topology] = self._make_view(topology)
         return found
 
+    def problems_of(self, topology: Topology) -> list[Problem]:
+        """Why a topology is not a valid sub-graph ([] when it is); not cached (enumerating a decision space
+        checks thousands of them once)."""
+        found = self._views.get(topology)
+        return (found or self._make_view(topology)).problems
+
     @cached_property
     def _views(self) -> dict[Topology | None, GraphView]:
         return {}
@@ -90,6 +96,7 @@ class Graph:
             if not bad and spec.exit not in live:
                 bad.append(Problem("topology", f"exit {shorten(spec.exit)!r} is not reachable from entry "
                                    f"{shorten(spec.entry)!r}", ""))
+            bad += _dead_routes(spec.edges, nodes, edges, spec.exit)
             if bad:
                 return GraphView({}, {}, {}, bad)
             problems = check_structure(nodes, edges, spec.entry, spec.exit, spec.limits.max_turns,
@@ -132,6 +139,21 @@ class Graph:
         """Whether the edge goes from a node on a cycle to a node off that cycle."""
         c = self.cycle_of.get(edge.source)
         return c is not None and self.cycle_of.get(edge.target) != c
+
+
+def _dead_routes(all_edges: Sequence[EdgeSpec], nodes: Mapping[str, Any], edges: Sequence[EdgeSpec],
+                 exit: str) -> list[Problem]:
+    """Route labels a sub-graph's node can emit (it has an edge for them in the whole graph) but no longer has an
+    edge for, while no unconditional edge leaves it either: an episode routed there would stop dead."""
+    labels: dict[str, set[str]] = {}
+    for e in all_edges:
+        if e.when is not None and e.source in nodes and e.source != exit:
+            labels.setdefault(e.source, set()).add(e.when)
+    kept: dict[str, set[str | None]] = {}
+    for e in edges:
+        kept.setdefault(e.source, set()).add(e.when)
+    return [Problem("topology", f"node {shorten(n)!r} can route {label!r} but its edge for it is off", "")
+            for n, ls in labels.items() if None not in kept.get(n, ()) for label in sorted(ls - kept.get(n, set()))]
 
 
 def _reachable(entry: str, edges: Sequence[EdgeSpec]) -> set[str]:
@@ -347,6 +369,8 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
     registry = registry or default_registry()
     problems = check_structure(spec.nodes, spec.edges, spec.entry, spec.exit, spec.limits.max_turns,
                                spec.limits.max_steps)
+    if spec.topology is not None:
+        problems = _topology_problems(spec, problems)
     problems += registry.load_plugins(spec.plugins, _folder_of(file))
     problems += _policy_problems(spec, registry, check_models) + _registry_problems(spec, registry)
     train, train_problems = validate_train(spec.train, registry)
@@ -358,6 +382,24 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
     if train is not spec.train:
         spec = keep_source(spec.model_copy(update={"train": train}), spec)
     return Graph(spec, registry)
+
+
+def _topology_problems(spec: GraphSpec, whole_graph: list[Problem]) -> list[Problem]:
+    """A graph with a `topology:` section runs only its sampled sub-graphs, each checked when its decision space
+    is built: the whole graph need not be valid itself (a choice's branches never run together, so they need
+    no merge), but some combination of decisions must be."""
+    from masgraph.topology.space import DecisionSpace  # (it builds on this module)
+
+    try:
+        space = DecisionSpace(Graph(spec))
+    except ValueError as exc:
+        return [Problem("topology", str(exc), "")]
+    if space.valid_count:
+        return []
+    return whole_graph + [Problem("topology", "no combination of the topology's decisions gives a valid graph "
+                                  f"(checked all {space.total}); first: "
+                                  + "; ".join(p.message for p in space.problems),
+                                  "gate fewer nodes or edges, or fix the graph's structure")]
 
 
 def _policy_problems(spec: GraphSpec, registry: Registry, check_models: bool) -> list[Problem]:
@@ -480,7 +522,7 @@ class GraphBuilder:
         return self
 
     def set(self, **sections: Any) -> GraphBuilder:
-        """Set top-level sections: entry, exit, memory, limits, plugins, train."""
+        """Set top-level sections: entry, exit, memory, limits, plugins, topology, train."""
         self._doc.update(sections)
         return self
 

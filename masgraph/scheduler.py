@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from masgraph.backends.base import Backend, Request
+from masgraph.eager import await_within, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
     EpisodeFinished,
@@ -28,7 +29,7 @@ from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
-from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trace import LLMCall, Step, TopologyChoice, Trace
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class EpisodeInput:
     sample: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     topology: Topology | None = None
+    choice: TopologyChoice | None = None
+    """The topology policy's decisions that gave `topology` (recorded in the trace)."""
     episode_id: str | None = None
     """Default: `<run index>-<item_id>-<sample>`."""
 
@@ -112,7 +115,7 @@ class Scheduler:
     async def run_episode(self, ep: EpisodeInput, index: int = 0) -> Trace:
         """Run one episode on its topology (the whole graph by default); it always yields a Trace."""
         trace = Trace(episode_id=ep.episode_id or f"{index:06d}-{ep.item_id}-{ep.sample}", item_id=ep.item_id,
-                      query=ep.query, meta={"sample": ep.sample, **ep.meta})
+                      query=ep.query, meta={"sample": ep.sample, **ep.meta}, topology=ep.choice)
         if ep.topology is not None:
             trace.meta["topology"] = ep.topology.to_dict()
         self._emit(EpisodeStarted(episode_id=trace.episode_id, item_id=ep.item_id, query=ep.query,
@@ -163,8 +166,8 @@ class Scheduler:
                 [(node, inputs)] = ready.items()
                 results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
             else:
-                results = await asyncio.gather(*(self._step(ep, trace, index, n, runs[n], inp, memory)
-                                                 for n, inp in ready.items()))
+                results = await gather_eager([self._step(ep, trace, index, n, runs[n], inp, memory)
+                                              for n, inp in ready.items()])
             nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
             answer = None
             for node, out, step in results:  # routed first, so a step event never changes after it is sent
@@ -199,8 +202,7 @@ class Scheduler:
                               self._generator(ep, trace, index, node, turn, calls), self._node_tools[node],
                               self.tool_descriptions)
             try:
-                async with asyncio.timeout(nspec.timeout_s):  # no extra task per step, unlike wait_for
-                    out = await agent(ctx)
+                out = await await_within(agent(ctx), nspec.timeout_s)  # no task per step, unlike wait_for
                 error = None
                 break
             except TimeoutError:

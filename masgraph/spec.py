@@ -174,6 +174,36 @@ class EdgeSpec(_Strict):
     """Route label of the source (e.g. a verifier's `stop` / `continue`)."""
 
 
+class EdgeRef(_Strict):
+    """Names one edge of `edges:` by its ends (`when` tells apart parallel edges between the same nodes)."""
+
+    source: str
+    """Source node name."""
+    target: str
+    """Target node name."""
+    when: str | None = None
+    """The edge's route label, when several edges join the same two nodes."""
+
+
+class TopologySpec(_Strict):
+    """What a topology policy decides per episode: which gated nodes and edges are in, and where each choice
+    node routes. Everything not named here is fixed. Every sampled topology is a valid graph: choices that
+    would break it (exit unreachable, an unbounded cycle, a route with no edge) are masked out."""
+
+    nodes: list[str] = Field(default_factory=list)
+    """Node gates: each of these nodes may be left out of an episode (with every edge touching it)."""
+    edges: list[EdgeRef] = Field(default_factory=list)
+    """Edge gates: each of these edges may be left out of an episode."""
+    choices: dict[str, list[str]] = Field(default_factory=dict)
+    """Routing choices: node -> two or more of its successors; each episode keeps exactly one of the node's edges
+    to them (the others are left out)."""
+    condition: Literal["none", "query"] = "none"
+    """`query`: decision probabilities depend on the query through a learned linear head on query features
+    (zero-initialised, so training starts from the unconditioned prior)."""
+    features: Literal["hashed"] = "hashed"
+    """Query features for `condition: query`: `hashed` = character n-gram counts hashed into 256 buckets."""
+
+
 class Limits(_Strict):
     """Bounds that keep every episode finite."""
 
@@ -217,6 +247,8 @@ class GraphSpec(_Strict):
     """The node whose step ends the episode (normally a generator)."""
     limits: Limits = Field(default_factory=Limits)
     """Episode bounds."""
+    topology: TopologySpec | None = None
+    """Learnable topology (node gates, edge gates, routing choices) for topology training; omitted = fixed graph."""
     plugins: list[str] = Field(default_factory=list)
     """Python modules that register the custom agents and tools this graph uses: a dotted module name, or a
     `.py` file relative to the graph file; imported when the graph compiles (so a server or worker that loads
@@ -255,7 +287,64 @@ class GraphSpec(_Strict):
                         f"nodes.{name}.tools: {shorten(tool)!r} is not declared; add it under `tools:` "
                         f"or use one of {one_of(self.tools)}"
                     )
+        if self.topology is not None:
+            _check_topology(self)
         return self
+
+
+def edge_indexes(spec: GraphSpec, ref: EdgeRef) -> list[int]:
+    """Indexes in `spec.edges` of the edges `ref` names (all parallel ones when it gives no `when`)."""
+    return [i for i, e in enumerate(spec.edges) if e.source == ref.source and e.target == ref.target
+            and (ref.when is None or e.when == ref.when)]
+
+
+def _check_topology(spec: GraphSpec) -> None:
+    """References of the `topology:` section: gated nodes exist (not entry or exit), each gated edge names exactly
+    one edge, each choice names two or more successors of an existing node, and no edge is decided twice."""
+    topo, names = spec.topology, set(spec.nodes)
+    assert topo is not None
+    if not (topo.nodes or topo.edges or topo.choices):
+        raise ValueError("topology: declares nothing to learn; list gated `nodes:`, `edges:` or `choices:`, "
+                         "or remove the section")
+    seen: set[str] = set()
+    for i, n in enumerate(topo.nodes):
+        if n not in names:
+            raise ValueError(f"topology.nodes[{i}] {shorten(n)!r} is not a node; use one of {one_of(names)}")
+        if n in (spec.entry, spec.exit):
+            raise ValueError(f"topology.nodes[{i}] {n!r} is the graph's {'entry' if n == spec.entry else 'exit'}, "
+                             "which every episode needs; gate another node")
+        if n in seen:
+            raise ValueError(f"topology.nodes[{i}] {n!r} is listed twice")
+        seen.add(n)
+    decided: dict[int, str] = {}
+    for i, ref in enumerate(topo.edges):
+        found = edge_indexes(spec, ref)
+        label = f"{ref.source} -> {ref.target}" + (f" (when: {ref.when})" if ref.when else "")
+        if not found:
+            raise ValueError(f"topology.edges[{i}]: there is no edge {shorten(label)!r} in `edges:`; gate an "
+                             "existing edge")
+        if len(found) > 1:
+            raise ValueError(f"topology.edges[{i}]: {len(found)} edges join {ref.source!r} to {ref.target!r}; "
+                             "give `when:` to say which one is gated")
+        if found[0] in decided:
+            raise ValueError(f"topology.edges[{i}]: edge {label!r} is already decided by {decided[found[0]]}")
+        decided[found[0]] = f"topology.edges[{i}]"
+    for node, targets in topo.choices.items():
+        where = f"topology.choices.{shorten(node)}"
+        if node not in names:
+            raise ValueError(f"{where}: {shorten(node)!r} is not a node; use one of {one_of(names)}")
+        if len(targets) < 2 or len(set(targets)) != len(targets):
+            raise ValueError(f"{where}: list two or more different successors of {node!r} (got {targets})")
+        for t in targets:
+            found = [i for i, e in enumerate(spec.edges) if e.source == node and e.target == t]
+            if not found:
+                succ = sorted({e.target for e in spec.edges if e.source == node})
+                raise ValueError(f"{where}: {shorten(t)!r} is not a successor of {node!r}; add the edge "
+                                 f"{node} -> {shorten(t)} or use one of {one_of(succ)}")
+            for j in found:
+                if j in decided:
+                    raise ValueError(f"{where}: edge {node} -> {t} is already decided by {decided[j]}")
+                decided[j] = where
 
 
 def graph_json_schema(train_sections: list[type[BaseModel]], backends: list[str]) -> dict[str, Any]:

@@ -72,6 +72,23 @@ class Step(Record):
     duration_s: float = 0.0
 
 
+class TopologyChoice(Record):
+    """The topology an episode ran, as a topology policy chose it."""
+
+    decisions: dict[str, str]
+    """Every decision of the graph's `topology:` section -> the option taken (skipped ones too)."""
+    logprobs: dict[str, float] = Field(default_factory=dict)
+    """The decisions actually made (not skipped) -> log-probability under the policy that sampled them."""
+    version: int = 0
+    """Version of the topology policy (its update count)."""
+    mode: Literal["sample", "greedy"] = "sample"
+
+    @property
+    def logprob(self) -> float:
+        """Log-probability of the whole topology: the sum over the decisions made."""
+        return sum(self.logprobs.values())
+
+
 class Trace(Record):
     """A whole episode: the query, every step, the answer, the reward and how it ended."""
 
@@ -84,6 +101,8 @@ class Trace(Record):
     status: Literal["ok", "error", "timeout", "cancelled"] = "ok"
     error: str | None = None
     duration_s: float = 0.0
+    topology: TopologyChoice | None = None
+    """The decisions of a topology policy this episode ran (None: the whole graph, or a topology given directly)."""
     meta: dict[str, Any] = Field(default_factory=dict)
 
     def __repr__(self) -> str:  # short: a full dump of every step is what model_dump_json is for

@@ -55,6 +55,36 @@ class FlowGRPOConfig(BaseModel):
     pass)."""
 
 
+class HRPOConfig(BaseModel):
+    """Knobs of HRPO, the topology policy's trainer (reconstructed from MasHost; see trainers/hrpo.py)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    group_size: int = Field(8, ge=1)
+    """G: topologies sampled (and episodes run) per query."""
+    lr: float = Field(0.1, gt=0)
+    """Adam learning rate of the topology policy (its own optimizer; logits move fast, as in GPTSwarm)."""
+    clip: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range of the decision probability ratios."""
+    entropy_coef: float = Field(0.01, ge=0)
+    """Entropy bonus per decision (keeps exploring until rewards say otherwise)."""
+    omega: float = Field(0.5, ge=0)
+    """Weight of the action-wise advantages: A = Â_group + ω·Ã_action."""
+    cost_lambda: float = Field(0.0, ge=0)
+    """Outcome reward = task reward − λ · completion tokens / 1000 (accuracy vs cost)."""
+    token_cost: float = Field(1.0, ge=0)
+    """Action-wise reward: − this · completion tokens / 1000 of the nodes a decision switched on."""
+    parse_penalty: float = Field(1.0, ge=0)
+    """Action-wise reward: − this per step of those nodes whose output failed to parse (component rationality)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Optimizer steps per batch of rollouts (the clip acts from the second)."""
+    baseline: Literal["group", "moving_average"] = "group"
+    """`group`: HRPO's group-relative advantages (+ action-wise); `moving_average`: the GPTSwarm-style baseline
+    (REINFORCE on whole-topology log-probs, moving-average baseline, no group normalisation, no action terms)."""
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """Moving-average momentum (`baseline: moving_average`)."""
+
+
 class TrainBase(BaseModel):
     """What every training algorithm shares: task, steps, budget, evaluation, checkpoints, seed."""
 

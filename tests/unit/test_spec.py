@@ -43,13 +43,13 @@ def _errors(text: str) -> SpecError:
 
 
 def test_every_shipped_graph_validates(graph_files):
-    assert len(graph_files) == 3, [p.name for p in graph_files]
+    assert len(graph_files) == 4, [p.name for p in graph_files]
     for path in graph_files:
         graph = compile_spec(load_spec(path), str(path))
         assert graph.spec.entry in graph.spec.nodes
 
 
-@pytest.mark.parametrize("name", ["agentflow", "single", "fanout"])
+@pytest.mark.parametrize("name", ["agentflow", "single", "fanout", "router"])
 def test_yaml_round_trip(root, name):
     spec = load_spec(root / "graphs" / f"{name}.yaml")
     again = parse_spec(yaml.safe_dump(spec.model_dump(mode="json")))
@@ -230,7 +230,8 @@ def test_check_structure_is_pure_and_fast_on_every_shipped_graph(graph_files):
     for path in graph_files:
         spec = load_spec(path)
         args = (spec.nodes, spec.edges, spec.entry, spec.exit, spec.limits.max_turns, spec.limits.max_steps)
-        assert check_structure(*args) == []
+        if spec.topology is None:  # a supergraph is checked per sampled sub-graph (tests/unit/test_topology.py)
+            assert check_structure(*args) == []
         n = 200
         t0 = time.perf_counter()
         for _ in range(n):

@@ -1,0 +1,155 @@
+"""The decision space of a graph's `topology:` section: its decisions, and which combinations are valid graphs.
+
+Decisions come in a fixed order: node gates, then edge gates, then routing choices. A configuration picks one
+option per decision; it maps to a `Topology` (the nodes and edges left out). At construction every
+configuration is checked with the compile rules (`Graph.problems_of`: exit reachable, cycles bounded, fan-ins
+merged, no route left without its edge), so sampling can mask, at each decision, the options that no valid
+completion of the decisions made so far allows: every sample is valid by construction.
+
+Decisions are made upstream first (ordered by their node's distance from the entry; node gates, edge gates,
+choices at equal distance). A decision about a node the decisions made so far have cut off (switched off, or no
+longer reachable from the entry) changes nothing: it is *skipped* (forced to its first allowed option, no
+log-probability), as is one with a single allowed option.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+from masgraph.errors import Problem
+from masgraph.graph import Graph, Topology
+from masgraph.spec import edge_indexes
+
+MAX_CONFIGURATIONS = 1 << 14
+"""Most combinations a space enumerates (checking one takes ~20-60 µs: 16,384 take about a second)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One learnable decision: its options and what each option leaves out of the graph."""
+
+    name: str
+    """`node:<n>`, `edge:<source>-><target>[:<when>]` or `choice:<n>`."""
+    kind: Literal["node", "edge", "choice"]
+    options: tuple[str, ...]
+    """`("on", "off")` for gates; the successor names for a choice."""
+    nodes_off: tuple[frozenset[str], ...]
+    """Per option, the nodes it leaves out."""
+    edges_off: tuple[frozenset[int], ...]
+    """Per option, the edge indexes (in `spec.edges`) it leaves out."""
+    brings: tuple[frozenset[str], ...]
+    """Per option, the nodes it brings into the episode (the gated node or edge's target when on; the chosen
+    successor): whose cost the trainer charges to this decision."""
+    at: str
+    """The node it acts at (the gated node, the edge's source, the choosing node): skipped once the decisions
+    before it have cut that node off."""
+
+
+def decisions_of(graph: Graph) -> list[Decision]:
+    """The decisions a graph's `topology:` section declares, in sampling order ([] when it has none)."""
+    spec, topo = graph.spec, graph.spec.topology
+    if topo is None:
+        return []
+    out = [Decision(f"node:{n}", "node", ("on", "off"), (frozenset(), frozenset({n})), (frozenset(), frozenset()),
+                    (frozenset({n}), frozenset()), n) for n in topo.nodes]
+    for ref in topo.edges:
+        [i] = edge_indexes(spec, ref)
+        name = f"edge:{ref.source}->{ref.target}" + (f":{ref.when}" if ref.when else "")
+        out.append(Decision(name, "edge", ("on", "off"), (frozenset(), frozenset()), (frozenset(), frozenset({i})),
+                            (frozenset({ref.target}), frozenset()), ref.source))
+    for node, targets in topo.choices.items():
+        per_target = {t: frozenset(i for i, e in enumerate(spec.edges) if e.source == node and e.target == t)
+                      for t in targets}
+        every = frozenset().union(*per_target.values())
+        out.append(Decision(f"choice:{node}", "choice", tuple(targets), tuple(frozenset() for _ in targets),
+                            tuple(every - per_target[t] for t in targets),
+                            tuple(frozenset({t}) for t in targets), node))
+    dist = _distances(spec.entry, spec.edges)
+    return sorted(out, key=lambda d: dist.get(d.at, len(dist)))  # stable: nodes, edges, choices at equal distance
+
+
+class DecisionSpace:
+    """The decisions of a graph and its valid configurations (a configuration = one option index per decision).
+
+    Example:
+        >>> space = DecisionSpace(compile_spec(load_spec("graphs/router.yaml")))
+        >>> [d.name for d in space.decisions], space.valid_count, space.total
+    """
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.decisions = decisions_of(graph)
+        self.total = 1
+        for d in self.decisions:
+            self.total *= len(d.options)
+        if self.total > MAX_CONFIGURATIONS:
+            raise ValueError(f"the topology has {self.total:,} combinations of decisions, more than the "
+                             f"{MAX_CONFIGURATIONS:,} that can be checked; gate fewer nodes or edges")
+        self._next: dict[tuple[int, ...], set[int]] = {}
+        """Prefix of option indexes -> the options of the next decision that some valid configuration continues."""
+        self._skipped: dict[tuple[int, ...], bool] = {}
+        self.valid_count = 0
+        first_problems: list[Problem] = []
+        for config in itertools.product(*(range(len(d.options)) for d in self.decisions)):
+            problems = graph.problems_of(self.topology(config))
+            if problems:
+                first_problems = first_problems or problems
+                continue
+            self.valid_count += 1
+            for k in range(len(config)):
+                self._next.setdefault(config[:k], set()).add(config[k])
+        self.problems = [] if self.valid_count else first_problems
+        """Why no configuration is valid (empty when some is)."""
+
+    def topology(self, config: tuple[int, ...]) -> Topology:
+        """The sub-graph a configuration (or a prefix of one) leaves: its nodes and edges switched off."""
+        nodes_off: set[str] = set()
+        edges_off: set[int] = set()
+        for d, o in zip(self.decisions, config):
+            nodes_off |= d.nodes_off[o]
+            edges_off |= d.edges_off[o]
+        return Topology(frozenset(nodes_off), frozenset(edges_off))
+
+    def allowed(self, prefix: tuple[int, ...]) -> list[bool]:
+        """Per option of decision `len(prefix)`: whether a valid configuration starts with prefix + that option."""
+        ok = self._next.get(prefix, set())
+        return [o in ok for o in range(len(self.decisions[len(prefix)].options))]
+
+    def skipped(self, prefix: tuple[int, ...]) -> bool:
+        """Whether decision `len(prefix)` changes nothing after `prefix`: the node it acts at is cut off by the
+        decisions made (the undecided ones counted as keeping everything), or only one option is allowed."""
+        found = self._skipped.get(prefix)
+        if found is None:
+            top = self.topology(prefix)
+            spec = self.graph.spec
+            edges = [e for i, e in enumerate(spec.edges) if i not in top.edges_off
+                     and e.source not in top.nodes_off and e.target not in top.nodes_off]
+            cut = self.decisions[len(prefix)].at not in _distances(spec.entry, edges)
+            found = self._skipped[prefix] = cut or sum(self.allowed(prefix)) == 1
+        return found
+
+    def config_of(self, names: dict[str, str]) -> tuple[int, ...]:
+        """The configuration of decisions given by name -> option name (every decision must be given)."""
+        missing = [d.name for d in self.decisions if d.name not in names]
+        if missing:
+            raise ValueError(f"no option given for decisions {missing}")
+        return tuple(d.options.index(names[d.name]) for d in self.decisions)
+
+
+def _distances(entry: str, edges: list) -> dict[str, int]:
+    """Fewest edges from the entry to each node it reaches."""
+    succ: dict[str, list[str]] = {}
+    for e in edges:
+        succ.setdefault(e.source, []).append(e.target)
+    dist, frontier = {entry: 0}, [entry]
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for m in succ.get(n, ()):
+                if m not in dist:
+                    dist[m] = dist[n] + 1
+                    nxt.append(m)
+        frontier = nxt
+    return dist

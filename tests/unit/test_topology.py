@@ -1,0 +1,254 @@
+"""Topology learning's core: the `topology:` section, the decision space, the policy's masked sampling and
+log-probs, the trace record, and HRPO learning a two-arm scripted toy."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.agents import register_agent
+from masgraph.engine import Engine
+from masgraph.errors import SpecError
+from masgraph.graph import GraphBuilder, compile_spec
+from masgraph.loader import load_spec
+from masgraph.node import NodeOutput
+from masgraph.topology.policy import TopologyPolicy
+from masgraph.topology.space import DecisionSpace
+from masgraph.trace import Trace
+from masgraph.trainers.config import HRPOConfig
+from masgraph.trainers.hrpo import HRPO
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _builder(name: str, nodes: list[str], edges: list[tuple[str, str]], merge: set[str] = frozenset()):
+    b = GraphBuilder(name).add_policy("p", backend="scripted")
+    for n in nodes:
+        b.add_node(n, role="generator", policy="p", **({"merge": "concat"} if n in merge else {}))
+    for s, t in edges:
+        b.add_edge(s, t)
+    return b.set(entry=nodes[0], exit=nodes[-1])
+
+
+def _perturb(policy: TopologyPolicy, rng: random.Random) -> None:
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.copy_(torch.tensor([rng.gauss(0, 2) for _ in range(p.numel())]).reshape(p.shape))
+
+
+def test_shipped_supergraph_samples_are_valid_graphs():
+    graph = compile_spec(load_spec(ROOT / "graphs/router.yaml"))
+    space = DecisionSpace(graph)
+    assert space.total == 32 and space.valid_count == 32
+    assert space.decisions[0].name == "choice:planner"  # upstream first
+    policy = TopologyPolicy(space, "query")
+    rng = random.Random(0)
+    seen = set()
+    for i in range(5000):
+        if i % 500 == 0:
+            _perturb(policy, rng)
+        s = policy.sample(f"what is {i} + {i % 7}?", seed=i)
+        view = graph.view(s.topology)
+        assert view.problems == [], (s.choice, view.problems)
+        route = s.choice.decisions["choice:planner"]
+        # exactly the decisions that matter were made: the planner's, and the chosen executor's
+        assert set(s.choice.logprobs) == {"choice:planner"} | ({f"choice:{route}"} if route != "generator" else set())
+        seen.add(tuple(sorted(s.choice.decisions.items())))
+    assert len(seen) == 7  # direct, or one of 3 executors x verifier or not (skipped decisions take a fixed option)
+
+
+def test_random_specs_every_sample_compiles():
+    """Random DAGs with random gates and choices, fan-ins only sometimes merged: every sample's sub-graph passes
+    the compile rules (the masks make invalid options unreachable), over 10,000 samples."""
+    rng, samples, usable, masked = random.Random(1), 0, 0, 0
+    while samples < 10_000:
+        k = rng.randint(3, 7)
+        nodes = [f"n{i}" for i in range(k)]
+        edges = [(nodes[i], nodes[i + 1]) for i in range(k - 1) if rng.random() < 0.8]
+        edges += [(nodes[i], nodes[j]) for i in range(k) for j in range(i + 2, k) if rng.random() < 0.35]
+        edges = list(dict.fromkeys(edges))
+        merge = {n for n in nodes if rng.random() < 0.5}
+        inner = nodes[1:-1]
+        gates = [n for n in inner if rng.random() < 0.3]
+        succ = {}
+        for s, t in edges:
+            succ.setdefault(s, []).append(t)
+        choices = {n: rng.sample(ts, rng.randint(2, len(ts))) for n, ts in succ.items()
+                   if len(ts) >= 2 and rng.random() < 0.5}
+        chosen = {(n, t) for n, ts in choices.items() for t in ts}
+        gated_edges = [{"source": s, "target": t} for s, t in edges if (s, t) not in chosen and rng.random() < 0.2]
+        topo = {"nodes": gates, "edges": gated_edges, "choices": choices}
+        if not (gates or gated_edges or choices):
+            continue
+        try:
+            graph = _builder("rand", nodes, edges, merge).set(topology=topo).compile()
+        except SpecError:
+            continue  # no valid combination (or the spec itself is broken): refused at compile, located
+        usable += 1
+        space = DecisionSpace(graph)
+        masked += space.valid_count < space.total
+        policy = TopologyPolicy(space)
+        for j in range(200):
+            if j % 50 == 0:
+                _perturb(policy, rng)
+            s = policy.sample("q", seed=j)
+            assert graph.view(s.topology).problems == [], (topo, s.choice)
+            samples += 1
+    assert usable >= 30 and masked >= 5  # the masks were exercised
+
+
+def _hand_graph():
+    # a -> {b, c, x} is a choice; x leads nowhere (masked); b -> d -> e with d gated; c -> e
+    return _builder("hand", ["a", "b", "c", "x", "d", "e"],
+                    [("a", "b"), ("a", "c"), ("a", "x"), ("b", "d"), ("b", "e"), ("d", "e"), ("c", "e")],
+                    merge={"e"}).set(topology={"nodes": ["d"], "choices": {"a": ["b", "c", "x"]}}).compile()
+
+
+def test_log_probs_hand_checked():
+    space = DecisionSpace(_hand_graph())
+    assert [d.name for d in space.decisions] == ["choice:a", "node:d"]
+    assert space.allowed(()) == [True, True, False]  # x can never reach the exit
+    policy = TopologyPolicy(space)
+    with torch.no_grad():
+        policy.logits[0].copy_(torch.tensor([0.0, math.log(3), math.log(5)]))  # masked: p(b)=1/4, p(c)=3/4
+        policy.logits[1].copy_(torch.tensor([0.0, math.log(4)]))  # p(on)=1/5, p(off)=4/5
+    counts = {}
+    for i in range(4000):
+        s = policy.sample("q", seed=i)
+        key = (s.choice.decisions["choice:a"], s.choice.decisions["node:d"] if "node:d" in s.choice.logprobs else "-")
+        counts[key] = counts.get(key, 0) + 1
+        expect = {("b", "on"): math.log(1 / 4) + math.log(1 / 5), ("b", "off"): math.log(1 / 4) + math.log(4 / 5),
+                  ("c", "-"): math.log(3 / 4)}[key]
+        assert s.choice.logprob == pytest.approx(expect, abs=1e-6)
+        names, lp, _ = policy.log_probs("q", s.choice)  # recomputed with gradient: the same numbers
+        assert lp.sum().item() == pytest.approx(expect, abs=1e-6) and names == list(s.choice.logprobs)
+    assert set(counts) == {("b", "on"), ("b", "off"), ("c", "-")}  # never x; d decided only on the b branch
+    assert counts[("c", "-")] / 4000 == pytest.approx(0.75, abs=0.03)
+    assert counts[("b", "off")] / 4000 == pytest.approx(0.2, abs=0.03)
+    greedy = policy.sample("q", greedy=True)
+    assert greedy.choice.decisions["choice:a"] == "c" and greedy.choice.mode == "greedy"
+
+
+def test_log_prob_gradients_are_finite_with_masked_options():
+    policy = TopologyPolicy(DecisionSpace(_hand_graph()), "query")
+    s = policy.sample("q", seed=3)
+    _, lp, ent = policy.log_probs("q", s.choice)
+    (lp.sum() + ent.sum()).backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert policy.head.weight.grad.abs().sum() > 0  # the query head gets a gradient
+
+
+def test_topology_section_is_validated_with_located_errors(tmp_path):
+    text = (ROOT / "graphs/router.yaml").read_text()
+    cases = {
+        "planner: [calc, search, python, generator]": ("planner: [calc, nowhere]", "not a successor"),
+        "  condition: query": ("  condition: query\n  nodes: [generator]", "exit"),
+        "  choices:": ("  edges: [{source: calc, target: verifier}]\n  choices:", "already decided"),
+    }
+    for old, (new, words) in cases.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text.replace(old, new))
+        with pytest.raises(SpecError) as err:
+            compile_spec(load_spec(bad), str(bad))
+        assert words in str(err.value) and "bad.yaml:" in str(err.value) and "topology" in str(err.value)
+
+
+def test_no_valid_combination_is_refused():
+    with pytest.raises(SpecError, match="no combination"):
+        # via b the exit is 3 steps away (max_steps 2), x leads nowhere: no route of the choice works
+        _builder("dead", ["a", "b", "x", "c"], [("a", "b"), ("b", "c"), ("a", "x")]).set(
+            limits={"max_steps": 2}, topology={"choices": {"a": ["b", "x"]}}).compile()
+
+
+def test_a_route_left_without_its_edge_is_masked():
+    b = GraphBuilder("loop").add_policy("p", backend="scripted")
+    b.add_node("gen", role="generator", policy="p").add_node("ver", role="verifier", policy="p")
+    b.add_node("out", role="generator", policy="p")
+    b.add_edge("gen", "ver").add_edge("ver", "gen", when="continue").add_edge("ver", "out", when="stop")
+    graph = b.set(entry="gen", exit="out", limits={"max_turns": 2},
+                  topology={"edges": [{"source": "ver", "target": "gen"}]}).compile()
+    space = DecisionSpace(graph)
+    assert space.allowed(()) == [True, False]  # with its `continue` edge off, the verifier could stop dead
+
+
+@register_agent("toy-pass")
+async def _toy_pass(ctx) -> NodeOutput:
+    return NodeOutput(text=ctx.query)
+
+
+@register_agent("toy-good")
+async def _toy_good(ctx) -> NodeOutput:
+    return NodeOutput(text="good")
+
+
+@register_agent("toy-bad")
+async def _toy_bad(ctx) -> NodeOutput:
+    return NodeOutput(text="bad")
+
+
+def _two_arm():
+    b = GraphBuilder("arms")
+    b.add_node("start", role="custom", agent="toy-pass").add_node("good", role="custom", agent="toy-good")
+    b.add_node("bad", role="custom", agent="toy-bad").add_node("end", role="custom", agent="toy-pass", merge="first")
+    b.add_edge("start", "good").add_edge("start", "bad").add_edge("good", "end").add_edge("bad", "end")
+    return b.set(entry="start", exit="end", topology={"choices": {"start": ["good", "bad"]}}).compile()
+
+
+def _train_two_arm(baseline: str, steps: int, seed: int = 0) -> tuple[list[float], Trace]:
+    graph = _two_arm()
+    engine = Engine(graph)
+    policy = TopologyPolicy(DecisionSpace(graph))
+    hrpo = HRPO(policy, HRPOConfig(group_size=8, baseline=baseline, lr=0.1))
+    history, last = [], None
+
+    async def step(k: int) -> list[list[Trace]]:
+        groups = []
+        for q in range(2):
+            samples = [policy.sample(f"query {q}", seed=seed * 10_000 + k * 100 + q * 10 + g) for g in range(8)]
+            traces = await asyncio.gather(*(engine.episode(f"query {q}", topology=s.topology, choice=s.choice)
+                                            for s in samples))
+            for t in traces:
+                t.reward = float(any(st.node == "good" for st in t.steps))
+            groups.append(list(traces))
+        return groups
+
+    for k in range(steps):
+        groups = asyncio.run(step(k))
+        last = groups[0][0]
+        hrpo.update(groups)
+        history.append(policy.probabilities()["choice:start"]["good"])
+    return history, last
+
+
+def test_hrpo_learns_the_rewarded_arm():
+    history, trace = _train_two_arm("group", steps=25)
+    assert history[-1] > 0.9, history
+    first = next(i for i, p in enumerate(history) if p > 0.9)
+    assert first < 25
+    # the trace records the decisions, their log-probs and the policy version that sampled them
+    assert trace.topology is not None and set(trace.topology.decisions) == {"choice:start"}
+    assert trace.topology.version == 24 and trace.topology.logprob < 0
+    assert Trace.model_validate_json(trace.model_dump_json()).topology == trace.topology
+    assert _train_two_arm("group", steps=25)[0] == history  # deterministic
+
+
+def test_gptswarm_baseline_learns_the_rewarded_arm_too():
+    history, _ = _train_two_arm("moving_average", steps=40)
+    assert history[-1] > 0.9, history
+
+
+def test_hrpo_state_dict_round_trips():
+    graph = _two_arm()
+    a = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
+    with torch.no_grad():
+        a.policy.logits[0].add_(torch.tensor([0.3, -0.1]))
+    a.policy.version, a.baseline = 7, 0.25
+    b = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b.policy.logits[0], a.policy.logits[0]) and b.policy.version == 7 and b.baseline == 0.25

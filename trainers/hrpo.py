@@ -1,0 +1,137 @@
+"""HRPO: trains a topology policy (which nodes, edges and routes each query gets) from the outcomes of its samples.
+
+Per query, G topologies are sampled and run (a group). Each episode's outcome reward is the task reward minus
+λ·tokens; its group-relative advantage is shared by every decision it made, and each decision adds ω times its
+own normalised action-wise reward: minus the token cost of the nodes that decision switched on, minus a penalty
+per step of those nodes that failed to parse (component rationality). The loss is a PPO-clip surrogate on the
+decisions' log-probabilities plus an entropy bonus, on the policy's own Adam optimizer. `baseline:
+moving_average` swaps in the GPTSwarm-style estimator (REINFORCE with a moving-average baseline) so the two
+can be compared in one code base. The formulas are in `hrpo_math.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from masgraph.topology.policy import TopologyPolicy
+from masgraph.trace import Trace
+from masgraph.trainers.config import HRPOConfig
+from masgraph.trainers.hrpo_math import (
+    action_advantages,
+    combine,
+    group_advantages,
+    hrpo_loss,
+    moving_average_advantages,
+    reinforce_loss,
+)
+
+__all__ = ["HRPO", "action_reward", "outcome_reward"]
+
+
+def outcome_reward(trace: Trace, cost_lambda: float) -> float:
+    """Task reward (0 when the episode failed or has none) minus λ · completion tokens / 1000."""
+    return (trace.reward or 0.0) - cost_lambda * trace.completion_tokens / 1000
+
+
+def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: float, parse_penalty: float) -> float:
+    """Minus the cost of `nodes` in this episode: their completion tokens / 1000 · `token_cost`, and
+    `parse_penalty` per step of theirs whose output failed to parse."""
+    steps = [s for s in trace.steps if s.node in nodes]
+    tokens = sum(len(c.completion_ids) for s in steps for c in s.llm)
+    return -token_cost * tokens / 1000 - parse_penalty * sum(s.parse_error is not None for s in steps)
+
+
+class HRPO:
+    """Updates a `TopologyPolicy` from groups of finished episodes that recorded their topology choice.
+
+    Example:
+        >>> hrpo = HRPO(policy, HRPOConfig(group_size=8))
+        >>> metrics = hrpo.update([traces_of_query_1, traces_of_query_2])   # each a group of G traces
+    """
+
+    def __init__(self, policy: TopologyPolicy, config: HRPOConfig):
+        self.policy, self.config = policy, config
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=config.lr)
+        self.baseline: float | None = None
+
+    def update(self, groups: Sequence[Sequence[Trace]]) -> dict[str, float]:
+        """One update (`ppo_epochs` optimizer steps) on these groups; bumps the policy version. Episodes
+        without a recorded topology choice are ignored."""
+        cfg = self.config
+        rows: list[tuple[Trace, dict[str, float]]] = []  # (episode, decision -> advantage)
+        rewards_seen: list[float] = []
+        for group in groups:
+            group = [t for t in group if t.topology is not None]
+            if not group:
+                continue
+            rewards = [outcome_reward(t, cfg.cost_lambda) for t in group]
+            rewards_seen += rewards
+            if cfg.baseline == "moving_average":
+                adv, self.baseline = moving_average_advantages(rewards, self.baseline, cfg.momentum)
+                rows += [(t, {"*": a}) for t, a in zip(group, adv)]
+                continue
+            rows += [(t, adv) for t, adv in zip(group, self._advantages(group, rewards))]
+        if not rows:
+            return {"topology/episodes": 0.0}
+        stats: dict[str, float] = {}
+        for _ in range(cfg.ppo_epochs):
+            loss, stats = self._loss(rows)
+            if loss is None:
+                break
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+        self.policy.version += 1
+        out = {f"topology/{k}": v for k, v in stats.items()}
+        out["topology/episodes"] = float(len(rows))
+        out["topology/reward"] = sum(rewards_seen) / len(rewards_seen)
+        return out
+
+    def _advantages(self, group: list[Trace], rewards: list[float]) -> list[dict[str, float]]:
+        """Per episode, decision name -> A = Â_group + ω·Ã_action (decisions it made only)."""
+        cfg, decisions = self.config, self.policy.space.decisions
+        made = [t.topology.logprobs for t in group]  # type: ignore[union-attr]
+        acts = [[action_reward(t, d.brings[d.options.index(t.topology.decisions[d.name])],  # type: ignore
+                               cfg.token_cost, cfg.parse_penalty) if d.name in m else None for d in decisions]
+                for t, m in zip(group, made)]
+        combined = combine(group_advantages(rewards), action_advantages(acts), cfg.omega)
+        return [{d.name: a for d, a in zip(decisions, row) if a is not None} for row in combined]
+
+    def _loss(self, rows: list[tuple[Trace, dict[str, float]]]) -> tuple[torch.Tensor | None, dict[str, float]]:
+        cfg = self.config
+        if cfg.baseline == "moving_average":
+            logps, advs = [], []
+            for t, adv in rows:
+                names, lp, _ = self.policy.log_probs(t.query, t.topology)  # type: ignore[arg-type]
+                if names:
+                    logps.append(lp.sum())
+                    advs.append(adv["*"])
+            if not logps:
+                return None, {}
+            loss = reinforce_loss(torch.stack(logps), torch.tensor(advs))
+            return loss, {"loss": float(loss.detach()), "baseline": float(self.baseline or 0.0)}
+        new, old, adv, ent = [], [], [], []
+        for t, a in rows:
+            names, lp, h = self.policy.log_probs(t.query, t.topology)  # type: ignore[arg-type]
+            for name, x, e in zip(names, lp, h):
+                new.append(x)
+                ent.append(e)
+                old.append(t.topology.logprobs[name])  # type: ignore[union-attr]
+                adv.append(a[name])
+        if not new:
+            return None, {}
+        return hrpo_loss(torch.stack(new), torch.tensor(old), torch.tensor(adv), torch.stack(ent), cfg.clip,
+                         cfg.entropy_coef)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs for an exact resume: parameters, optimizer moments, baseline, version."""
+        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "baseline": self.baseline, "version": self.policy.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.baseline, self.policy.version = state["baseline"], state["version"]
