@@ -10,6 +10,9 @@ from typing import Any
 from masgraph.errors import MasgraphError
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+TOPOLOGY_FILE = "topology.pt"
+"""In a checkpoint of topology training: the topology policy's parameters and version, its optimizer state and
+baseline (`HRPO.state_dict`)."""
 _USAGE = "pass a `masgraph train` run directory (its latest checkpoint) or RUN/checkpoints/step-N"
 
 

@@ -125,18 +125,30 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     graph = _load_graph(args.graph)
     task = _load_task(args.task)
-    config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
-                       seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir)
     checkpoint = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None:
         checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+    topology, mode = None, args.topology
+    if graph.spec.topology is not None:
+        from masgraph.topology.policy import has_learned_topology, load_policy
+
+        topology = load_policy(graph, checkpoint)
+        mode = mode or ("greedy" if has_learned_topology(checkpoint) else "sample")
+        print(f"topology: {'learned v' + str(topology.version) if topology.version else 'untrained prior'}, "
+              f"{mode}", file=sys.stderr)
+    elif args.topology:
+        raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section, so "
+                            "every episode runs the whole graph; drop the flag")
+    config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
+                       seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir,
+                       topology=mode or "sample")
     items = task.items(config.split, config.n, config.seed)
     if not items:
         raise MasgraphError(f"task {task.name!r} has no {config.split} items for seed {config.seed}; "
                             "check its generate() or pick the other --split")
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
-    runner = Runner(graph, config)
+    runner = Runner(graph, config, topology=topology)
     if checkpoint is not None:
         print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
     return run_with_progress(runner, task, items)
@@ -288,12 +300,49 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    from masgraph.checkpoint import resolve_checkpoint
+    from masgraph.topology.policy import has_learned_topology, load_policy
+    from masgraph.topology.report import describe, draw
+
+    run = Path(args.run)
+    checkpoint = resolve_checkpoint(run)
+    if not has_learned_topology(checkpoint):
+        raise MasgraphError(f"{checkpoint} holds no topology policy; train with `algorithm: hrpo` or `joint` "
+                            "on a graph with a `topology:` section")
+    graph = _load_graph(str(run / "spec.yaml")) if (run / "spec.yaml").is_file() else None
+    if graph is None:
+        raise MasgraphError(f"{run} has no spec.yaml; pass the training run directory (RUN, not a checkpoint)")
+    policy = load_policy(graph, checkpoint)
+    assert policy is not None  # the spec has a topology section (its checkpoint holds a policy)
+    queries = []
+    if policy.conditioned:
+        task = _run_task(run)
+        queries = [it.question for it in task.items("test", args.queries, 0)] if task else []
+    print(describe(policy, queries))
+    print(f"wrote {draw(policy, args.out or run / 'topology.png', queries)}")
+    return 0
+
+
+def _run_task(run: Path) -> Task | None:
+    """The task a training run trained on (from its config.json), if it can be loaded."""
+
+    try:
+        name = json.loads((run / "config.json").read_text())["config"].get("task")
+        return _load_task(name) if name else None
+    except (OSError, ValueError, KeyError, AttributeError, MasgraphError):
+        return None
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
-    from masgraph.plot import plot_run
+    from masgraph.plot import plot_run, plot_topology
 
     if not (Path(args.run) / "metrics.jsonl").exists():
         raise MasgraphError(f"{args.run} has no metrics.jsonl (is it a `masgraph train` run directory?)")
     print(plot_run(args.run, args.out))
+    topology = plot_topology(args.run)  # topology-training runs: decision probabilities per step
+    if topology is not None:
+        print(topology)
     return 0
 
 
@@ -313,9 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bit-exact: each hf row decodes alone, per-request seeds")
     r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
     r.add_argument("--checkpoint", help="serve trained adapters: a training run dir (latest) or RUN/checkpoints/step-N")
+    r.add_argument("--topology", choices=["greedy", "sample"],
+                   help="graphs with a `topology:` section: run the most likely topology per query, or sample one "
+                        "(default: greedy with a checkpoint that learned one, else sample)")
     r.set_defaults(fn=cmd_run)
 
-    t = sub.add_parser("train", help="train the graph's trainable policies with Flow-GRPO")
+    t = sub.add_parser("train", help="train the graph's node policies (Flow-GRPO), its topology (HRPO), or both")
     t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
     t.add_argument("--task", help="task (default: train.task)")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (default: train.steps)")
@@ -336,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run", help="training run directory")
     pl.add_argument("--out", help="output PNG (default RUN/learning_curve.png)")
     pl.set_defaults(fn=cmd_plot)
+
+    tp = sub.add_parser("topology", help="print a training run's learned topology distribution and draw it (PNG)")
+    tp.add_argument("run", help="training run directory (algorithm hrpo or joint)")
+    tp.add_argument("--queries", type=positive_int, default=4,
+                    help="query-conditioned policies: held-out queries of the run's task to show (default 4)")
+    tp.add_argument("--out", help="output PNG (default RUN/topology.png)")
+    tp.set_defaults(fn=cmd_topology)
 
     v = sub.add_parser("validate", help="check graph YAML files")
     v.add_argument("files", nargs="+")

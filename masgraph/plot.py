@@ -38,3 +38,34 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def plot_topology(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """Write `topology_curve.png` (or `out`): each topology decision's option probabilities per step (the
+    `topology/p/<decision>/<option>` metrics of a topology-training run); None when the run has none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if any(k.startswith("topology/p/") for k in r)]
+    if not rows:
+        return None
+    keys = sorted({k for r in rows for k in r if k.startswith("topology/p/")})
+    decisions = sorted({k.split("/")[2] for k in keys})
+    fig, axes = plt.subplots(len(decisions), 1, figsize=(7, 2.2 * len(decisions)), dpi=120, squeeze=False)
+    for ax, d in zip(axes[:, 0], decisions):
+        for k in (k for k in keys if k.split("/")[2] == d):
+            pts = [(r["step"], r[k]) for r in rows if k in r]
+            ax.plot([s for s, _ in pts], [p for _, p in pts], label=k.split("/", 3)[3])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(d, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=7)
+    axes[-1, 0].set_xlabel("step")
+    out = Path(out) if out else run_dir / "topology_curve.png"
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

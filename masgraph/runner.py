@@ -5,10 +5,11 @@ in training are the same code path as evaluation."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from masgraph.backends import Backend
 from masgraph.engine import BackendOptions, Engine
@@ -19,6 +20,13 @@ from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.store import RunStore, new_run_dir
 from masgraph.tasks import Item, Task
 from masgraph.trace import Trace
+
+
+class TopologySampler(Protocol):
+    """What picks an episode's topology (a `TopologyPolicy`): `sample(query, seed, greedy)` returns an object with
+    `.topology` (a `Topology`) and `.choice` (a `TopologyChoice`)."""
+
+    def sample(self, query: str, seed: int | None = None, greedy: bool = False) -> Any: ...
 
 
 @dataclass
@@ -43,6 +51,8 @@ class RunConfig:
     """hf backend: how long the batcher waits for more requests."""
     runs_dir: str = "runs"
     """Where run directories are created."""
+    topology: Literal["sample", "greedy"] = "sample"
+    """With a topology policy: each episode samples its topology, or takes the most likely one."""
 
 
 @dataclass
@@ -62,8 +72,12 @@ class Runner:
     """
 
     def __init__(self, graph: Graph, config: RunConfig | None = None, backends: dict[str, Backend] | None = None,
-                 registry: Registry | None = None, engine: Engine | None = None):
+                 registry: Registry | None = None, engine: Engine | None = None,
+                 topology: TopologySampler | None = None):
         self.graph, self.config = graph, config or RunConfig()
+        self.topology = topology
+        """A topology policy (`masgraph.topology.policy.TopologyPolicy`): every episode runs the sub-graph it picks
+        for its query (recorded in the trace); None runs the whole graph."""
         c = self.config
         self.engine = engine or Engine(graph, registry, backends, BackendOptions(
             c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed))
@@ -100,6 +114,9 @@ class Runner:
         sched = self.scheduler(all_sinks, score=lambda ep, tr: task.reward(by_id[ep.item_id], tr))
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer})
                     for it in items for s in range(self.config.samples)]
+        if self.topology is not None:
+            greedy = self.config.topology == "greedy"
+            episodes = [self._with_topology(ep, greedy) for ep in episodes]
         traces: list[Trace] = []
         interrupted = False
         try:
@@ -116,6 +133,13 @@ class Runner:
                 run_store.close(summary)
             self.last_result = RunResult(traces, summary, run_store.path if run_store else None)
         return self.last_result
+
+    def _with_topology(self, ep: EpisodeInput, greedy: bool) -> EpisodeInput:
+        """The episode with the topology its policy picks (seeded per run seed, item and sample)."""
+        assert self.topology is not None
+        seed = zlib.crc32(f"{self.config.seed}|{ep.item_id}|{ep.sample}|topology".encode())
+        picked = self.topology.sample(ep.query, seed=seed, greedy=greedy)
+        return replace(ep, topology=picked.topology, choice=picked.choice)
 
     async def run_task(self, task: Task, sinks: Sequence[Sink] = (), store: bool = True) -> RunResult:
         items = task.items(self.config.split, self.config.n, self.config.seed)

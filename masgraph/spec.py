@@ -363,6 +363,7 @@ def graph_json_schema(train_sections: list[type[BaseModel]], backends: list[str]
         if "$ref" not in train and "title" in train:  # one algorithm: its section inline; keep it under $defs
             defs[train["title"]], train = train, {"$ref": f"#/$defs/{train['title']}"}
         doc = schema["properties"]["train"].get("description", "")
-        schema["properties"]["train"] = {"anyOf": [train, {"type": "null"}], "default": None, "description": doc}
+        members = train["anyOf"] if "anyOf" in train else [train]
+        schema["properties"]["train"] = {"anyOf": [*members, {"type": "null"}], "default": None, "description": doc}
     defs["PolicySpec"]["properties"]["backend"]["enum"] = sorted(backends)
     return schema

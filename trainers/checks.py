@@ -24,3 +24,16 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
                                     f"by policy {shorten(adapters[pol.adapter])!r}",
                                     "give each trainable policy its own adapter"))
     return problems
+
+
+def topology_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
+    """HRPO needs decisions to learn: a `topology:` section."""
+    if spec.topology is None:
+        return [Problem("train.algorithm", f"algorithm {spec.train.algorithm!r} learns the graph's topology, but the "
+                        "graph has no `topology:` section", "declare gated `nodes:`, `edges:` or `choices:` under "
+                        "`topology:` (see graphs/router.yaml), or use `algorithm: flow_grpo`")]
+    return []
+
+
+def joint_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
+    return topology_problems(spec, registry) + flow_grpo_problems(spec, registry)

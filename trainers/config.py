@@ -130,3 +130,25 @@ class TrainSpec(TrainBase):
 
 
 DEFAULT_ALGORITHM = "flow_grpo"
+
+
+class HRPOTrainSpec(TrainSpec):
+    """`algorithm: hrpo` — HRPO on the graph's topology policy (its `topology:` section); node policies frozen."""
+
+    algorithm: Literal["hrpo"] = "hrpo"  # type: ignore[assignment]
+    """The RL algorithm."""
+    hrpo: HRPOConfig = Field(default_factory=HRPOConfig)
+    """Topology trainer knobs (G = `hrpo.group_size` topologies per query)."""
+
+
+class JointTrainSpec(TrainSpec):
+    """`algorithm: joint` — the same rollouts train the topology policy (HRPO) and every trainable node's LoRA
+    (Flow-GRPO); G = `flow_grpo.group_size` episodes per query for both."""
+
+    algorithm: Literal["joint"] = "joint"  # type: ignore[assignment]
+    """The RL algorithm."""
+    hrpo: HRPOConfig = Field(default_factory=HRPOConfig)
+    """Topology trainer knobs (its `group_size` is not used: the groups are Flow-GRPO's)."""
+    schedule: Literal["simultaneous", "alternate"] = "simultaneous"
+    """`simultaneous`: both update after every step's rollouts; `alternate`: odd steps update the node policies,
+    even steps the topology (each learns against the other held fixed)."""

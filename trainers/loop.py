@@ -17,7 +17,7 @@ import torch
 from masgraph.backends.base import SyncedBackend
 from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf_learner import HFLearner
-from masgraph.checkpoint import checkpoint_adapters, read_state
+from masgraph.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import CheckpointSaved, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
@@ -27,8 +27,11 @@ from masgraph.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
+from masgraph.topology.policy import TopologyPolicy
+from masgraph.topology.space import DecisionSpace
 from masgraph.trainers.config import TrainSpec
 from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
+from masgraph.trainers.hrpo import HRPO
 
 # fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint
 _PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
@@ -41,11 +44,11 @@ def sampling_graph(spec: GraphSpec, temperature: float) -> Graph:
     return compile_spec(spec.model_copy(update={"policies": hot}))
 
 
-def base_model(spec: GraphSpec) -> str:
-    """The one base model training loads: the trainable policies' `model`. Every hf policy is served from
-    it (trainable ones as LoRA adapters on it), so all of them must name it."""
+def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
+    """The one base model training loads: the trainable policies' `model` (any hf policy's when training only the
+    topology). Every hf policy is served from it (trainable ones as LoRA adapters on it), so all must name it."""
     hf = {n: p for n, p in spec.policies.items() if p.backend == "hf"}
-    trainable = [n for n, p in hf.items() if p.trainable]  # the first declared one names the base
+    trainable = [n for n, p in hf.items() if p.trainable] or ([] if needs_trainable else list(hf))
     if not trainable:
         raise SpecError([Problem("policies", "no hf policy is `trainable: true`, so there is nothing to train",
                                  "set `trainable: true` and an `adapter:` on the hf policy to train")])
@@ -83,7 +86,9 @@ class TrainLoop:
         self.cfg: TrainSpec = graph.spec.train
         spec = graph.spec
         torch.manual_seed(self.cfg.seed)  # LoRA init
-        model = base_model(spec)
+        algorithm = self.cfg.algorithm
+        self.trains_nodes, self.trains_topology = algorithm in ("flow_grpo", "joint"), algorithm in ("hrpo", "joint")
+        model = base_model(spec, needs_trainable=self.trains_nodes)
         self.learner: Learner = learner or HFLearner(model, dtype=dtype)
         if backend is None:
             if not isinstance(self.learner, HFLearner):
@@ -102,13 +107,16 @@ class TrainLoop:
         self.trainable = {n: spec.policies[s.policy].adapter for n, s in spec.nodes.items()
                           if s.policy and spec.policies[s.policy].trainable}
         self.algo = FlowGRPO(self.learner, self.trainable, self.cfg.flow_grpo)
-        # training rollouts sample the trainable policies; evaluation uses the graph as written (greedy)
-        train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature)
+        # training rollouts sample the trained policies; evaluation uses the graph as written (greedy), and the
+        # topology policy's most likely topology
+        train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature) if self.trains_nodes else graph
+        self.topology, self.hrpo = _topology_trainer(graph, self.cfg)
+        self.group_size = self.cfg.hrpo.group_size if algorithm == "hrpo" else self.cfg.flow_grpo.group_size
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
-        self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.cfg.flow_grpo.group_size, **common),
-                               backends={"hf": self.backend})
-        self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, **common),
-                                backends={"hf": self.eval_backend})
+        self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.group_size, **common),
+                               backends={"hf": self.backend}, topology=self.topology)
+        self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
+                                backends={"hf": self.eval_backend}, topology=self.topology)
         fg = self.cfg.flow_grpo
         rounds = 1 + (fg.resample_rounds if fg.zero_variance == "resample" else 0)
         self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
@@ -173,7 +181,7 @@ class TrainLoop:
         traces = (await self.rollouts.run_items(self.task, self.items[self.cursor:cursor], sinks=[store],
                                                 store=False)).traces
         rounds = 0
-        while fg.zero_variance == "resample" and rounds < fg.resample_rounds:
+        while self.trains_nodes and fg.zero_variance == "resample" and rounds < fg.resample_rounds:
             missing = q - len(informative_queries(traces, fg))
             extra = self.items[cursor:cursor + missing] if missing > 0 else []
             if not extra:
@@ -183,8 +191,16 @@ class TrainLoop:
             rounds += 1
         t_roll = time.perf_counter() - t0
         self._updating = True  # no await until the commit: a cancellation cannot land in between
-        metrics = self.algo.update(traces, seed=f"{self.cfg.seed}:{self.step}")
-        self.sync()  # later rollouts use the new adapter versions (and are stamped with them)
+        metrics: dict[str, Any] = {}
+        schedule = getattr(self.cfg, "schedule", "simultaneous")
+        if self.trains_nodes and (schedule == "simultaneous" or self.step % 2 == 0):
+            metrics |= self.algo.update(traces, seed=f"{self.cfg.seed}:{self.step}")
+            self.sync()  # later rollouts use the new adapter versions (and are stamped with them)
+        if self.hrpo is not None and (schedule == "simultaneous" or self.step % 2 == 1 or not self.trains_nodes):
+            g = self.group_size
+            metrics |= self.hrpo.update([traces[i:i + g] for i in range(0, len(traces), g)])
+        if self.topology is not None:
+            metrics |= topology_metrics(self.topology, [t.query for t in traces[::self.group_size]])
         self.step, self.cursor, self._rng, self._updating = self.step + 1, cursor, self.learner.rng_state(), False
         elapsed = time.perf_counter() - t0
         self.train_seconds += elapsed
@@ -228,6 +244,8 @@ class TrainLoop:
             time.sleep(float(os.environ[_PAUSE_ENV]))
         torch.save({a: opt.state_dict() for a, opt in self.algo.optimizers.items()}, tmp / "optimizer.pt")
         torch.save(self._rng, tmp / "rng.pt")
+        if self.hrpo is not None:
+            torch.save(self.hrpo.state_dict(), tmp / TOPOLOGY_FILE)
         (tmp / "state.json").write_text(json.dumps({
             "step": self.step, "cursor": self.cursor, "train_seconds": self.train_seconds,
             "versions": {a: self.learner.version(a) for a in adapters}, "adapters": adapters,
@@ -262,6 +280,12 @@ class TrainLoop:
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise MasgraphError(f"checkpoint {checkpoint} does not match this graph's trainer ({exc}); "
                                 f"{_EARLIER}") from exc
+        if self.hrpo is not None:
+            try:
+                self.hrpo.load_state_dict(_load_torch(checkpoint / TOPOLOGY_FILE))
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise MasgraphError(f"{checkpoint / TOPOLOGY_FILE} does not match this graph's topology ({exc}); "
+                                    f"{_EARLIER}") from exc
         self._rng = self.learner.rng_state()
         self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
         self.step = state["step"]
@@ -283,6 +307,23 @@ class TrainLoop:
             raise MasgraphError(
                 f"adapter {name!r} in {path} has LoRA rank, alpha, targets {got} but the graph trains {want}; "
                 "resume with the `train:` lora_rank / lora_alpha / lora_targets the run was started with")
+
+
+def _topology_trainer(graph: Graph, cfg: Any) -> tuple[TopologyPolicy | None, HRPO | None]:
+    """A graph with a `topology:` section gets a topology policy (trained by HRPO when the algorithm learns the
+    topology; otherwise it keeps sampling from its untrained, uniform prior)."""
+    if graph.spec.topology is None:
+        return None, None
+    policy = TopologyPolicy(DecisionSpace(graph), graph.spec.topology.condition)
+    return policy, (HRPO(policy, cfg.hrpo) if cfg.algorithm in ("hrpo", "joint") else None)
+
+
+def topology_metrics(policy: TopologyPolicy, queries: list[str]) -> dict[str, float]:
+    """Each decision's option probabilities (`topology/p/<decision>/<option>`), averaged over `queries` when
+    the policy is query-conditioned."""
+    probs = [policy.probabilities(q) for q in queries] if policy.conditioned and queries else [policy.probabilities()]
+    return {f"topology/p/{d}/{o}": sum(p[d][o] for p in probs) / len(probs)
+            for d, opts in probs[0].items() for o in opts}
 
 
 _EARLIER = "resume from an earlier checkpoint (RUN/checkpoints/step-N) or delete this one"

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from masgraph.graph import Topology
+from masgraph.checkpoint import TOPOLOGY_FILE
+from masgraph.errors import MasgraphError
+from masgraph.graph import Graph, Topology
 from masgraph.topology.features import HASHED_DIM, hashed_features
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import TopologyChoice
@@ -126,3 +129,25 @@ def _masked_log_softmax(logits: torch.Tensor, mask: list[bool]) -> torch.Tensor:
     """log softmax over the allowed options; −inf for the others."""
     allowed = torch.tensor(mask)
     return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+
+
+def load_policy(graph: Graph, checkpoint: Path | None = None) -> TopologyPolicy | None:
+    """The topology policy of a graph with a `topology:` section (None without one): the learned one saved in
+    `checkpoint` when it holds one, else the untrained, uniform prior."""
+    if graph.spec.topology is None:
+        return None
+    policy = TopologyPolicy(DecisionSpace(graph), graph.spec.topology.condition)
+    path = checkpoint / TOPOLOGY_FILE if checkpoint is not None else None
+    if path is not None and path.exists():
+        try:
+            state = torch.load(path, weights_only=False)
+            policy.load_state_dict(state["policy"])
+            policy.version = state["version"]
+        except Exception as exc:  # truncated, foreign or another graph's: torch raises several kinds
+            raise MasgraphError(f"cannot load the topology policy from {path} ({type(exc).__name__}: {exc}); "
+                                "it must come from training this graph (pass another RUN/checkpoints/step-N)") from exc
+    return policy
+
+
+def has_learned_topology(checkpoint: Path | None) -> bool:
+    return checkpoint is not None and (checkpoint / TOPOLOGY_FILE).exists()
