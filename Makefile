@@ -32,10 +32,13 @@ $(MODEL): $(STAMP)
 	$(PY) -m masgraph.model
 
 # Evaluate the AgentFlow graph, then train its planner + verifier adapters briefly (Flow-GRPO) and
-# evaluate again on held-out items; all offline on the embedded model (~4 min after set-up).
+# evaluate again on held-out items; then a brief joint run on the router supergraph (topology + adapters)
+# and the topology distribution it learned; all offline on the embedded model.
 demo: setup
 	$(VENV)/bin/masgraph run graphs/agentflow.yaml --task basic_arithmetic --n 32 --concurrency 16
 	$(VENV)/bin/masgraph train graphs/agentflow.yaml --task basic_arithmetic --steps 2 --queries-per-step 1 --eval-n 8 --runs-dir runs
+	$(VENV)/bin/masgraph train graphs/router.yaml --steps 3 --queries-per-step 1 --eval-every 0 --eval-n 4 --runs-dir runs
+	$(VENV)/bin/masgraph topology "$$(ls -td runs/router-train-* | head -1)"
 
 test: setup
 	$(VENV)/bin/pytest -q --durations=15 tests

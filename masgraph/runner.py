@@ -75,9 +75,14 @@ class Runner:
                  registry: Registry | None = None, engine: Engine | None = None,
                  topology: TopologySampler | None = None):
         self.graph, self.config = graph, config or RunConfig()
+        if topology is None and graph.spec.topology is not None:  # a supergraph never runs whole
+            from masgraph.topology.policy import load_policy
+
+            topology = load_policy(graph)
         self.topology = topology
         """A topology policy (`masgraph.topology.policy.TopologyPolicy`): every episode runs the sub-graph it picks
-        for its query (recorded in the trace); None runs the whole graph."""
+        for its query (recorded in the trace). Default: none for a plain graph (it runs whole), the untrained
+        uniform prior for a graph with a `topology:` section."""
         c = self.config
         self.engine = engine or Engine(graph, registry, backends, BackendOptions(
             c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed))

@@ -122,6 +122,10 @@ class Scheduler:
                                   started=time.time()))
         t0 = time.perf_counter()
         try:
+            if ep.topology is None and self._spec.topology is not None:
+                raise _StepFailed(f"graph {self._spec.name!r} declares a `topology:`, so an episode runs one of its "
+                                  "sub-graphs, not the whole: give the episode a topology (TopologyPolicy.sample; a "
+                                  "Runner samples one itself)")
             view = self.graph.view(ep.topology)
             if view.problems:
                 raise _StepFailed("the episode's topology is not a valid graph: "

@@ -49,12 +49,15 @@ class _null:
 
 
 @pytest.mark.parametrize("graph_name,task_name", [("agentflow", "basic_arithmetic"), ("agentflow", "lookup"),
-                                                  ("single", "basic_arithmetic"), ("fanout", "basic_arithmetic")])
+                                                  ("single", "basic_arithmetic"), ("fanout", "basic_arithmetic"),
+                                                  ("router", "basic_arithmetic")])
 def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, task_name, graph_files):
-    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout"}  # a new graph needs a row here
+    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router"}  # a new graph needs a row
     graph = compile_spec(load_spec(root / "graphs" / f"{graph_name}.yaml"))
     result = run(runner_for(graph, hf, n=3, concurrency=3, split="test").run_task(get_task(task_name)))
     assert len(result.traces) == 3 and all(t.status == "ok" for t in result.traces), [t.error for t in result.traces]
+    # a supergraph runs a sampled topology per episode (its untrained prior), recorded in the trace
+    assert all((t.topology is not None) == (graph.spec.topology is not None) for t in result.traces)
     for tr in result.traces:
         assert tr.answer is not None and 0.0 <= tr.reward <= 1.0
         assert tr.steps[-1].node == graph.spec.exit

@@ -252,3 +252,13 @@ def test_hrpo_state_dict_round_trips():
     b = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
     b.load_state_dict(a.state_dict())
     assert torch.equal(b.policy.logits[0], a.policy.logits[0]) and b.policy.version == 7 and b.baseline == 0.25
+
+
+def test_a_supergraph_never_runs_whole(scripted, runner_for, run):
+    from masgraph.tasks import BasicArithmetic
+
+    graph = _two_arm()
+    trace = asyncio.run(Engine(graph).episode("q"))  # no topology given: refused, not run whole
+    assert trace.status == "error" and "topology" in trace.error
+    result = run(runner_for(graph, scripted, n=3).run_task(BasicArithmetic()))  # a Runner samples the prior
+    assert all(t.status == "ok" and t.topology is not None for t in result.traces)

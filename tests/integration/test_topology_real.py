@@ -1,0 +1,185 @@
+"""Topology learning on the real model: HRPO drives a harmful branch's probability down, `masgraph run
+--checkpoint` then follows the learned topology, one joint step moves the topology policy and two adapters, and
+resuming from a checkpoint reproduces the topology policy of an uninterrupted run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.cli import main
+from masgraph.graph import compile_spec
+from masgraph.loader import load_spec
+from masgraph.tasks import load_task_file
+from masgraph.trainers.loop import TrainLoop
+
+pytestmark = pytest.mark.integration
+
+PLUGIN = """\
+from masgraph.agents import register_agent
+from masgraph.node import NodeOutput
+
+
+@register_agent("pass-query")
+async def pass_query(ctx):
+    return NodeOutput(text=ctx.query)
+
+
+@register_agent("pass-input")
+async def pass_input(ctx):
+    return NodeOutput(text=ctx.merged)
+
+
+@register_agent("harm-fail")
+async def harm_fail(ctx):
+    raise RuntimeError("this branch always breaks the episode")
+"""
+
+TASKS = """from masgraph.tasks import BasicArithmetic
+
+
+class Digits(BasicArithmetic):
+    # a format reward: the answer holds a number (the real model's direct answer mostly does)
+    name = "digits"
+    def reward(self, item, trace):
+        return float(trace.answer is not None and any(ch.isdigit() for ch in trace.answer))
+
+
+class Alternating(BasicArithmetic):
+    # a reward that varies inside every group, so every step has a learning signal
+    name = "alternating"
+    def reward(self, item, trace):
+        return float(trace.meta["sample"] % 2)
+"""
+
+HARM = """\
+name: harm
+plugins: [plugin.py]
+policies:
+  main: {model: smollm2-135m, sampling: {max_tokens: 12}}
+nodes:
+  start: {role: custom, agent: pass-query}
+  solve: {role: generator, policy: main, prompt: direct}
+  harm: {role: custom, agent: harm-fail}
+  end: {role: custom, agent: pass-input}
+edges:
+  - {source: start, target: solve}
+  - {source: start, target: harm}
+  - {source: solve, target: end}
+  - {source: harm, target: end}
+entry: start
+exit: end
+topology:
+  choices: {start: [solve, harm]}
+train:
+  algorithm: hrpo
+  task: tasks.py:Digits
+  steps: 6
+  queries_per_step: 2
+  eval_every: 0
+  eval_n: 2
+  checkpoint_every: 6
+  hrpo: {group_size: 8, lr: 0.3}
+"""
+
+JOINT = """\
+name: joint
+plugins: [plugin.py]
+policies:
+  first: {model: smollm2-135m, adapter: first, trainable: true, sampling: {max_tokens: 8}}
+  second: {model: smollm2-135m, adapter: second, trainable: true, sampling: {max_tokens: 8}}
+nodes:
+  a: {role: generator, policy: first, prompt: direct}
+  b: {role: generator, policy: second, prompt: direct}
+  c: {role: generator, policy: second, prompt: direct}
+  end: {role: custom, agent: pass-input}
+edges:
+  - {source: a, target: b}
+  - {source: a, target: c}
+  - {source: b, target: end}
+  - {source: c, target: end}
+entry: a
+exit: end
+topology:
+  choices: {a: [b, c]}
+train:
+  algorithm: joint
+  task: tasks.py:Alternating
+  steps: 2
+  queries_per_step: 2
+  eval_every: 0
+  eval_n: 2
+  checkpoint_every: 1
+  deterministic: true
+  seed: 3
+  flow_grpo: {group_size: 4, lr: 0.002}
+  hrpo: {lr: 0.2}
+"""
+
+
+def _loop(tmp: Path, text: str, run: str) -> TrainLoop:
+    (tmp / "plugin.py").write_text(PLUGIN)
+    (tmp / "tasks.py").write_text(TASKS)
+    (tmp / "graph.yaml").write_text(text)
+    graph = compile_spec(load_spec(tmp / "graph.yaml"), str(tmp / "graph.yaml"))
+    return TrainLoop(graph, load_task_file(str(tmp / graph.spec.train.task)), tmp / run, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def harm_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("harm")
+    loop = _loop(tmp, HARM, "run")
+    asyncio.run(loop.run())
+    return tmp, loop
+
+
+def test_hrpo_drives_the_harmful_branch_down(harm_run):
+    tmp, loop = harm_run
+    rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    harm = [r["topology/p/choice:start/harm"] for r in rows if "topology/p/choice:start/harm" in r]
+    assert len(harm) == 6 and harm[-1] < 0.2, harm
+    assert harm[0] < 0.5  # it fell from the uniform prior at the first update
+    assert (tmp / "run" / "checkpoints" / "step-6" / "topology.pt").exists()
+
+
+def test_run_with_the_checkpoint_follows_the_learned_topology(harm_run, capsys):
+    tmp, _ = harm_run
+    runs = tmp / "runs"
+    assert main(["run", str(tmp / "graph.yaml"), "--task", f"{tmp / 'tasks.py'}:Digits", "--n", "4",
+                 "--checkpoint", str(tmp / "run"), "--runs-dir", str(runs)]) == 0
+    err = capsys.readouterr().err
+    assert "topology: learned v6, greedy" in err
+    [run_dir] = list(runs.iterdir())
+    traces = [json.loads(x)["trace"] for x in (run_dir / "events.jsonl").read_text().splitlines()
+              if '"episode_finished"' in x]
+    assert len(traces) == 4
+    assert all(t["topology"]["decisions"] == {"choice:start": "solve"} and t["topology"]["mode"] == "greedy"
+               and t["topology"]["version"] == 6 and t["status"] == "ok" for t in traces)
+
+
+def _lora(loop: TrainLoop, adapter: str) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in loop.learner.parameters(adapter)]
+
+
+def test_one_joint_step_moves_the_topology_and_two_adapters_and_resume_is_exact(tmp_path):
+    a = _loop(tmp_path, JOINT, "a")
+    asyncio.run(a.run())  # 2 steps, a checkpoint after each
+    assert a.step == 2
+
+    b = _loop(tmp_path, JOINT, "b")  # same seed: the same initial adapters and topology policy as `a` had
+    initial = {name: _lora(b, name) for name in ("first", "second")}
+    logits0 = b.topology.logits[0].detach().clone()
+    b.load(tmp_path / "a" / "checkpoints" / "step-1")  # the state after one joint step
+    assert b.topology.version == 1 and not torch.equal(b.topology.logits[0], logits0)  # HRPO moved the topology
+    for name in ("first", "second"):  # Flow-GRPO moved both adapters
+        assert any(not torch.equal(x, y) for x, y in zip(initial[name], _lora(b, name))), name
+    asyncio.run(b.run())  # resume: step 2 again, from the checkpoint
+    assert b.step == 2 and b.topology.version == 2
+    for k, v in a.topology.state_dict().items():
+        assert torch.allclose(b.topology.state_dict()[k], v, atol=1e-6), k
+    for name in ("first", "second"):
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(_lora(a, name), _lora(b, name))), name
