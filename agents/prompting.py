@@ -28,9 +28,10 @@ def load_template(name: str) -> tuple[tuple[str, Template], ...]:
 
 
 def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]]:
-    """Chat messages from the node's template (its `prompt:` or the role default) and values."""
+    """Chat messages from the node's template (the episode's slot choice, else its `prompt:`, else the role
+    default) and values."""
     values = {"query": ctx.query, "memory": ctx.memory.render(), "inputs": ctx.merged, **values}
-    turns = load_template(ctx.node_spec.prompt or default)
+    turns = load_template(ctx.prompt or ctx.node_spec.prompt or default)
     return [{"role": role, "content": t.safe_substitute(values)} for role, t in turns]
 
 

@@ -26,9 +26,14 @@ class Topology:
 
     nodes_off: frozenset[str] = frozenset()
     edges_off: frozenset[int] = frozenset()
+    prompts: tuple[tuple[str, str], ...] = ()
+    """(node, prompt template) pairs: the prompt each slot node runs with in this episode (sorted by node)."""
 
-    def to_dict(self) -> dict[str, list]:
-        return {"nodes_off": sorted(self.nodes_off), "edges_off": sorted(self.edges_off)}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nodes_off": sorted(self.nodes_off), "edges_off": sorted(self.edges_off)}
+        if self.prompts:
+            out["prompts"] = dict(self.prompts)
+        return out
 
 
 @dataclass(frozen=True)
@@ -472,18 +477,20 @@ def _tool_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
 
 
 def _prompt_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
-    """A node's `prompt:` names a registered template (masgraph/agents/prompts/*.txt)."""
-    named = {n: node.prompt for n, node in spec.nodes.items() if node.prompt is not None}
+    """A node's `prompt:` and a topology slot's prompts name registered templates (masgraph/agents/prompts/)."""
+    named = [(f"nodes.{n}.prompt", node.prompt) for n, node in spec.nodes.items() if node.prompt is not None]
+    if spec.topology is not None:
+        named += [(f"topology.slots.{n}", p) for n, prompts in spec.topology.slots.items() for p in prompts]
     if not named:
         return []
     available = sorted(registry.prompts)
     out = []
-    for name, prompt in named.items():
+    for path, prompt in named:
         if prompt not in available:
             close = difflib.get_close_matches(prompt[:100], available, n=1)
             fix = f"did you mean {close[0]!r}?" if close else f"use one of {one_of(available)} or drop `prompt:`"
-            out.append(Problem(f"nodes.{name}.prompt",
-                               f"prompt {shorten(prompt)!r} is not a template under masgraph/agents/prompts/", fix))
+            out.append(Problem(path, f"prompt {shorten(prompt)!r} is not a template under masgraph/agents/prompts/",
+                               fix))
     return out
 
 

@@ -55,6 +55,8 @@ class NodeContext:
     """The node's tools by name (already bound to their time limits)."""
     tool_descriptions: dict[str, str] = field(default_factory=dict)
     """Every tool of the graph by name -> the description shown to the model."""
+    prompt: str | None = None
+    """The prompt template this episode's topology gives the node (a `topology.slots` choice); None: its own."""
 
     @property
     def node_spec(self) -> Any:

@@ -204,7 +204,7 @@ class Scheduler:
             calls = []  # only the last attempt's LLM calls are part of the step
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
                               self._generator(ep, trace, index, node, turn, calls), self._node_tools[node],
-                              self.tool_descriptions)
+                              self.tool_descriptions, _slot_prompt(ep.topology, node))
             try:
                 out = await await_within(agent(ctx), nspec.timeout_s)  # no task per step, unlike wait_for
                 error = None
@@ -255,6 +255,13 @@ class Scheduler:
                 sink.emit(event)
             except Exception:  # a broken sink is counted, never fatal
                 self.sink_errors += 1
+
+
+def _slot_prompt(topology: Topology | None, node: str) -> str | None:
+    """The prompt an episode's topology gives a slot node (None for every other node)."""
+    if topology is None or not topology.prompts:
+        return None
+    return next((p for n, p in topology.prompts if n == node), None)
 
 
 def _plan(frontier: _Frontier, waits_for: dict[str, frozenset[str]]) -> tuple[_Frontier, _Frontier]:

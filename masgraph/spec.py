@@ -197,6 +197,8 @@ class TopologySpec(_Strict):
     choices: dict[str, list[str]] = Field(default_factory=dict)
     """Routing choices: node -> two or more of its successors; each episode keeps exactly one of the node's edges
     to them (the others are left out)."""
+    slots: dict[str, list[str]] = Field(default_factory=dict)
+    """Prompt slots: node -> two or more prompt templates; each episode's node runs with one of them."""
     condition: Literal["none", "query"] = "none"
     """`query`: decision probabilities depend on the query through a learned linear head on query features
     (zero-initialised, so training starts from the unconditioned prior)."""
@@ -303,9 +305,16 @@ def _check_topology(spec: GraphSpec) -> None:
     one edge, each choice names two or more successors of an existing node, and no edge is decided twice."""
     topo, names = spec.topology, set(spec.nodes)
     assert topo is not None
-    if not (topo.nodes or topo.edges or topo.choices):
-        raise ValueError("topology: declares nothing to learn; list gated `nodes:`, `edges:` or `choices:`, "
-                         "or remove the section")
+    if not (topo.nodes or topo.edges or topo.choices or topo.slots):
+        raise ValueError("topology: declares nothing to learn; list gated `nodes:`, `edges:`, `choices:` or "
+                         "`slots:`, or remove the section")
+    for node, prompts in topo.slots.items():
+        if node not in names:
+            raise ValueError(f"topology.slots.{shorten(node)}: {shorten(node)!r} is not a node; use one of "
+                             f"{one_of(names)}")
+        if len(prompts) < 2 or len(set(prompts)) != len(prompts):
+            raise ValueError(f"topology.slots.{shorten(node)}: list two or more different prompt templates "
+                             f"(got {prompts})")
     seen: set[str] = set()
     for i, n in enumerate(topo.nodes):
         if n not in names:

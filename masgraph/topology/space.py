@@ -31,14 +31,16 @@ class Decision:
     """One learnable decision: its options and what each option leaves out of the graph."""
 
     name: str
-    """`node:<n>`, `edge:<source>-><target>[:<when>]` or `choice:<n>`."""
-    kind: Literal["node", "edge", "choice"]
+    """`node:<n>`, `edge:<source>-><target>[:<when>]`, `choice:<n>` or `slot:<n>`."""
+    kind: Literal["node", "edge", "choice", "slot"]
     options: tuple[str, ...]
-    """`("on", "off")` for gates; the successor names for a choice."""
+    """`("on", "off")` for gates; the successor names for a choice; the prompt names for a slot."""
     nodes_off: tuple[frozenset[str], ...]
     """Per option, the nodes it leaves out."""
     edges_off: tuple[frozenset[int], ...]
     """Per option, the edge indexes (in `spec.edges`) it leaves out."""
+    prompts: tuple[tuple[tuple[str, str], ...], ...]
+    """Per option, the (node, prompt) it sets (slots only)."""
     brings: tuple[frozenset[str], ...]
     """Per option, the nodes it brings into the episode (the gated node or edge's target when on; the chosen
     successor): whose cost the trainer charges to this decision."""
@@ -52,20 +54,25 @@ def decisions_of(graph: Graph) -> list[Decision]:
     spec, topo = graph.spec, graph.spec.topology
     if topo is None:
         return []
+    none: tuple[tuple[str, str], ...] = ()
     out = [Decision(f"node:{n}", "node", ("on", "off"), (frozenset(), frozenset({n})), (frozenset(), frozenset()),
-                    (frozenset({n}), frozenset()), n) for n in topo.nodes]
+                    (none, none), (frozenset({n}), frozenset()), n) for n in topo.nodes]
     for ref in topo.edges:
         [i] = edge_indexes(spec, ref)
         name = f"edge:{ref.source}->{ref.target}" + (f":{ref.when}" if ref.when else "")
         out.append(Decision(name, "edge", ("on", "off"), (frozenset(), frozenset()), (frozenset(), frozenset({i})),
-                            (frozenset({ref.target}), frozenset()), ref.source))
+                            (none, none), (frozenset({ref.target}), frozenset()), ref.source))
     for node, targets in topo.choices.items():
         per_target = {t: frozenset(i for i, e in enumerate(spec.edges) if e.source == node and e.target == t)
                       for t in targets}
         every = frozenset().union(*per_target.values())
         out.append(Decision(f"choice:{node}", "choice", tuple(targets), tuple(frozenset() for _ in targets),
-                            tuple(every - per_target[t] for t in targets),
+                            tuple(every - per_target[t] for t in targets), tuple(none for _ in targets),
                             tuple(frozenset({t}) for t in targets), node))
+    for node, prompts in topo.slots.items():
+        out.append(Decision(f"slot:{node}", "slot", tuple(prompts), tuple(frozenset() for _ in prompts),
+                            tuple(frozenset() for _ in prompts), tuple(((node, p),) for p in prompts),
+                            tuple(frozenset() for _ in prompts), node))
     dist = _distances(spec.entry, spec.edges)
     return sorted(out, key=lambda d: dist.get(d.at, len(dist)))  # stable: nodes, edges, choices at equal distance
 
@@ -107,10 +114,12 @@ class DecisionSpace:
         """The sub-graph a configuration (or a prefix of one) leaves: its nodes and edges switched off."""
         nodes_off: set[str] = set()
         edges_off: set[int] = set()
+        prompts: list[tuple[str, str]] = []
         for d, o in zip(self.decisions, config):
             nodes_off |= d.nodes_off[o]
             edges_off |= d.edges_off[o]
-        return Topology(frozenset(nodes_off), frozenset(edges_off))
+            prompts += d.prompts[o]
+        return Topology(frozenset(nodes_off), frozenset(edges_off), tuple(sorted(prompts)))
 
     def allowed(self, prefix: tuple[int, ...]) -> list[bool]:
         """Per option of decision `len(prefix)`: whether a valid configuration starts with prefix + that option."""

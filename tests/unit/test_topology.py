@@ -262,3 +262,31 @@ def test_a_supergraph_never_runs_whole(scripted, runner_for, run):
     assert trace.status == "error" and "topology" in trace.error
     result = run(runner_for(graph, scripted, n=3).run_task(BasicArithmetic()))  # a Runner samples the prior
     assert all(t.status == "ok" and t.topology is not None for t in result.traces)
+
+
+def test_a_slot_gives_the_node_one_prompt_out_of_a_pool():
+    from masgraph.backends.scripted import ScriptedBackend
+
+    b = GraphBuilder("slot").add_policy("p", backend="scripted")
+    b.add_node("answer", role="generator", policy="p")
+    graph = b.set(entry="answer", exit="answer", topology={"slots": {"answer": ["direct", "generator"]}}).compile()
+    space = DecisionSpace(graph)
+    assert [(d.name, d.options) for d in space.decisions] == [("slot:answer", ("direct", "generator"))]
+    backend = ScriptedBackend(default="42")
+    engine = Engine(graph, backends={"scripted": backend})
+    seen = {}
+    for config in ((0,), (1,)):
+        top = space.topology(config)
+        assert top.prompts == (("answer", ("direct", "generator")[config[0]]),)
+        trace = asyncio.run(engine.episode("What is 6 * 7?", topology=top))
+        assert trace.status == "ok" and trace.meta["topology"]["prompts"] == dict(top.prompts)
+        seen[config] = backend.requests[-1].messages
+    assert seen[(0,)] != seen[(1,)]  # the model saw each slot's own template
+    policy = TopologyPolicy(space)
+    assert {policy.sample("q", seed=i).choice.decisions["slot:answer"] for i in range(40)} == {"direct", "generator"}
+
+
+def test_a_slot_prompt_must_exist():
+    b = GraphBuilder("slot").add_policy("p", backend="scripted").add_node("answer", role="generator", policy="p")
+    with pytest.raises(SpecError, match="topology.slots.answer.*nope"):
+        b.set(entry="answer", exit="answer", topology={"slots": {"answer": ["direct", "nope"]}}).compile()
