@@ -117,7 +117,7 @@ class Runner:
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
         sched = self.scheduler(all_sinks, score=lambda ep, tr: task.reward(by_id[ep.item_id], tr))
-        episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer})
+        episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
                     for it in items for s in range(self.config.samples)]
         if self.topology is not None:
             greedy = self.config.topology == "greedy"
@@ -152,6 +152,11 @@ class Runner:
 
     async def aclose(self) -> None:
         await self.engine.aclose()
+
+
+def _type_of(item: Item) -> dict[str, Any]:
+    """A mixed task's query type (`Item.meta["type"]`), kept in the episode's meta (per-type metrics read it)."""
+    return {"type": item.meta["type"]} if "type" in item.meta else {}
 
 
 def mean(values: Any) -> float:

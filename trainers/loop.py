@@ -29,6 +29,7 @@ from masgraph.store import RunStore
 from masgraph.tasks import Task
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
+from masgraph.trace import Trace
 from masgraph.trainers.config import TrainSpec
 from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
 from masgraph.trainers.hrpo import HRPO
@@ -200,7 +201,7 @@ class TrainLoop:
             g = self.group_size
             metrics |= self.hrpo.update([traces[i:i + g] for i in range(0, len(traces), g)])
         if self.topology is not None:
-            metrics |= topology_metrics(self.topology, [t.query for t in traces[::self.group_size]])
+            metrics |= topology_metrics(self.topology, traces[::self.group_size])
         self.step, self.cursor, self._rng, self._updating = self.step + 1, cursor, self.learner.rng_state(), False
         elapsed = time.perf_counter() - t0
         self.train_seconds += elapsed
@@ -318,12 +319,23 @@ def _topology_trainer(graph: Graph, cfg: Any) -> tuple[TopologyPolicy | None, HR
     return policy, (HRPO(policy, cfg.hrpo) if cfg.algorithm in ("hrpo", "joint") else None)
 
 
-def topology_metrics(policy: TopologyPolicy, queries: list[str]) -> dict[str, float]:
-    """Each decision's option probabilities (`topology/p/<decision>/<option>`), averaged over `queries` when
-    the policy is query-conditioned."""
-    probs = [policy.probabilities(q) for q in queries] if policy.conditioned and queries else [policy.probabilities()]
-    return {f"topology/p/{d}/{o}": sum(p[d][o] for p in probs) / len(probs)
-            for d, opts in probs[0].items() for o in opts}
+def topology_metrics(policy: TopologyPolicy, traces: list[Trace]) -> dict[str, float]:
+    """Each decision's option probabilities (`topology/p/<decision>/<option>`); for a query-conditioned policy the
+    mean over the step's queries, and per query type (`topology/type/<type>/<decision>/<option>`) when the task's
+    items have one."""
+    if not policy.conditioned or not traces:
+        return {f"topology/p/{d}/{o}": p for d, opts in policy.probabilities().items() for o, p in opts.items()}
+    out: dict[str, float] = {}
+    groups: dict[str, list[Trace]] = {"": traces}
+    for t in traces:
+        if "type" in t.meta:
+            groups.setdefault(str(t.meta["type"]), []).append(t)
+    for kind, members in groups.items():
+        probs = [policy.probabilities(t.query) for t in members]
+        prefix = f"topology/type/{kind}" if kind else "topology/p"
+        out |= {f"{prefix}/{d}/{o}": sum(p[d][o] for p in probs) / len(probs)
+                for d, opts in probs[0].items() for o in opts}
+    return out
 
 
 _EARLIER = "resume from an earlier checkpoint (RUN/checkpoints/step-N) or delete this one"

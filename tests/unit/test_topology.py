@@ -290,3 +290,38 @@ def test_a_slot_prompt_must_exist():
     b = GraphBuilder("slot").add_policy("p", backend="scripted").add_node("answer", role="generator", policy="p")
     with pytest.raises(SpecError, match="topology.slots.answer.*nope"):
         b.set(entry="answer", exit="answer", topology={"slots": {"answer": ["direct", "nope"]}}).compile()
+
+
+def test_hrpo_clip_acts_from_the_second_epoch():
+    graph = _two_arm()
+    engine = Engine(graph)
+    policy = TopologyPolicy(DecisionSpace(graph))
+    samples = [policy.sample("q", seed=g) for g in range(8)]
+
+    async def rollouts():
+        return await asyncio.gather(*(engine.episode("q", topology=s.topology, choice=s.choice) for s in samples))
+
+    traces = asyncio.run(rollouts())
+    for t in traces:
+        t.reward = float(any(st.node == "good" for st in t.steps))
+    one = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig(lr=0.5, ppo_epochs=1)).update([list(traces)])
+    three = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig(lr=0.5, ppo_epochs=3)).update([list(traces)])
+    assert one["topology/clip_frac"] == 0.0 and one["topology/approx_kl"] == 0.0  # the first pass: ratio 1
+    assert three["topology/clip_frac"] > 0.0  # stats of the last pass: the policy moved past the clip range
+
+
+def test_topology_metrics_per_query_type():
+    from masgraph.trainers.loop import topology_metrics
+
+    policy = TopologyPolicy(DecisionSpace(compile_spec(load_spec(ROOT / "graphs/router.yaml"))), "query")
+    _perturb(policy, random.Random(2))
+    traces = [Trace(episode_id=f"e{i}", item_id=f"i{i}", query=q, meta={"type": kind})
+              for i, (q, kind) in enumerate([("Calculate 2 + 3.", "math"), ("Calculate 9 * 9.", "math"),
+                                              ("Where is Brabraport?", "lookup")])]
+    m = topology_metrics(policy, traces)
+    lookup = policy.probabilities("Where is Brabraport?")["choice:planner"]["search"]
+    assert m["topology/type/lookup/choice:planner/search"] == pytest.approx(lookup)
+    math_mean = sum(policy.probabilities(t.query)["choice:planner"]["calc"] for t in traces[:2]) / 2
+    assert m["topology/type/math/choice:planner/calc"] == pytest.approx(math_mean)
+    overall = sum(policy.probabilities(t.query)["choice:planner"]["calc"] for t in traces) / 3
+    assert m["topology/p/choice:planner/calc"] == pytest.approx(overall)
