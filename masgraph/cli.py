@@ -139,6 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif args.topology:
         raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section, so "
                             "every episode runs the whole graph; drop the flag")
+    elif checkpoint is not None and (checkpoint / "topology.pt").exists():
+        print(f"note: {checkpoint} holds a learned topology, but {args.graph} has no `topology:` section; running "
+              "the whole graph", file=sys.stderr)
     config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
                        seed=args.seed, deterministic=args.deterministic, runs_dir=args.runs_dir,
                        topology=mode or "sample")
@@ -314,7 +317,9 @@ def cmd_topology(args: argparse.Namespace) -> int:
     if graph is None:
         raise MasgraphError(f"{run} has no spec.yaml; pass the training run directory (RUN, not a checkpoint)")
     policy = load_policy(graph, checkpoint)
-    assert policy is not None  # the spec has a topology section (its checkpoint holds a policy)
+    if policy is None:
+        raise MasgraphError(f"{run}/spec.yaml has no `topology:` section, so {checkpoint} cannot hold its topology "
+                            "policy; pass the run directory the topology was trained in")
     queries = []
     if policy.conditioned:
         task = _run_task(run)

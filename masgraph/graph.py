@@ -395,16 +395,21 @@ def _topology_problems(spec: GraphSpec, whole_graph: list[Problem]) -> list[Prob
     no merge), but some combination of decisions must be."""
     from masgraph.topology.space import DecisionSpace  # (it builds on this module)
 
+    kept = [p for p in whole_graph if not p.message.startswith("fan-in node has parallel inputs")]
+    if kept:  # an orphan node, an unbounded cycle ...: wrong whatever the decisions
+        return kept
     try:
         space = DecisionSpace(Graph(spec))
     except ValueError as exc:
         return [Problem("topology", str(exc), "")]
-    if space.valid_count:
-        return []
-    return whole_graph + [Problem("topology", "no combination of the topology's decisions gives a valid graph "
-                                  f"(checked all {space.total}); first: "
-                                  + "; ".join(p.message for p in space.problems),
-                                  "gate fewer nodes or edges, or fix the graph's structure")]
+    if not space.valid_count:
+        return whole_graph + [Problem("topology", "no combination of the topology's decisions gives a valid graph "
+                                      f"(checked all {space.total}); first: "
+                                      + "; ".join(p.message for p in space.problems),
+                                      "gate fewer nodes or edges, or fix the graph's structure")]
+    return [Problem(space.path_of(d), f"decision {d.name!r} can only ever be {only!r}: every valid graph has it so",
+                    "drop it from `topology:` (or fix what makes its other options invalid, e.g. a missing merge)")
+            for d, only in space.forced()]
 
 
 def _policy_problems(spec: GraphSpec, registry: Registry, check_models: bool) -> list[Problem]:
@@ -488,7 +493,8 @@ def _prompt_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
     for path, prompt in named:
         if prompt not in available:
             close = difflib.get_close_matches(prompt[:100], available, n=1)
-            fix = f"did you mean {close[0]!r}?" if close else f"use one of {one_of(available)} or drop `prompt:`"
+            fix = (f"did you mean {close[0]!r}?" if close else f"use one of {one_of(available)}"
+                   + (" or drop `prompt:`" if path.startswith("nodes.") else ""))
             out.append(Problem(path, f"prompt {shorten(prompt)!r} is not a template under masgraph/agents/prompts/",
                                fix))
     return out

@@ -309,7 +309,8 @@ _PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.[\w-]+(?:\[\d+\])?)*)[ :]")
 def _path_in_message(err: dict) -> list:
     """Cross-field checks (model_validator) start their message with the key path they are about."""
     m = _PATH.match(err["msg"].removeprefix("Value error, ")) if err["type"] == "value_error" else None
-    if m is None or "." not in m.group(1) and "[" not in m.group(1) and m.group(1) not in ("entry", "exit"):
+    if m is None or "." not in m.group(1) and "[" not in m.group(1) and m.group(1) not in ("entry", "exit",
+                                                                                          "topology"):
         return []
     loc: list = []
     for part in m.group(1).split("."):
@@ -387,9 +388,12 @@ def _fields_at(loc: list) -> list[str]:
         (): (s.GraphSpec,), ("nodes", "*"): node_models, ("policies", "*"): (s.PolicySpec,),
         ("policies", "*", "sampling"): (s.SamplingSpec,), ("tools", "*"): (s.ToolSpec,),
         ("edges", "*"): (s.EdgeSpec,), ("memory",): (s.MemoryConfig,), ("limits",): (s.Limits,),
+        ("topology",): (s.TopologySpec,), ("topology", "edges", "*"): (s.EdgeRef,),
     }
     keyed = loc[:1] in (["nodes"], ["policies"], ["tools"], ["edges"])  # sections whose 2nd part is a name/index
     key = tuple("*" if i == 1 and keyed else p for i, p in enumerate(loc))
+    if loc[:2] == ["topology", "edges"]:
+        key = tuple("*" if i == 2 else p for i, p in enumerate(loc))
     return sorted({f for m in table.get(key, ()) for f in m.model_fields})
 
 

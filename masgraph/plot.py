@@ -49,10 +49,11 @@ def plot_topology(run_dir: str | Path, out: str | Path | None = None) -> Path | 
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if any(k.startswith("topology/p/") for k in r)]
-    if not rows:
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")
+            if isinstance(r.get("step"), int) and any(k.startswith("topology/p/") for k in r)]
+    keys = sorted({k for r in rows for k in r if k.startswith("topology/p/") and k.count("/") >= 3})
+    if not keys:
         return None
-    keys = sorted({k for r in rows for k in r if k.startswith("topology/p/")})
     decisions = sorted({k.split("/")[2] for k in keys})
     fig, axes = plt.subplots(len(decisions), 1, figsize=(7, 2.2 * len(decisions)), dpi=120, squeeze=False)
     for ax, d in zip(axes[:, 0], decisions):

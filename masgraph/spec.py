@@ -333,8 +333,12 @@ def _check_topology(spec: GraphSpec) -> None:
             raise ValueError(f"topology.edges[{i}]: there is no edge {shorten(label)!r} in `edges:`; gate an "
                              "existing edge")
         if len(found) > 1:
-            raise ValueError(f"topology.edges[{i}]: {len(found)} edges join {ref.source!r} to {ref.target!r}; "
-                             "give `when:` to say which one is gated")
+            raise ValueError(f"topology.edges[{i}]: {len(found)} edges join {ref.source!r} to {ref.target!r}"
+                             + (f" with when: {ref.when}" if ref.when else "") + "; give `when:` to say which one "
+                             "is gated (or make the parallel edges differ)")
+        if ref.source == spec.exit:
+            raise ValueError(f"topology.edges[{i}]: edge {label!r} leaves the exit, which ends the episode: it never "
+                             "runs; gate another edge")
         if found[0] in decided:
             raise ValueError(f"topology.edges[{i}]: edge {label!r} is already decided by {decided[found[0]]}")
         decided[found[0]] = f"topology.edges[{i}]"
@@ -342,6 +346,9 @@ def _check_topology(spec: GraphSpec) -> None:
         where = f"topology.choices.{shorten(node)}"
         if node not in names:
             raise ValueError(f"{where}: {shorten(node)!r} is not a node; use one of {one_of(names)}")
+        if node == spec.exit:
+            raise ValueError(f"{where}: {node!r} is the exit, which ends the episode: its edges never run; "
+                             "put the choice on a node before it")
         if len(targets) < 2 or len(set(targets)) != len(targets):
             raise ValueError(f"{where}: list two or more different successors of {node!r} (got {targets})")
         for t in targets:
@@ -349,7 +356,8 @@ def _check_topology(spec: GraphSpec) -> None:
             if not found:
                 succ = sorted({e.target for e in spec.edges if e.source == node})
                 raise ValueError(f"{where}: {shorten(t)!r} is not a successor of {node!r}; add the edge "
-                                 f"{node} -> {shorten(t)} or use one of {one_of(succ)}")
+                                 f"{node} -> {shorten(t)}" + (f" or use one of {one_of(succ)}" if succ else
+                                                              f" ({node!r} has no outgoing edges yet)"))
             for j in found:
                 if j in decided:
                     raise ValueError(f"{where}: edge {node} -> {t} is already decided by {decided[j]}")

@@ -60,8 +60,8 @@ class HRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    group_size: int = Field(8, ge=1)
-    """G: topologies sampled (and episodes run) per query."""
+    group_size: int = Field(8, ge=2)
+    """G: topologies sampled (and episodes run) per query (at least 2: advantages are relative to the group)."""
     lr: float = Field(0.1, gt=0)
     """Adam learning rate of the topology policy (its own optimizer; logits move fast, as in GPTSwarm)."""
     clip: float = Field(0.2, gt=0, lt=1)

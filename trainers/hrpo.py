@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from masgraph.topology.policy import TopologyPolicy
+from masgraph.topology.policy import TopologyPolicy, check_signature
 from masgraph.trace import Trace
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo_math import (
@@ -129,9 +129,10 @@ class HRPO:
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs for an exact resume: parameters, optimizer moments, baseline, version."""
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "baseline": self.baseline, "version": self.policy.version}
+                "baseline": self.baseline, "version": self.policy.version, "decisions": self.policy.signature()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_signature(state, self.policy, "the checkpoint's topology state")
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline, self.policy.version = state["baseline"], state["version"]

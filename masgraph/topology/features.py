@@ -15,6 +15,6 @@ def hashed_features(query: str, dim: int = HASHED_DIM) -> torch.Tensor:
     text = f"  {query.lower()}  "
     out = torch.zeros(dim)
     for i in range(len(text) - 2):
-        out[zlib.crc32(text[i:i + 3].encode()) % dim] += 1.0
+        out[zlib.crc32(text[i:i + 3].encode("utf-8", "surrogatepass")) % dim] += 1.0
     norm = out.norm()
     return out / norm if norm > 0 else out

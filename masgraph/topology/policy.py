@@ -77,8 +77,12 @@ class TopologyPolicy(torch.nn.Module):
     def sample(self, query: str, seed: int | None = None, greedy: bool = False) -> Sampled:
         """One valid topology for `query`: each decision sampled (or its most likely allowed option when
         `greedy`) from its masked distribution; skipped decisions take their first allowed option."""
-        gen = torch.Generator().manual_seed(seed if seed is not None else zlib.crc32(query.encode()))
+        gen = torch.Generator().manual_seed(seed if seed is not None
+                                            else zlib.crc32(query.encode("utf-8", "surrogatepass")))
         logits = self.decision_logits(self.features(query))
+        if not all(bool(torch.isfinite(lg).all()) for lg in logits):
+            raise MasgraphError(f"the topology policy (v{self.version}) has non-finite parameters; it cannot sample "
+                                "(a diverged update: lower `hrpo.lr`, or load an earlier checkpoint)")
         config: list[int] = []
         logprobs: dict[str, float] = {}
         for d, lg in zip(self.space.decisions, logits):
@@ -105,9 +109,14 @@ class TopologyPolicy(torch.nn.Module):
         names, lps, ents = [], [], []
         for k, (d, lg) in enumerate(zip(self.space.decisions, logits)):
             prefix = config[:k]
+            mask = self.space.allowed(prefix)
+            if not mask[config[k]]:
+                raise MasgraphError(f"topology decision {d.name}={d.options[config[k]]!r} after "
+                                    f"{dict(zip((e.name for e in self.space.decisions), prefix))} is not a valid "
+                                    "graph; these decisions were not sampled from this graph's space")
             if self.space.skipped(prefix):
                 continue
-            logp = _masked_log_softmax(lg, self.space.allowed(prefix))
+            logp = _masked_log_softmax(lg, mask)
             names.append(d.name)
             lps.append(logp[config[k]])
             p = logp.exp()
@@ -115,6 +124,10 @@ class TopologyPolicy(torch.nn.Module):
         if not names:
             return [], torch.zeros(0), torch.zeros(0)
         return names, torch.stack(lps), torch.stack(ents)
+
+    def signature(self) -> list[list]:
+        """The decisions and their options, in order: what a saved policy must match to be loaded."""
+        return [[d.name, list(d.options)] for d in self.space.decisions]
 
     def probabilities(self, query: str | None = None) -> dict[str, dict[str, float]]:
         """Each decision's option probabilities (softmax of its logits, before masking; given `query` when
@@ -139,14 +152,32 @@ def load_policy(graph: Graph, checkpoint: Path | None = None) -> TopologyPolicy 
     policy = TopologyPolicy(DecisionSpace(graph), graph.spec.topology.condition)
     path = checkpoint / TOPOLOGY_FILE if checkpoint is not None else None
     if path is not None and path.exists():
+        fix = "it must come from training this graph (pass another RUN/checkpoints/step-N)"
         try:
-            state = torch.load(path, weights_only=False)
+            state = torch.load(path, weights_only=True)  # plain tensors and numbers: no pickled code runs
+            check_signature(state, policy, path)
             policy.load_state_dict(state["policy"])
             policy.version = state["version"]
+        except MasgraphError:
+            raise
         except Exception as exc:  # truncated, foreign or another graph's: torch raises several kinds
             raise MasgraphError(f"cannot load the topology policy from {path} ({type(exc).__name__}: {exc}); "
-                                "it must come from training this graph (pass another RUN/checkpoints/step-N)") from exc
+                                f"{fix}") from exc
+        if not isinstance(policy.version, int) or isinstance(policy.version, bool) or policy.version < 0:
+            raise MasgraphError(f"{path}: version {policy.version!r} is not a step count; {fix}")
+        if not all(bool(torch.isfinite(p).all()) for p in policy.parameters()):
+            raise MasgraphError(f"{path}: the topology policy's parameters are not finite (a diverged update); "
+                                "pass an earlier RUN/checkpoints/step-N")
     return policy
+
+
+def check_signature(state: dict, policy: TopologyPolicy, path: Path | str) -> None:
+    """A saved topology state belongs to this graph: same decisions, same options, in the same order (a graph
+    edited since training could otherwise load weights for the wrong options, silently)."""
+    saved = state.get("decisions") if isinstance(state, dict) else None
+    if saved is not None and saved != policy.signature():
+        raise MasgraphError(f"{path} was trained on topology decisions {saved}, but this graph has "
+                            f"{policy.signature()}; run it with the graph it was trained with")
 
 
 def has_learned_topology(checkpoint: Path | None) -> bool:

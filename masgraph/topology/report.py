@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from masgraph.topology.policy import TopologyPolicy
+from masgraph.topology.space import _places
 
 
 def edge_probabilities(policy: TopologyPolicy, queries: Sequence[str], samples: int = 400) -> list[float]:
@@ -57,7 +58,7 @@ def draw(policy: TopologyPolicy, out: str | Path, queries: Sequence[str] = ()) -
     for e, p in zip(graph.spec.edges, probs):
         widths[(e.source, e.target)] = max(widths.get((e.source, e.target), 0.0), p)
     g.add_edges_from(widths)
-    for n, layer in _layers(graph.spec).items():
+    for n, layer in _places(graph.spec).items():
         g.nodes[n]["layer"] = layer
     pos = nx.multipartite_layout(g, subset_key="layer")
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -74,21 +75,3 @@ def draw(policy: TopologyPolicy, out: str | Path, queries: Sequence[str] = ()) -
     plt.close(fig)
     return out
 
-
-def _layers(spec) -> dict[str, int]:
-    """Node -> its longest distance from the entry once loops' back edges are cut (left-to-right drawing order)."""
-    from masgraph.graph import back_edges
-
-    succ: dict[str, list[str]] = {n: [] for n in spec.nodes}
-    for e in spec.edges:
-        succ[e.source].append(e.target)
-    back = back_edges(spec.entry, succ)
-    layer = {n: 0 for n in spec.nodes}
-    for _ in range(len(spec.nodes)):  # relax longest paths on the DAG (small graphs)
-        changed = False
-        for e in spec.edges:
-            if (e.source, e.target) not in back and e.source != e.target and layer[e.target] < layer[e.source] + 1:
-                layer[e.target], changed = layer[e.source] + 1, True
-        if not changed:
-            break
-    return layer

@@ -1,15 +1,16 @@
 """The decision space of a graph's `topology:` section: its decisions, and which combinations are valid graphs.
 
-Decisions come in a fixed order: node gates, then edge gates, then routing choices. A configuration picks one
-option per decision; it maps to a `Topology` (the nodes and edges left out). At construction every
-configuration is checked with the compile rules (`Graph.problems_of`: exit reachable, cycles bounded, fan-ins
-merged, no route left without its edge), so sampling can mask, at each decision, the options that no valid
-completion of the decisions made so far allows: every sample is valid by construction.
+A configuration picks one option per decision (node gates, edge gates, routing choices, prompt slots); it maps
+to a `Topology` (the nodes and edges left out, the slots' prompts). At construction every configuration is
+checked with the compile rules (`Graph.problems_of`: exit reachable, cycles bounded, fan-ins merged, no route
+left without its edge), so sampling can mask, at each decision, the options that no valid completion of the
+decisions made so far allows: every sample is valid by construction.
 
-Decisions are made upstream first (ordered by their node's distance from the entry; node gates, edge gates,
-choices at equal distance). A decision about a node the decisions made so far have cut off (switched off, or no
-longer reachable from the entry) changes nothing: it is *skipped* (forced to its first allowed option, no
-log-probability), as is one with a single allowed option.
+Decisions are made upstream first (ordered by their node's place in the graph once loops' back edges are cut:
+its longest distance from the entry; gates, choices, slots at equal places), so a decision comes after every
+decision that can cut its node off. A decision about a node the decisions made so far have cut off (switched
+off, or no longer reachable from the entry) changes nothing: it is *skipped* (forced to its first allowed
+option, no log-probability), as is one with a single allowed option.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
-from masgraph.errors import Problem
+from masgraph.errors import MasgraphError, Problem
 from masgraph.graph import Graph, Topology
 from masgraph.spec import edge_indexes
 
@@ -44,6 +45,8 @@ class Decision:
     brings: tuple[frozenset[str], ...]
     """Per option, the nodes it brings into the episode (the gated node or edge's target when on; the chosen
     successor): whose cost the trainer charges to this decision."""
+    path: str
+    """Where it is declared (`topology.nodes[0]`, `topology.choices.planner`, ...), for located errors."""
     at: str
     """The node it acts at (the gated node, the edge's source, the choosing node): skipped once the decisions
     before it have cut that node off."""
@@ -56,25 +59,32 @@ def decisions_of(graph: Graph) -> list[Decision]:
         return []
     none: tuple[tuple[str, str], ...] = ()
     out = [Decision(f"node:{n}", "node", ("on", "off"), (frozenset(), frozenset({n})), (frozenset(), frozenset()),
-                    (none, none), (frozenset({n}), frozenset()), n) for n in topo.nodes]
-    for ref in topo.edges:
+                    (none, none), (frozenset({n}), frozenset()), f"topology.nodes[{k}]", n)
+           for k, n in enumerate(topo.nodes)]
+    for k, ref in enumerate(topo.edges):
         [i] = edge_indexes(spec, ref)
         name = f"edge:{ref.source}->{ref.target}" + (f":{ref.when}" if ref.when else "")
         out.append(Decision(name, "edge", ("on", "off"), (frozenset(), frozenset()), (frozenset(), frozenset({i})),
-                            (none, none), (frozenset({ref.target}), frozenset()), ref.source))
+                            (none, none), (frozenset({ref.target}), frozenset()), f"topology.edges[{k}]",
+                            ref.source))
     for node, targets in topo.choices.items():
         per_target = {t: frozenset(i for i, e in enumerate(spec.edges) if e.source == node and e.target == t)
                       for t in targets}
         every = frozenset().union(*per_target.values())
         out.append(Decision(f"choice:{node}", "choice", tuple(targets), tuple(frozenset() for _ in targets),
                             tuple(every - per_target[t] for t in targets), tuple(none for _ in targets),
-                            tuple(frozenset({t}) for t in targets), node))
+                            tuple(frozenset({t}) for t in targets), f"topology.choices.{node}", node))
     for node, prompts in topo.slots.items():
         out.append(Decision(f"slot:{node}", "slot", tuple(prompts), tuple(frozenset() for _ in prompts),
                             tuple(frozenset() for _ in prompts), tuple(((node, p),) for p in prompts),
-                            tuple(frozenset() for _ in prompts), node))
-    dist = _distances(spec.entry, spec.edges)
-    return sorted(out, key=lambda d: dist.get(d.at, len(dist)))  # stable: nodes, edges, choices at equal distance
+                            tuple(frozenset() for _ in prompts), f"topology.slots.{node}", node))
+    names = [d.name for d in out]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ValueError(f"two decisions share the name {clash[0]!r} (node names containing '->' or ':' make edge "
+                         "names ambiguous); rename those nodes")
+    place = _places(spec)
+    return sorted(out, key=lambda d: place[d.at])  # stable: gates, choices, slots at equal places
 
 
 class DecisionSpace:
@@ -97,6 +107,7 @@ class DecisionSpace:
         self._next: dict[tuple[int, ...], set[int]] = {}
         """Prefix of option indexes -> the options of the next decision that some valid configuration continues."""
         self._skipped: dict[tuple[int, ...], bool] = {}
+        self._valid: list[tuple[int, ...]] = []
         self.valid_count = 0
         first_problems: list[Problem] = []
         for config in itertools.product(*(range(len(d.options)) for d in self.decisions)):
@@ -105,6 +116,7 @@ class DecisionSpace:
                 first_problems = first_problems or problems
                 continue
             self.valid_count += 1
+            self._valid.append(config)
             for k in range(len(config)):
                 self._next.setdefault(config[:k], set()).add(config[k])
         self.problems = [] if self.valid_count else first_problems
@@ -140,11 +152,29 @@ class DecisionSpace:
         return found
 
     def config_of(self, names: dict[str, str]) -> tuple[int, ...]:
-        """The configuration of decisions given by name -> option name (every decision must be given)."""
-        missing = [d.name for d in self.decisions if d.name not in names]
-        if missing:
-            raise ValueError(f"no option given for decisions {missing}")
-        return tuple(d.options.index(names[d.name]) for d in self.decisions)
+        """The configuration of decisions given by name -> option name (every decision, no other names)."""
+        known = {d.name: d for d in self.decisions}
+        missing = [n for n in known if n not in names]
+        unknown = [n for n in names if n not in known]
+        bad = [f"{n}={names[n]!r}" for n in known if n in names and names[n] not in known[n].options]
+        if missing or unknown or bad:
+            raise MasgraphError(f"these topology decisions do not fit graph {self.graph.spec.name!r}: "
+                                + "; ".join(x for x in (f"missing {missing}" if missing else "",
+                                                        f"unknown {unknown}" if unknown else "",
+                                                        f"no such option {bad}" if bad else "") if x))
+        return tuple(known[d.name].options.index(names[d.name]) for d in self.decisions)
+
+    def forced(self) -> list[tuple[Decision, str]]:
+        """Decisions that every valid configuration takes the same way (so there is nothing to learn in them)."""
+        out = []
+        for k, d in enumerate(self.decisions):
+            seen = {c[k] for c in self._valid}
+            if len(seen) == 1:
+                out.append((d, d.options[next(iter(seen))]))
+        return out
+
+    def path_of(self, decision: Decision) -> str:
+        return decision.path
 
 
 def _distances(entry: str, edges: list) -> dict[str, int]:
@@ -162,3 +192,22 @@ def _distances(entry: str, edges: list) -> dict[str, int]:
                     nxt.append(m)
         frontier = nxt
     return dist
+
+
+def _places(spec) -> dict[str, int]:
+    """Node -> its longest distance from the entry once loops' back edges are cut (a topological order)."""
+    from masgraph.graph import back_edges
+
+    succ: dict[str, list[str]] = {n: [] for n in spec.nodes}
+    for e in spec.edges:
+        succ[e.source].append(e.target)
+    back = back_edges(spec.entry, succ)
+    place = {n: 0 for n in spec.nodes}
+    for _ in range(len(spec.nodes)):  # relax longest paths on the DAG (bounded by the node count)
+        changed = False
+        for e in spec.edges:
+            if (e.source, e.target) not in back and e.source != e.target and place[e.target] < place[e.source] + 1:
+                place[e.target], changed = place[e.source] + 1, True
+        if not changed:
+            break
+    return place

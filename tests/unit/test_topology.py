@@ -14,7 +14,7 @@ import torch
 from masgraph.agents import register_agent
 from masgraph.engine import Engine
 from masgraph.errors import SpecError
-from masgraph.graph import GraphBuilder, compile_spec
+from masgraph.graph import Graph, GraphBuilder, compile_spec
 from masgraph.loader import load_spec
 from masgraph.node import NodeOutput
 from masgraph.topology.policy import TopologyPolicy
@@ -160,10 +160,73 @@ def test_topology_section_is_validated_with_located_errors(tmp_path):
 
 
 def test_no_valid_combination_is_refused():
+    # every combination keeps the un-merged fan-in at d (a slot changes no structure)
     with pytest.raises(SpecError, match="no combination"):
-        # via b the exit is 3 steps away (max_steps 2), x leads nowhere: no route of the choice works
-        _builder("dead", ["a", "b", "x", "c"], [("a", "b"), ("b", "c"), ("a", "x")]).set(
+        _builder("dead", ["a", "b", "c", "d"], [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")]).set(
+            topology={"slots": {"a": ["direct", "generator"]}}).compile()
+
+
+def test_whole_graph_problems_no_decision_fixes_are_still_reported():
+    # an orphan node, or an exit further than max_steps on every route: wrong whatever the decisions
+    with pytest.raises(SpecError, match="not reachable"):
+        _builder("orphan", ["a", "b", "z", "c"], [("a", "b"), ("b", "c"), ("a", "c")]).set(
+            topology={"edges": [{"source": "a", "target": "b"}]}).compile()
+    with pytest.raises(SpecError, match="max_steps"):
+        _builder("far", ["a", "b", "x", "c"], [("a", "b"), ("b", "c"), ("a", "x")]).set(
             limits={"max_steps": 2}, topology={"choices": {"a": ["b", "x"]}}).compile()
+
+
+def test_a_decision_that_can_take_one_value_is_refused():
+    # b is the only way to the exit: it can never be left out
+    with pytest.raises(SpecError, match=r"can only ever be 'on'"):
+        _builder("only", ["a", "b", "c"], [("a", "b"), ("b", "c")]).set(
+            topology={"nodes": ["b"], "slots": {"a": ["direct", "generator"]}}).compile()
+
+
+def test_decisions_after_the_exit_and_clashing_names_are_refused():
+    with pytest.raises(SpecError, match="is the exit"):
+        _builder("x", ["a", "e", "b", "c"], [("a", "e"), ("e", "b"), ("e", "c")]).set(
+            exit="e", topology={"choices": {"e": ["b", "c"]}}).compile()
+    with pytest.raises(SpecError, match="share the name"):
+        _builder("clash", ["a", "a->b", "b->c", "c"],
+                 [("a", "a->b"), ("a", "b->c"), ("a->b", "c"), ("b->c", "c")], merge={"c"}).set(
+            topology={"edges": [{"source": "a", "target": "b->c"}, {"source": "a->b", "target": "c"}]}).compile()
+
+
+def test_saved_policies_are_checked_when_loaded(tmp_path):
+    from masgraph.errors import MasgraphError
+    from masgraph.topology.policy import load_policy
+
+    graph = compile_spec(load_spec(ROOT / "graphs/router.yaml"))
+    hrpo = HRPO(TopologyPolicy(DecisionSpace(graph), "query"), HRPOConfig())
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    torch.save(hrpo.state_dict(), ck / "topology.pt")
+    assert load_policy(graph, ck).signature() == hrpo.policy.signature()
+    edited = load_spec(ROOT / "graphs/router.yaml")  # the same shapes, options reordered: refused, not misread
+    edited.topology.choices["planner"] = ["generator", "calc", "search", "python"]
+    with pytest.raises(MasgraphError, match="trained on topology decisions"):
+        load_policy(compile_spec(edited), ck)
+    bad = hrpo.state_dict()
+    bad["policy"] = {k: torch.full_like(v, float("nan")) for k, v in bad["policy"].items()}
+    torch.save(bad, ck / "topology.pt")
+    with pytest.raises(MasgraphError, match="not finite"):
+        load_policy(graph, ck)
+    torch.save({**hrpo.state_dict(), "version": "abc"}, ck / "topology.pt")
+    with pytest.raises(MasgraphError, match="not a step count"):
+        load_policy(graph, ck)
+
+
+def test_log_probs_refuse_decisions_from_elsewhere():
+    from masgraph.errors import MasgraphError
+    from masgraph.trace import TopologyChoice
+
+    policy = TopologyPolicy(DecisionSpace(_hand_graph()))
+    with pytest.raises(MasgraphError, match="no such option"):
+        policy.log_probs("q", TopologyChoice(decisions={"choice:a": "zz", "node:d": "on"}))
+    with pytest.raises(MasgraphError, match="not a valid graph"):
+        policy.log_probs("q", TopologyChoice(decisions={"choice:a": "x", "node:d": "on"}))
+    assert policy.sample("\ud800 odd query", seed=1).choice.logprob <= 0  # a lone surrogate still samples
 
 
 def test_a_route_left_without_its_edge_is_masked():
@@ -171,10 +234,11 @@ def test_a_route_left_without_its_edge_is_masked():
     b.add_node("gen", role="generator", policy="p").add_node("ver", role="verifier", policy="p")
     b.add_node("out", role="generator", policy="p")
     b.add_edge("gen", "ver").add_edge("ver", "gen", when="continue").add_edge("ver", "out", when="stop")
-    graph = b.set(entry="gen", exit="out", limits={"max_turns": 2},
-                  topology={"edges": [{"source": "ver", "target": "gen"}]}).compile()
-    space = DecisionSpace(graph)
+    b.set(entry="gen", exit="out", limits={"max_turns": 2}, topology={"edges": [{"source": "ver", "target": "gen"}]})
+    space = DecisionSpace(Graph(b.spec()))
     assert space.allowed(()) == [True, False]  # with its `continue` edge off, the verifier could stop dead
+    with pytest.raises(SpecError, match="can only ever be 'on'"):  # so compiling refuses the useless gate
+        b.compile()
 
 
 @register_agent("toy-pass")
@@ -325,3 +389,30 @@ def test_topology_metrics_per_query_type():
     assert m["topology/type/math/choice:planner/calc"] == pytest.approx(math_mean)
     overall = sum(policy.probabilities(t.query)["choice:planner"]["calc"] for t in traces) / 3
     assert m["topology/p/choice:planner/calc"] == pytest.approx(overall)
+
+
+def test_no_decision_is_made_about_a_node_that_ends_up_cut_off():
+    """Decisions come in topological order, so one that cuts a node off comes before that node's own decision
+    (the gate on r is 3 edges from the entry, the choice at c only 1 by the shortest path, yet c is after r)."""
+    graph = compile_spec(_order_spec())
+    space = DecisionSpace(graph)
+    assert [d.name for d in space.decisions] == ["edge:a->c", "node:r", "choice:c"]
+    policy = TopologyPolicy(space)
+    cut = 0
+    for i in range(400):
+        s = policy.sample("q", seed=i)
+        ran = set(graph.view(s.topology).out_edges)
+        cut += "c" not in ran
+        assert ("choice:c" in s.choice.logprobs) == ("c" in ran)
+    assert cut > 50
+
+
+def _order_spec():
+    b = GraphBuilder("order").add_policy("p", backend="scripted")
+    for n in ["a", "c", "p", "q", "r", "x", "y", "e"]:
+        b.add_node(n, role="generator", policy="p", **({"merge": "concat"} if n in "ce" else {}))
+    for s, t in [("a", "c"), ("a", "p"), ("p", "q"), ("q", "r"), ("r", "c"), ("c", "x"), ("c", "y"), ("x", "e"),
+                 ("y", "e"), ("a", "e")]:
+        b.add_edge(s, t)
+    return b.set(entry="a", exit="e", topology={"nodes": ["r"], "edges": [{"source": "a", "target": "c"}],
+                                               "choices": {"c": ["x", "y"]}}).spec()
