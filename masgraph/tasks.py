@@ -258,6 +258,46 @@ class Lookup(PartitionedTask):
         return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
 
 
+@register_task
+class MixedRoutes(PartitionedTask):
+    """Three query types that need different routes through `graphs/router.yaml` (each item's `meta["type"]`):
+    `arith` (basic arithmetic: a calculator helps), `city` (where a person of the shipped KB lives, one hop: only
+    search knows), `compare` (the larger of two numbers: answerable directly, tools only cost tokens). The types
+    alternate; train and test are disjoint (KB people split as in `lookup`, questions by `is_test_question`)."""
+
+    name = "mixed_routes"
+    TYPES = ("arith", "city", "compare")
+
+    def generate(self, split: str, n: int, seed: int) -> list[Item]:
+        k = -(-n // 3)
+        arith = BasicArithmetic().generate(split, k, seed)
+        people = [p for i, p in enumerate(load_kb()["people"]) if (i % 5 == 0) == (split == "test")]
+        rng = random.Random(split_seed(self.name, split, seed))
+        rng.shuffle(people)
+        city = [Item(f"{self.name}-{split}-{seed}-city-{i}", f"In which city does {p['name']} live?", p["city"])
+                for i, p in enumerate(people[i % len(people)] for i in range(k))]
+        compare: list[Item] = []
+        while len(compare) < k:
+            a, b = rng.sample(range(10, 1000), 2)
+            q = f"Which number is larger, {a} or {b}?"
+            if is_test_question(q) == (split == "test"):
+                compare.append(Item(f"{self.name}-{split}-{seed}-compare-{len(compare)}", q, str(max(a, b))))
+        out = []
+        for triple in zip(arith, city, compare):
+            for kind, it in zip(self.TYPES, triple):
+                out.append(Item(it.id, it.question, it.answer, {**it.meta, "type": kind}))
+        return out[:n]
+
+    def score(self, item: Item, answer: str) -> float:
+        kind = item.meta["type"]
+        if kind == "arith":
+            return BasicArithmetic().score(item, answer)
+        if kind == "city":
+            return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
+        numbers = re.findall(r"-?\d+", answer)
+        return float(bool(numbers) and numbers[-1] == item.answer)
+
+
 @lru_cache(maxsize=1)
 def load_kb() -> dict[str, Any]:
     """The shipped knowledge base, read once per process (callers must not mutate it)."""

@@ -128,3 +128,19 @@ def test_model_text_with_unicode_line_separators_round_trips(tmp_path):
     assert list(read_traces(tmp_path)) == [trace]
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"note": text}, ensure_ascii=False) + "\n", encoding="utf-8")
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"note": text}]
+
+
+def test_mixed_routes_types_alternate_and_splits_are_disjoint():
+    from masgraph.tasks import get_task
+
+    task = get_task("mixed_routes")
+    train, test = task.items("train", 60, 0), task.items("test", 60, 1)
+    assert [it.meta["type"] for it in train[:6]] == ["arith", "city", "compare"] * 2
+    assert not {it.question for it in train} & {it.question for it in test}
+    assert not {it.answer for it in train if it.meta["type"] == "city"} - {
+        p["city"] for p in __import__("masgraph.tasks", fromlist=["load_kb"]).load_kb()["people"]}
+    by_type = {it.meta["type"]: it for it in test}
+    assert task.score(by_type["compare"], f"The larger one is {by_type['compare'].answer}.") == 1.0
+    assert task.score(by_type["compare"], "1") == 0.0
+    assert task.score(by_type["city"], f"They live in {by_type['city'].answer}.") == 1.0
+    assert task.score(by_type["arith"], by_type["arith"].answer) == 1.0
