@@ -243,11 +243,24 @@ class TrainProgress:
         if event.step == 0:
             print(f"step 0/{self.steps}  (untrained){test}", file=self.out, flush=True)
             return
-        print(f"step {event.step}/{self.steps}  reward {m.get('reward/mean', 0):.3f}  "
-              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  kl {m.get('kl', 0):.4f}  "
-              f"loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  {m['tokens_per_s']:.1f} tok/s  "
-              f"{m['time/train_s'] / 60:.1f} min",
+        nodes = (f"kl {m.get('kl', 0):.4f}  loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  "
+                 if "loss/total" in m or "topology/loss" not in m else "")
+        print(f"step {event.step}/{self.steps}  reward {m.get('reward/mean', m.get('topology/reward', 0)):.3f}  "
+              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  {nodes}{_topology_summary(m)}"
+              f"{m['tokens_per_s']:.1f} tok/s  {m['time/train_s'] / 60:.1f} min",
               file=self.out, flush=True)
+
+
+def _topology_summary(m: dict) -> str:
+    """`topology <decision>=<most likely option> <p> ...` from a step's topology metrics ('' without them)."""
+    best: dict[str, tuple[float, str]] = {}
+    for key, p in m.items():
+        if key.startswith("topology/p/") and key.count("/") >= 3:
+            _, _, decision, option = key.split("/", 3)
+            best[decision] = max(best.get(decision, (-1.0, "")), (p, option))
+    if not best:
+        return ""
+    return "topology " + " ".join(f"{d.split(':', 1)[-1]}={o} {p:.2f}" for d, (p, o) in best.items()) + "  "
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -416,3 +416,17 @@ def _order_spec():
         b.add_edge(s, t)
     return b.set(entry="a", exit="e", topology={"nodes": ["r"], "edges": [{"source": "a", "target": "c"}],
                                                "choices": {"c": ["x", "y"]}}).spec()
+
+
+def test_progress_line_shows_the_most_likely_option_of_each_decision():
+    import io
+
+    from masgraph.cli import TrainProgress
+    from masgraph.events import TrainStep
+
+    out = io.StringIO()
+    TrainProgress(3, out).emit(TrainStep(step=1, metrics={
+        "topology/reward": 0.75, "topology/loss": 0.1, "topology/p/choice:start/solve": 0.7,
+        "topology/p/choice:start/harm": 0.3, "tokens_per_s": 3.0, "time/train_s": 60.0}))
+    line = out.getvalue()
+    assert "reward 0.750" in line and "topology start=solve 0.70" in line and "kl" not in line
