@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -432,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except MasgraphError as exc:  # user errors: a located message, no traceback
         print(f"error: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`masgraph ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
     except OSError as exc:
         if exc.filename is None:  # not about a path the user gave
             raise

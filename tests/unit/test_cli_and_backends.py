@@ -151,3 +151,12 @@ def test_litellm_backend_against_a_local_openai_compatible_server(run):
     dead = LiteLLMBackend("openai/stub", api_base="http://127.0.0.1:9/v1", timeout_s=2)
     with pytest.raises(BackendError, match="openai/stub"):
         run(dead.complete([Request([{"role": "user", "content": "hi"}])]))
+
+
+def test_a_closed_pipe_stops_quietly():
+    """`masgraph schema | head -c 1`: the reader goes away; no traceback, exit 141 like other Unix tools."""
+    proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "schema"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the child has imported anything and written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
