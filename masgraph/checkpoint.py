@@ -13,6 +13,11 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 TOPOLOGY_FILE = "topology.pt"
 """In a checkpoint of topology training: the topology policy's parameters and version, its optimizer state and
 baseline (`HRPO.state_dict`)."""
+
+
+def has_learned_topology(checkpoint: Path | None) -> bool:
+    """Whether a checkpoint holds a topology policy (it comes from `algorithm: hrpo` or `joint`)."""
+    return checkpoint is not None and (checkpoint / TOPOLOGY_FILE).exists()
 _USAGE = "pass a `masgraph train` run directory (its latest checkpoint) or RUN/checkpoints/step-N"
 
 

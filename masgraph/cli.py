@@ -121,7 +121,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+    from masgraph.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
     from masgraph.runner import RunConfig, Runner
 
     graph = _load_graph(args.graph)
@@ -131,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
     topology, mode = None, args.topology
     if graph.spec.topology is not None:
-        from masgraph.topology.policy import has_learned_topology, load_policy
+        from masgraph.topology.policy import load_policy
 
         topology = load_policy(graph, checkpoint)
         mode = mode or ("greedy" if has_learned_topology(checkpoint) else "sample")
@@ -140,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif args.topology:
         raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section, so "
                             "every episode runs the whole graph; drop the flag")
-    elif checkpoint is not None and (checkpoint / "topology.pt").exists():
+    elif has_learned_topology(checkpoint):
         print(f"note: {checkpoint} holds a learned topology, but {args.graph} has no `topology:` section; running "
               "the whole graph", file=sys.stderr)
     config = RunConfig(n=args.n, split=args.split, samples=args.samples, concurrency=args.concurrency,
@@ -318,8 +318,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import resolve_checkpoint
-    from masgraph.topology.policy import has_learned_topology, load_policy
+    from masgraph.checkpoint import has_learned_topology, resolve_checkpoint
+    from masgraph.topology.policy import load_policy
     from masgraph.topology.report import describe, draw
 
     run = Path(args.run)

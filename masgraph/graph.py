@@ -95,7 +95,7 @@ class Graph:
                     if n not in spec.nodes]
             edges = [e for i, e in enumerate(spec.edges)
                      if i not in topology.edges_off and e.source not in off and e.target not in off]
-            live = _reachable(spec.entry, edges) if spec.entry not in off else set()
+            live = reachable(spec.entry, edges) if spec.entry not in off else set()
             nodes = {n: s for n, s in spec.nodes.items() if n in live}  # a node nothing leads to is off too
             edges = [e for e in edges if e.source in live]
             if not bad and spec.exit not in live:
@@ -161,7 +161,8 @@ def _dead_routes(all_edges: Sequence[EdgeSpec], nodes: Mapping[str, Any], edges:
             for n, ls in labels.items() if None not in kept.get(n, ()) for label in sorted(ls - kept.get(n, set()))]
 
 
-def _reachable(entry: str, edges: Sequence[EdgeSpec]) -> set[str]:
+def reachable(entry: str, edges: Sequence[EdgeSpec]) -> set[str]:
+    """The nodes the entry reaches over `edges` (itself included)."""
     succ: dict[str, list[str]] = {}
     for e in edges:
         succ.setdefault(e.source, []).append(e.target)

@@ -352,7 +352,7 @@ def _check_topology(spec: GraphSpec) -> None:
         if len(targets) < 2 or len(set(targets)) != len(targets):
             raise ValueError(f"{where}: list two or more different successors of {node!r} (got {targets})")
         for t in targets:
-            found = [i for i, e in enumerate(spec.edges) if e.source == node and e.target == t]
+            found = edge_indexes(spec, EdgeRef(source=node, target=t))
             if not found:
                 succ = sorted({e.target for e in spec.edges if e.source == node})
                 raise ValueError(f"{where}: {shorten(t)!r} is not a successor of {node!r}; add the edge "

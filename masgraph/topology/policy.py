@@ -179,6 +179,3 @@ def check_signature(state: dict, policy: TopologyPolicy, path: Path | str) -> No
         raise MasgraphError(f"{path} was trained on topology decisions {saved}, but this graph has "
                             f"{policy.signature()}; run it with the graph it was trained with")
 
-
-def has_learned_topology(checkpoint: Path | None) -> bool:
-    return checkpoint is not None and (checkpoint / TOPOLOGY_FILE).exists()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from masgraph.topology.policy import TopologyPolicy
-from masgraph.topology.space import _places
+from masgraph.topology.space import node_places
 
 
 def edge_probabilities(policy: TopologyPolicy, queries: Sequence[str], samples: int = 400) -> list[float]:
@@ -58,7 +58,7 @@ def draw(policy: TopologyPolicy, out: str | Path, queries: Sequence[str] = ()) -
     for e, p in zip(graph.spec.edges, probs):
         widths[(e.source, e.target)] = max(widths.get((e.source, e.target), 0.0), p)
     g.add_edges_from(widths)
-    for n, layer in _places(graph.spec).items():
+    for n, layer in node_places(graph.spec).items():
         g.nodes[n]["layer"] = layer
     pos = nx.multipartite_layout(g, subset_key="layer")
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)

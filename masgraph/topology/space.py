@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from masgraph.errors import MasgraphError, Problem
-from masgraph.graph import Graph, Topology
-from masgraph.spec import edge_indexes
+from masgraph.graph import Graph, Topology, reachable
+from masgraph.spec import EdgeRef, edge_indexes
 
 MAX_CONFIGURATIONS = 1 << 14
 """Most combinations a space enumerates (checking one takes ~20-60 µs: 16,384 take about a second)."""
@@ -68,8 +68,7 @@ def decisions_of(graph: Graph) -> list[Decision]:
                             (none, none), (frozenset({ref.target}), frozenset()), f"topology.edges[{k}]",
                             ref.source))
     for node, targets in topo.choices.items():
-        per_target = {t: frozenset(i for i, e in enumerate(spec.edges) if e.source == node and e.target == t)
-                      for t in targets}
+        per_target = {t: frozenset(edge_indexes(spec, EdgeRef(source=node, target=t))) for t in targets}
         every = frozenset().union(*per_target.values())
         out.append(Decision(f"choice:{node}", "choice", tuple(targets), tuple(frozenset() for _ in targets),
                             tuple(every - per_target[t] for t in targets), tuple(none for _ in targets),
@@ -83,7 +82,7 @@ def decisions_of(graph: Graph) -> list[Decision]:
     if clash:
         raise ValueError(f"two decisions share the name {clash[0]!r} (node names containing '->' or ':' make edge "
                          "names ambiguous); rename those nodes")
-    place = _places(spec)
+    place = node_places(spec)
     return sorted(out, key=lambda d: place[d.at])  # stable: gates, choices, slots at equal places
 
 
@@ -147,7 +146,7 @@ class DecisionSpace:
             spec = self.graph.spec
             edges = [e for i, e in enumerate(spec.edges) if i not in top.edges_off
                      and e.source not in top.nodes_off and e.target not in top.nodes_off]
-            cut = self.decisions[len(prefix)].at not in _distances(spec.entry, edges)
+            cut = self.decisions[len(prefix)].at not in reachable(spec.entry, edges)
             found = self._skipped[prefix] = cut or sum(self.allowed(prefix)) == 1
         return found
 
@@ -177,24 +176,7 @@ class DecisionSpace:
         return decision.path
 
 
-def _distances(entry: str, edges: list) -> dict[str, int]:
-    """Fewest edges from the entry to each node it reaches."""
-    succ: dict[str, list[str]] = {}
-    for e in edges:
-        succ.setdefault(e.source, []).append(e.target)
-    dist, frontier = {entry: 0}, [entry]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for m in succ.get(n, ()):
-                if m not in dist:
-                    dist[m] = dist[n] + 1
-                    nxt.append(m)
-        frontier = nxt
-    return dist
-
-
-def _places(spec) -> dict[str, int]:
+def node_places(spec) -> dict[str, int]:
     """Node -> its longest distance from the entry once loops' back edges are cut (a topological order)."""
     from masgraph.graph import back_edges
 
