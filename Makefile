@@ -12,7 +12,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration lint setup bench bench-learn clean
+.PHONY: demo test test-unit test-integration lint setup bench bench-learn bench-topology clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -62,6 +62,11 @@ bench: setup
 # hours, not minutes: 2 seeds x 25 min of training + evaluation, then the single-node policy on the same budget
 bench-learn: setup
 	$(PY) benchmarks/learns.py --seeds 0 1 --minutes 25 --eval-n 200 --passk-n 16 --compare graphs/single.yaml
+
+# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~2 h on 2 cores)
+bench-topology: setup
+	$(PY) benchmarks/topology_rule.py --n-train 60 --n-test 210
+	$(PY) benchmarks/topology.py all --minutes 12 --eval-n 210
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -6,7 +6,9 @@ items) must beat the best single fixed route (chosen on train items) by >= 10 po
 Every distinct route of `graphs/router.yaml` (the planner straight to the generator, or to one of three tool
 executors, with or without the verifier loop: 7) runs the same train and held-out items of `--task` with the
 graph's own greedy sampling on the embedded model, untrained. Prints per route and query type the accuracy and
-tokens, the rule's verdict, and appends the table to benchmarks/RESULTS.md.
+tokens, the rule's verdict, and appends the table to benchmarks/RESULTS.md; the whole measurement (per route,
+split and query type) goes to runs/bench-topology/rule.json, where benchmarks/topology.py reads the best fixed
+route and the oracle router.
 
     .venv/bin/python benchmarks/topology_rule.py --n-train 60 --n-test 210
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import sys
 import time
 from collections import defaultdict
@@ -69,14 +72,16 @@ def run_route(graph, backend, route: Fixed, task, split: str, n: int, seed: int)
     return asyncio.run(runner.run_task(task, store=False)).traces
 
 
-def per_type(traces: list[Trace]) -> dict[str, tuple[float, float, int]]:
-    """type -> (accuracy, mean completion tokens, items)."""
+def per_type(traces: list[Trace]) -> dict[str, tuple[float, float, int, float]]:
+    """type -> (accuracy, mean completion tokens, items, share of episodes with a step whose output failed to
+    parse)."""
     groups: dict[str, list[Trace]] = defaultdict(list)
     for t in traces:
         groups["all"].append(t)
         if "type" in t.meta:
             groups[t.meta["type"]].append(t)
-    return {k: (sum((t.reward or 0) >= 0.5 for t in v) / len(v), sum(t.completion_tokens for t in v) / len(v), len(v))
+    return {k: (sum((t.reward or 0) >= 0.5 for t in v) / len(v), sum(t.completion_tokens for t in v) / len(v), len(v),
+                sum(any(s.parse_error for s in t.steps) for t in v) / len(v))
             for k, v in groups.items()}
 
 
@@ -94,13 +99,15 @@ def main() -> int:
     backend = HFBackend("smollm2-135m", dtype="float32")
     rows = {}
     t0 = time.perf_counter()
-    for name, route in routes(graph).items():
+    fixed = routes(graph)
+    for name, route in fixed.items():
         t1 = time.perf_counter()
         train = per_type(run_route(graph, backend, route, task, "train", args.n_train, args.seed))
         test = per_type(run_route(graph, backend, route, task, "test", args.n_test, args.seed))
         rows[name] = (train, test)
         print(f"{name:45s} train " + "  ".join(f"{k} {v[0]:.2f}" for k, v in sorted(train.items()))
-              + f" | test acc {test['all'][0]:.3f}  tokens {test['all'][1]:.0f}  ({time.perf_counter() - t1:.0f} s)",
+              + " | test " + "  ".join(f"{k} {v[0]:.2f}" for k, v in sorted(test.items()))
+              + f"  tokens {test['all'][1]:.0f}  ({time.perf_counter() - t1:.0f} s)",
               flush=True)
     types = sorted(k for k in next(iter(rows.values()))[0] if k != "all")
     best_single = max(rows, key=lambda r: (rows[r][0]["all"][0], -rows[r][0]["all"][1]))
@@ -127,6 +134,14 @@ def main() -> int:
     if not args.no_record:
         with open(HERE / "RESULTS.md", "a") as f:
             f.writelines(lines)
+        out = ROOT / "runs" / "bench-topology"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rule.json").write_text(json.dumps({
+            "task": args.task, "graph": args.graph, "n_train": args.n_train, "n_test": args.n_test, "seed": args.seed,
+            "routes": {r: {"decisions": fixed[r].choice.decisions, "train": rows[r][0], "test": rows[r][1]}
+                       for r in rows},
+            "best_single": best_single, "oracle": oracle, "oracle_acc": oracle_acc, "single_acc": single_acc,
+            "tokens_ratio": ratio, "qualifies": ok}, indent=1))
     return 0 if ok else 1
 
 

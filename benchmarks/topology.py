@@ -1,0 +1,298 @@
+"""Topology benchmarks on the mixed task (issue 10): what learning the topology buys, alone and jointly.
+
+Arms (each trained from the untrained embedded model for `--minutes` of training wall-clock — rollouts and updates,
+evaluation not counted — then evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
+
+- `topology`  HRPO on `graphs/router.yaml`'s query-conditioned topology policy, node policies frozen
+- `gptswarm`  the same with the GPTSwarm-style estimator (`hrpo.baseline: moving_average`)
+- `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
+- `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
+- `policy`    Flow-GRPO alone on the best fixed route (the plain graph of the rule's best single route)
+
+The fixed-route references (best single route, oracle router) come from `benchmarks/topology_rule.py`, which must
+have run first (it writes runs/bench-topology/rule.json); both use the same held-out items and greedy decoding.
+
+    .venv/bin/python benchmarks/topology.py all --minutes 12     # every arm, two seeds, then the report
+    .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 12
+    .venv/bin/python benchmarks/topology.py report [--no-record]
+
+`all` runs the two seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
+after arm. Each run writes runs/bench-topology/<arm>-s<seed>.json; `report` prints the four comparisons and
+appends them to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OUT = ROOT / "runs" / "bench-topology"
+GRAPH = "graphs/router.yaml"
+TASK = "mixed_routes"
+ARMS = ("topology", "gptswarm", "cost", "joint", "policy")
+TEST_SEED = 0  # every arm and seed is evaluated on the same held-out items (those of the rule's test split)
+
+
+def train_section(arm: str, seed: int, minutes: float, cost_lambda: float) -> dict[str, Any]:
+    """The `train:` section of one arm (validated by the registry's algorithm model, as in a YAML file)."""
+    # eval_n 1: the loop's own end-of-run evaluation is a token one; `evaluate` below measures every arm alike
+    common = {"task": TASK, "seed": seed, "max_minutes": minutes, "steps": 100_000, "queries_per_step": 4,
+              "eval_every": 0, "eval_n": 1, "checkpoint_every": 100_000, "flow_grpo": {"group_size": 8, "lr": 0.001,
+                                                                           "temperature": 0.7}}
+    hrpo = {"lr": 0.1, "omega": 0.5}
+    return {"topology": {"algorithm": "hrpo", "hrpo": hrpo},
+            "gptswarm": {"algorithm": "hrpo", "hrpo": {**hrpo, "baseline": "moving_average"}},
+            "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": cost_lambda}},
+            "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous"},
+            "policy": {"algorithm": "flow_grpo"}}[arm] | common
+
+
+def fixed_route_yaml(raw: dict[str, Any], decisions: dict[str, str]) -> dict[str, Any]:
+    """The supergraph with its decisions taken: the route's nodes and the edges its view keeps, no topology."""
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+    from masgraph.topology.space import DecisionSpace
+
+    graph = compile_spec(parse_spec(yaml.safe_dump(raw, sort_keys=False)), GRAPH)
+    space = DecisionSpace(graph)
+    view = graph.view(space.topology(space.config_of(decisions)))
+    kept = {(e.source, e.target, e.when) for edges in view.out_edges.values() for e in edges}
+    nodes = {n for edge in kept for n in edge[:2]}
+    return {**{k: v for k, v in raw.items() if k != "topology"},
+            "nodes": {n: s for n, s in raw["nodes"].items() if n in nodes},
+            "edges": [e for e in raw["edges"] if (e["source"], e["target"], e.get("when")) in kept]}
+
+
+def route_of(trace: Any, order: list[str]) -> str:
+    """The route an episode took, named like the rule's routes (its nodes in spec order)."""
+    ran = {s.node for s in trace.steps}
+    return "→".join(n for n in order if n in ran)
+
+
+def evaluate(graph: Any, backend: Any, topology: Any, n: int) -> dict[str, Any]:
+    """Greedy held-out evaluation: per query type accuracy, completion tokens per episode, parse-failed episodes
+    and the routes taken."""
+    from masgraph.runner import RunConfig, Runner
+    from masgraph.tasks import get_task
+
+    runner = Runner(graph, RunConfig(split="test", n=n, concurrency=16, seed=TEST_SEED, topology="greedy"),
+                    backends={"hf": backend}, topology=topology)
+    traces = asyncio.run(runner.run_task(get_task(TASK), store=False)).traces
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for t in traces:
+        groups["all"].append(t)
+        groups[t.meta["type"]].append(t)
+    order = list(graph.spec.nodes)
+    return {k: {"acc": sum((t.reward or 0) >= 0.5 for t in v) / len(v),
+                "tokens": sum(t.completion_tokens for t in v) / len(v),
+                "parse_failed": sum(any(s.parse_error for s in t.steps) for t in v) / len(v),
+                "errors": sum(t.status != "ok" for t in v), "n": len(v),
+                "routes": dict(Counter(route_of(t, order) for t in v).most_common())}
+            for k, v in groups.items()}
+
+
+def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float) -> dict[str, Any]:
+    """Train one arm for `minutes` and evaluate it; returns (and writes) its record."""
+    from masgraph.backends.hf import HFBackend
+    from masgraph.events import TrainStep
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+    from masgraph.tasks import get_task
+    from masgraph.trainers.loop import TrainLoop
+
+    raw = yaml.safe_load((ROOT / GRAPH).read_text())
+    if arm == "policy":
+        rule = json.loads((OUT / "rule.json").read_text())
+        raw = fixed_route_yaml(raw, rule["routes"][rule["best_single"]]["decisions"])
+    raw["train"] = train_section(arm, seed, minutes, cost_lambda)
+    graph = compile_spec(parse_spec(yaml.safe_dump(raw, sort_keys=False), GRAPH), GRAPH)
+    rows: list[dict[str, Any]] = []
+
+    class Keep:
+        def emit(self, event: Any) -> None:
+            if isinstance(event, TrainStep):
+                rows.append({"step": event.step, **event.metrics})
+                m = event.metrics
+                print(f"[{arm} s{seed}] step {event.step}  acc(train) {m.get('accuracy/train', 0):.3f}  "
+                      f"tokens {m.get('tokens', 0):.0f}  {m.get('time/train_s', 0) / 60:.1f} min", flush=True)
+
+    run_dir = OUT / f"{arm}-s{seed}"
+    loop = TrainLoop(graph, get_task(TASK), run_dir, sinks=[Keep()])
+    t0 = time.perf_counter()
+    asyncio.run(loop.run())
+    wall = time.perf_counter() - t0
+    backend = loop.eval_backend
+    if isinstance(backend, HFBackend):
+        backend.deterministic = False  # batched greedy, as the rule's fixed routes were measured
+    t1 = time.perf_counter()
+    result = evaluate(graph, backend, loop.topology, eval_n)
+    record = {"arm": arm, "seed": seed, "minutes": minutes, "steps": loop.step, "train_s": loop.train_seconds,
+              "wall_s": wall, "eval_s": time.perf_counter() - t1, "eval": result, "curve": rows,
+              "cost_lambda": cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
+              "policy_probabilities": _per_type_probabilities(rows)}
+    (OUT / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
+    a = result["all"]
+    print(f"[{arm} s{seed}] {loop.step} steps in {loop.train_seconds / 60:.1f} min: held-out acc {a['acc']:.3f} "
+          f"tokens/episode {a['tokens']:.0f} parse-failed {a['parse_failed']:.3f}", flush=True)
+    return record
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _per_type_probabilities(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The last step's topology probabilities (per query type when the task has types)."""
+    return {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("topology/")}
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def steps_to(curve: list[dict[str, Any]], frac: float = 0.9, window: int = 5) -> tuple[int | None, float]:
+    """First step at which the training accuracy (mean over the last `window` steps) reaches `frac` of its final
+    windowed value; and that final value."""
+    acc = [r["accuracy/train"] for r in curve if "accuracy/train" in r]
+    if not acc:
+        return None, 0.0
+    smooth = [sum(acc[max(0, i - window + 1):i + 1]) / len(acc[max(0, i - window + 1):i + 1]) for i in range(len(acc))]
+    final = smooth[-1]
+    return next((i + 1 for i, v in enumerate(smooth) if v >= frac * final), None), final
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report(record: bool) -> str:
+    rule = json.loads((OUT / "rule.json").read_text())
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(OUT.glob("*-s*.json")):
+        r = json.loads(path.read_text())
+        runs[r["arm"]].append(r)
+    types = sorted(k for k in rule["routes"][rule["best_single"]]["test"] if k != "all")
+    single, oracle = rule["single_acc"], rule["oracle_acc"]
+    best = rule["routes"][rule["best_single"]]["test"]["all"]
+    out = [f"Held-out: {best[2]} items of `{TASK}` ({', '.join(types)}), greedy, batched decoding. Fixed routes from "
+           f"runs/bench-topology/rule.json: best single route `{rule['best_single']}` {single:.1%} "
+           f"({best[1]:.0f} tokens/episode); oracle router {oracle:.1%} (per type: {rule['oracle']}).\n",
+           "| arm | seed | steps | train min | held-out acc | " + " | ".join(types)
+           + " | tokens/episode | parse-failed episodes | route taken per type (share) |",
+           "|---|---|---|---|---|" + "---|" * len(types) + "---|---|---|"]
+    for arm in ARMS:
+        for r in sorted(runs.get(arm, []), key=lambda r: r["seed"]):
+            e = r["eval"]
+            routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
+                                                    for rt, c in list(e[k]["routes"].items())[:2]) for k in types)
+            out.append(f"| {arm}{' λ=' + str(r['cost_lambda']) if r['cost_lambda'] else ''} | {r['seed']} | "
+                       f"{r['steps']} | {r['train_s'] / 60:.1f} | **{e['all']['acc']:.1%}** | "
+                       + " | ".join(f"{e[k]['acc']:.0%}" for k in types)
+                       + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
+    acc = {arm: [r["eval"]["all"]["acc"] for r in runs.get(arm, [])] for arm in ARMS}
+    verdicts = []
+    if acc["topology"]:
+        rec = [(a - single) / (oracle - single) if oracle > single else float("nan") for a in acc["topology"]]
+        verdicts.append(f"1. Topology-only recovers {', '.join(f'{x:.0%}' for x in rec)} of the oracle's headroom "
+                        f"({oracle - single:+.1%} over the best single route) per seed; target ≥ 50 %: "
+                        f"{'MET' if min(rec) >= 0.5 else 'MISSED'}.")
+    if acc["joint"] and acc["policy"] and acc["topology"]:
+        j, p, t = _mean(acc["joint"]), _mean(acc["policy"]), _mean(acc["topology"])
+        verdicts.append(f"2. Joint {j:.1%} vs policy-only {p:.1%} vs topology-only {t:.1%} (means over seeds); "
+                        f"target joint ≥ max + 3 points: {'MET' if j >= max(p, t) + 0.03 else 'MISSED'} "
+                        f"({100 * (j - max(p, t)):+.1f} points).")
+    if acc["gptswarm"] and acc["topology"]:
+        parts = []
+        for arm in ("topology", "gptswarm"):
+            st = [steps_to(r["curve"]) for r in sorted(runs[arm], key=lambda r: r["seed"])]
+            parts.append(f"{'HRPO' if arm == 'topology' else 'GPTSwarm-style'}: steps to 90 % of final training "
+                         f"accuracy {[s for s, _ in st]} (final windowed train acc "
+                         f"{', '.join(f'{f:.1%}' for _, f in st)}), held-out {', '.join(f'{a:.1%}' for a in acc[arm])}")
+        verdicts.append("3. " + "; ".join(parts) + ".")
+    if acc["cost"] and acc["topology"]:
+        tok = {arm: _mean([r["eval"]["all"]["tokens"] for r in runs[arm]]) for arm in ("cost", "topology")}
+        most = max(rule["routes"].values(), key=lambda v: v["test"]["all"][1])["test"]["all"]
+        ratio, loss = tok["cost"] / tok["topology"], _mean(acc["topology"]) - _mean(acc["cost"])
+        verdicts.append(f"4. Cost-aware (λ={runs['cost'][0]['cost_lambda']}): {tok['cost']:.0f} tokens/episode vs "
+                        f"{tok['topology']:.0f} for λ=0 ({ratio:.2f}x) at {100 * loss:+.1f} points accuracy loss; the "
+                        f"most expensive fixed route spends {most[1]:.0f} ({tok['cost'] / most[1]:.2f}x) at "
+                        f"{most[0]:.1%}; target ≤ 0.7x at ≤ 2 points (against λ=0): "
+                        f"{'MET' if ratio <= 0.7 and loss <= 0.02 else 'MISSED'}.")
+    text = "\n".join(out) + "\n\n" + "\n".join(verdicts) + "\n"
+    print(text)
+    if record:
+        minutes = sorted({r["minutes"] for rs in runs.values() for r in rs})
+        with open(HERE / "RESULTS.md", "a") as f:
+            f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+                    f"`python benchmarks/topology.py all --minutes {minutes[0] if len(minutes) == 1 else minutes}` — "
+                    f"each arm {minutes} min of training wall-clock per seed, two seeds side by side, one CPU thread "
+                    f"each. {text}")
+    return text
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Each arm's seeds as side-by-side processes with one thread each, arm after arm; then the report."""
+    if not (OUT / "rule.json").exists():
+        print("error: runs/bench-topology/rule.json is missing; run benchmarks/topology_rule.py first", file=sys.stderr)
+        return 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for arm in args.arms:
+        procs = []
+        for seed in args.seeds:
+            log = open(OUT / f"{arm}-s{seed}.log", "w")
+            cmd = [sys.executable, __file__, "run", arm, "--seed", str(seed), "--minutes", str(args.minutes),
+                   "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda)]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        print(f"{arm}: seeds {args.seeds} running (logs in {OUT.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
+        codes = [p.wait() for p, _ in procs]
+        for _, log in procs:
+            log.close()
+        if any(codes):
+            print(f"error: arm {arm} failed (exit codes {codes}); see its logs", file=sys.stderr)
+            return 1
+    report(record=not args.no_record)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "all"):
+        s = sub.add_parser(name)
+        if name == "run":
+            s.add_argument("arm", choices=ARMS)
+            s.add_argument("--seed", type=int, default=0)
+        else:
+            s.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+            s.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+            s.add_argument("--no-record", action="store_true")
+        s.add_argument("--minutes", type=float, default=12.0)
+        s.add_argument("--eval-n", type=int, default=210)
+        s.add_argument("--cost-lambda", type=float, default=2.0,
+                       help="λ of the `cost` arm: reward = accuracy − λ · completion tokens / 1000")
+    r = sub.add_parser("report")
+    r.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.cmd == "run":
+        run_arm(args.arm, args.seed, args.minutes, args.eval_n, args.cost_lambda)
+        return 0
+    if args.cmd == "all":
+        return run_all(args)
+    report(record=not args.no_record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
