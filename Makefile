@@ -63,10 +63,10 @@ bench: setup
 bench-learn: setup
 	$(PY) benchmarks/learns.py --seeds 0 1 --minutes 25 --eval-n 200 --passk-n 16 --compare graphs/single.yaml
 
-# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~2 h on 2 cores)
+# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~1.5 h on 2 cores)
 bench-topology: setup
-	$(PY) benchmarks/topology_rule.py --n-train 60 --n-test 210
-	$(PY) benchmarks/topology.py all --minutes 12 --eval-n 210
+	$(PY) benchmarks/topology_rule.py --graph graphs/mixed_router.yaml --n-train 60 --n-test 210
+	$(PY) benchmarks/topology.py all --minutes 10 --eval-n 210
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -3,7 +3,7 @@
 Arms (each trained from the untrained embedded model for `--minutes` of training wall-clock — rollouts and updates,
 evaluation not counted — then evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
 
-- `topology`  HRPO on `graphs/router.yaml`'s query-conditioned topology policy, node policies frozen
+- `topology`  HRPO on `graphs/mixed_router.yaml`'s query-conditioned topology policy, node policies frozen
 - `gptswarm`  the same with the GPTSwarm-style estimator (`hrpo.baseline: moving_average`)
 - `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
 - `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
@@ -12,8 +12,8 @@ evaluation not counted — then evaluated greedy on the same `--eval-n` held-out
 The fixed-route references (best single route, oracle router) come from `benchmarks/topology_rule.py`, which must
 have run first (it writes runs/bench-topology/rule.json); both use the same held-out items and greedy decoding.
 
-    .venv/bin/python benchmarks/topology.py all --minutes 12     # every arm, two seeds, then the report
-    .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 12
+    .venv/bin/python benchmarks/topology.py all --minutes 10     # every arm, two seeds, then the report
+    .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 10
     .venv/bin/python benchmarks/topology.py report [--no-record]
 
 `all` runs the two seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
@@ -39,7 +39,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = ROOT / "runs" / "bench-topology"
-GRAPH = "graphs/router.yaml"
+GRAPH = "graphs/mixed_router.yaml"
 TASK = "mixed_routes"
 ARMS = ("topology", "gptswarm", "cost", "joint", "policy")
 TEST_SEED = 0  # every arm and seed is evaluated on the same held-out items (those of the rule's test split)
@@ -205,7 +205,7 @@ def report(record: bool) -> str:
     if acc["topology"]:
         rec = [(a - single) / (oracle - single) if oracle > single else float("nan") for a in acc["topology"]]
         verdicts.append(f"1. Topology-only recovers {', '.join(f'{x:.0%}' for x in rec)} of the oracle's headroom "
-                        f"({oracle - single:+.1%} over the best single route) per seed; target ≥ 50 %: "
+                        f"({100 * (oracle - single):+.1f} points over the best single route) per seed; target ≥ 50 %: "
                         f"{'MET' if min(rec) >= 0.5 else 'MISSED'}.")
     if acc["joint"] and acc["policy"] and acc["topology"]:
         j, p, t = _mean(acc["joint"]), _mean(acc["policy"]), _mean(acc["topology"])
@@ -277,7 +277,7 @@ def main() -> int:
             s.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
             s.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
             s.add_argument("--no-record", action="store_true")
-        s.add_argument("--minutes", type=float, default=12.0)
+        s.add_argument("--minutes", type=float, default=10.0)
         s.add_argument("--eval-n", type=int, default=210)
         s.add_argument("--cost-lambda", type=float, default=2.0,
                        help="λ of the `cost` arm: reward = accuracy − λ · completion tokens / 1000")

@@ -3,12 +3,12 @@ topology training: on held-out items, the oracle router (the best fixed route pe
 items) must beat the best single fixed route (chosen on train items) by >= 10 points, and the routes must differ
 >= 2x in completion tokens per episode.
 
-Every distinct route of `graphs/router.yaml` (the planner straight to the generator, or to one of three tool
-executors, with or without the verifier loop: 7) runs the same train and held-out items of `--task` with the
-graph's own greedy sampling on the embedded model, untrained. Prints per route and query type the accuracy and
-tokens, the rule's verdict, and appends the table to benchmarks/RESULTS.md; the whole measurement (per route,
-split and query type) goes to runs/bench-topology/rule.json, where benchmarks/topology.py reads the best fixed
-route and the oracle router.
+Every distinct route of the supergraph (`graphs/mixed_router.yaml`: straight to the generator, or the planner
+to one of three tool executors with or without the verifier loop: 7) runs the same train and held-out items of
+`--task` with the graph's own greedy sampling on the embedded model, untrained. Prints per route and query type
+the accuracy and tokens, the rule's verdict, and appends the table to benchmarks/RESULTS.md; the whole measurement
+(per route, split and query type) goes to runs/bench-topology/rule.json, where benchmarks/topology.py reads the
+best fixed route and the oracle router.
 
     .venv/bin/python benchmarks/topology_rule.py --n-train 60 --n-test 210
 """
@@ -87,7 +87,7 @@ def per_type(traces: list[Trace]) -> dict[str, tuple[float, float, int, float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--graph", default="graphs/router.yaml")
+    p.add_argument("--graph", default="graphs/mixed_router.yaml")
     p.add_argument("--task", default="mixed_routes")
     p.add_argument("--n-train", type=int, default=60)
     p.add_argument("--n-test", type=int, default=210)

@@ -1,15 +1,21 @@
 """Topology learning on the real model: HRPO drives a harmful branch's probability down, `masgraph run
 --checkpoint` then follows the learned topology, one joint step moves the topology policy and two adapters, and
-resuming from a checkpoint reproduces the topology policy of an uninterrupted run."""
+resuming from a checkpoint (in process, and after kill -9 of `masgraph train`) reproduces the topology policy and
+adapters of an uninterrupted run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from masgraph.cli import main
 from masgraph.graph import compile_spec
@@ -183,3 +189,55 @@ def test_one_joint_step_moves_the_topology_and_two_adapters_and_resume_is_exact(
         assert torch.allclose(b.topology.state_dict()[k], v, atol=1e-6), k
     for name in ("first", "second"):
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(_lora(a, name), _lora(b, name))), name
+
+
+def _train_cli(tmp: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "masgraph.cli", "train", str(tmp / "graph.yaml"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+
+
+def _same(x: object, y: object, path: str = "") -> None:
+    """Nested checkpoint contents equal (tensors to float tolerance)."""
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and torch.allclose(x.float(), y.float(), atol=1e-5), path
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), path
+        for k in x:
+            _same(x[k], y[k], f"{path}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert isinstance(y, (list, tuple)) and len(x) == len(y), path
+        for i, (a, b) in enumerate(zip(x, y)):
+            _same(a, b, f"{path}/{i}")
+    else:
+        assert x == y, path
+
+
+def test_sigkill_mid_joint_run_then_resume_matches_the_uninterrupted_run(tmp_path):
+    """kill -9 during step 2 of a joint run (after step 1's checkpoint), then `masgraph train --resume`: step 2's
+    topology policy with its optimizer, and both adapters, equal those of an uninterrupted run."""
+    for name, text in (("plugin.py", PLUGIN), ("tasks.py", TASKS), ("graph.yaml", JOINT)):
+        (tmp_path / name).write_text(text)
+    runs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        proc = _train_cli(tmp_path, "--runs-dir", str(tmp_path / name))
+        if name == "b":
+            deadline = time.time() + 300
+            while not list((tmp_path / "b").glob("*/checkpoints/step-1/state.json")):
+                assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            [run] = (tmp_path / "b").iterdir()
+            assert not (run / "checkpoints" / "step-2").exists()  # killed inside step 2
+            proc = _train_cli(tmp_path, "--resume", str(run))
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        [runs[name]] = (tmp_path / name).iterdir()
+    assert "resumed from" in err and "(step 1)" in err, err[-2000:]
+    a, b = (runs[n] / "checkpoints" / "step-2" for n in ("a", "b"))
+    _same(torch.load(a / "topology.pt", weights_only=True), torch.load(b / "topology.pt", weights_only=True))
+    for adapter in ("first", "second"):
+        wa = load_file(str(a / "adapters" / adapter / "adapter_model.safetensors"))
+        wb = load_file(str(b / "adapters" / adapter / "adapter_model.safetensors"))
+        _same(wa, wb, adapter)
