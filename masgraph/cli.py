@@ -18,6 +18,8 @@ from masgraph.errors import MasgraphError, SpecError
 from masgraph.events import EpisodeFinished, Event
 
 if TYPE_CHECKING:
+    from masgraph.graph import Graph
+    from masgraph.registry import Registry
     from masgraph.runner import Runner
     from masgraph.tasks import Item, Task
 
@@ -264,6 +266,36 @@ def _topology_summary(m: dict) -> str:
     return "topology " + " ".join(f"{d.split(':', 1)[-1]}={o} {p:.2f}" for d, (p, o) in best.items()) + "  "
 
 
+def train_graph(graph: Graph, registry: Registry, args: argparse.Namespace) -> Graph:
+    """The graph with its `train:` section as the command line changes it (`--algorithm`, `--steps`, ...),
+    validated like the YAML; the section's shared knobs carry over to another algorithm's section."""
+    spec = graph.spec
+    train = spec.train or registry.algorithm(registry.default_algorithm or "flow_grpo").config()
+    overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
+                                    "eval_n": args.eval_n, "eval_every": args.eval_every, "seed": args.seed,
+                                    "max_minutes": args.minutes}.items() if v is not None}
+    model, base = type(train), train.model_dump()
+    if args.algorithm is not None and args.algorithm != train.algorithm:
+        if args.resume:
+            raise MasgraphError(f"--algorithm cannot change a resumed run's algorithm ({train.algorithm}); start a "
+                                "new run instead")
+        model = registry.algorithm(args.algorithm).config
+        base = {k: v for k, v in base.items() if k in model.model_fields} | {"algorithm": args.algorithm}
+        overrides["algorithm"] = args.algorithm
+    if not overrides and spec.train is not None:
+        return graph
+    from pydantic import ValidationError
+
+    from masgraph.graph import compile_spec
+    from masgraph.loader import problems_from
+
+    try:  # validated like the YAML
+        train = model.model_validate({**base, **overrides})
+    except ValidationError as exc:
+        raise SpecError(problems_from(exc, prefix=("train",), model=model), "command-line options") from None
+    return compile_spec(spec.model_copy(update={"train": train}), args.graph)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from masgraph.checkpoint import checkpoint_adapters, read_state, resolve_checkpoint
     from masgraph.registry import default_registry
@@ -272,22 +304,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     graph = _load_graph(args.graph)
     spec = graph.spec
     registry = default_registry()  # the trainers register their algorithms (the core never imports them)
-    train = spec.train or registry.algorithm(registry.default_algorithm or "flow_grpo").config()
-    overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
-                                    "eval_n": args.eval_n, "eval_every": args.eval_every, "seed": args.seed,
-                                    "max_minutes": args.minutes}.items() if v is not None}
-    if overrides or spec.train is None:
-        from pydantic import ValidationError
-
-        from masgraph.graph import compile_spec
-        from masgraph.loader import problems_from
-
-        try:  # validated like the YAML
-            train = type(train).model_validate({**train.model_dump(), **overrides})
-        except ValidationError as exc:
-            raise SpecError(problems_from(exc, prefix=("train",), model=type(train)), "command-line options") from None
-        graph = compile_spec(spec.model_copy(update={"train": train}), args.graph)
-        train = graph.spec.train
+    graph = train_graph(graph, registry, args)
+    train = graph.spec.train
     if train.task is None:
         raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
     task = _load_task(train.task)
@@ -389,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the graph's node policies (Flow-GRPO), its topology (HRPO), or both")
     t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
     t.add_argument("--task", help="task (default: train.task)")
+    t.add_argument("--algorithm", help="flow_grpo (node adapters), hrpo (topology, nodes frozen) or joint (both); "
+                   "default: train.algorithm")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (default: train.steps)")
     t.add_argument("--queries-per-step", type=positive_int,
                    help="training queries per step (default: train.queries_per_step)")

@@ -182,3 +182,40 @@ def test_a_signalled_cli_run_stops_cleanly_with_a_summary(tmp_path, sig, code):
 def _finished(runs) -> int:
     files = list(runs.glob("*/events.jsonl"))
     return files[0].read_text().count('"episode_finished"') if files else 0
+
+
+@pytest.mark.parametrize("graph, args, message", [
+    ("agentflow", ["--algorithm", "nope"], "training algorithm 'nope' is not registered; use one of"),
+    ("agentflow", ["--algorithm", "hrpo"], "learns the graph's topology, but the graph has no `topology:` section"),
+    ("mixed_router", ["--algorithm", "hrpo", "--resume", "runs/x"], "--algorithm cannot change a resumed run's"),
+    ("mixed_router", ["--algorithm", "flow_grpo", "--steps", "0"], "argument --steps"),
+])
+def test_train_algorithm_override_is_checked_before_any_model_loads(root, capsys, graph, args, message):
+    try:
+        code = main(["train", str(root / "graphs" / f"{graph}.yaml"), *args])
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_train_algorithm_override_keeps_the_shared_knobs(root):
+    import argparse
+
+    from masgraph.cli import train_graph
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+    from masgraph.registry import default_registry
+
+    graph = compile_spec(load_spec(root / "graphs" / "mixed_router.yaml"))
+    assert graph.spec.train.algorithm == "joint" and graph.spec.train.schedule == "simultaneous"
+    none = dict.fromkeys(["steps", "task", "queries_per_step", "eval_n", "eval_every", "seed", "minutes", "resume"])
+    args = argparse.Namespace(**none, graph="mixed_router.yaml", algorithm="hrpo")
+    train = train_graph(graph, default_registry(), args).spec.train
+    assert train.algorithm == "hrpo" and not hasattr(train, "schedule")  # joint's own knob is dropped
+    assert train.task == "mixed_routes" and train.hrpo.omega == 0.5 and train.eval_n == graph.spec.train.eval_n
+    args.algorithm, args.steps = "flow_grpo", 3
+    train = train_graph(graph, default_registry(), args).spec.train
+    assert train.algorithm == "flow_grpo" and train.steps == 3 and train.flow_grpo.lr == 0.001
+    args.algorithm = None
+    assert train_graph(graph, default_registry(), args).spec.train.algorithm == "joint"
