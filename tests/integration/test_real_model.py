@@ -50,9 +50,10 @@ class _null:
 
 @pytest.mark.parametrize("graph_name,task_name", [("agentflow", "basic_arithmetic"), ("agentflow", "lookup"),
                                                   ("single", "basic_arithmetic"), ("fanout", "basic_arithmetic"),
-                                                  ("router", "basic_arithmetic")])
+                                                  ("router", "basic_arithmetic"), ("mixed_router", "mixed_routes")])
 def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, task_name, graph_files):
-    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router"}  # a new graph needs a row
+    # a new graph needs a row
+    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router", "mixed_router"}
     graph = compile_spec(load_spec(root / "graphs" / f"{graph_name}.yaml"))
     result = run(runner_for(graph, hf, n=3, concurrency=3, split="test").run_task(get_task(task_name)))
     assert len(result.traces) == 3 and all(t.status == "ok" for t in result.traces), [t.error for t in result.traces]
