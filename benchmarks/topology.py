@@ -84,23 +84,16 @@ def route_of(trace: Any, order: list[str]) -> str:
 def evaluate(graph: Any, backend: Any, topology: Any, n: int) -> dict[str, Any]:
     """Greedy held-out evaluation: per query type accuracy, completion tokens per episode, parse-failed episodes
     and the routes taken."""
-    from masgraph.runner import RunConfig, Runner
+    from topology_rule import by_type, run_route, stats  # the rule's fixed routes are measured the same way
+
     from masgraph.tasks import get_task
 
-    runner = Runner(graph, RunConfig(split="test", n=n, concurrency=16, seed=TEST_SEED, topology="greedy"),
-                    backends={"hf": backend}, topology=topology)
-    traces = asyncio.run(runner.run_task(get_task(TASK), store=False)).traces
-    groups: dict[str, list[Any]] = defaultdict(list)
-    for t in traces:
-        groups["all"].append(t)
-        groups[t.meta["type"]].append(t)
+    traces = run_route(graph, backend, topology, get_task(TASK), "test", n, TEST_SEED)
     order = list(graph.spec.nodes)
-    return {k: {"acc": sum((t.reward or 0) >= 0.5 for t in v) / len(v),
-                "tokens": sum(t.completion_tokens for t in v) / len(v),
-                "parse_failed": sum(any(s.parse_error for s in t.steps) for t in v) / len(v),
-                "errors": sum(t.status != "ok" for t in v), "n": len(v),
+    return {k: {**dict(zip(("acc", "tokens", "n", "parse_failed"), stats(v))),
+                "errors": sum(t.status != "ok" for t in v),
                 "routes": dict(Counter(route_of(t, order) for t in v).most_common())}
-            for k, v in groups.items()}
+            for k, v in by_type(traces).items()}
 
 
 def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float) -> dict[str, Any]:

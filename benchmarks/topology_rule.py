@@ -72,17 +72,26 @@ def run_route(graph, backend, route: Fixed, task, split: str, n: int, seed: int)
     return asyncio.run(runner.run_task(task, store=False)).traces
 
 
-def per_type(traces: list[Trace]) -> dict[str, tuple[float, float, int, float]]:
-    """type -> (accuracy, mean completion tokens, items, share of episodes with a step whose output failed to
-    parse)."""
+def by_type(traces: list[Trace]) -> dict[str, list[Trace]]:
+    """Episodes per query type, and all of them under "all"."""
     groups: dict[str, list[Trace]] = defaultdict(list)
     for t in traces:
         groups["all"].append(t)
         if "type" in t.meta:
             groups[t.meta["type"]].append(t)
-    return {k: (sum((t.reward or 0) >= 0.5 for t in v) / len(v), sum(t.completion_tokens for t in v) / len(v), len(v),
-                sum(any(s.parse_error for s in t.steps) for t in v) / len(v))
-            for k, v in groups.items()}
+    return groups
+
+
+def stats(traces: list[Trace]) -> tuple[float, float, int, float]:
+    """(accuracy, mean completion tokens, items, share of episodes with a step whose output failed to parse)."""
+    n = len(traces)
+    return (sum((t.reward or 0) >= 0.5 for t in traces) / n, sum(t.completion_tokens for t in traces) / n, n,
+            sum(any(s.parse_error for s in t.steps) for t in traces) / n)
+
+
+def per_type(traces: list[Trace]) -> dict[str, tuple[float, float, int, float]]:
+    """type -> `stats` of its episodes."""
+    return {k: stats(v) for k, v in by_type(traces).items()}
 
 
 def main() -> int:
