@@ -1,11 +1,13 @@
 """Topology benchmarks on the mixed task (issue 10): what learning the topology buys, alone and jointly.
 
-Arms (each trained from the untrained embedded model for `--minutes` of training wall-clock — rollouts and updates,
-evaluation not counted — then evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
+Arms (each trained from the untrained embedded model for `--minutes` of training time — rollouts and updates,
+evaluation not counted, on `--clock` (`cpu`: the process's CPU time, robust to a busy machine; `wall`) — then
+evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
 
 - `topology`  HRPO on `graphs/mixed_router.yaml`'s query-conditioned topology policy, node policies frozen
 - `gptswarm`  the same with the GPTSwarm-style estimator (`hrpo.baseline: moving_average`)
 - `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
+(every HRPO arm uses `hrpo.lr: --hrpo-lr`)
 - `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
 - `policy`    Flow-GRPO alone on the best fixed route (the plain graph of the rule's best single route)
 
@@ -14,11 +16,11 @@ have run first (it writes runs/bench-topology/rule.json); both use the same held
 
     .venv/bin/python benchmarks/topology.py all --minutes 10     # every arm, two seeds, then the report
     .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 10
-    .venv/bin/python benchmarks/topology.py report [--no-record]
+    .venv/bin/python benchmarks/topology.py report [--tag T] [--no-record]
 
 `all` runs the two seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
-after arm. Each run writes runs/bench-topology/<arm>-s<seed>.json; `report` prints the four comparisons and
-appends them to benchmarks/RESULTS.md.
+after arm. Each run writes runs/bench-topology/[<tag>/]<arm>-s<seed>.json; `report` prints the four
+comparisons for one tag and appends them to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -45,16 +47,17 @@ ARMS = ("topology", "gptswarm", "cost", "joint", "policy")
 TEST_SEED = 0  # every arm and seed is evaluated on the same held-out items (those of the rule's test split)
 
 
-def train_section(arm: str, seed: int, minutes: float, cost_lambda: float) -> dict[str, Any]:
+def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
     """The `train:` section of one arm (validated by the registry's algorithm model, as in a YAML file)."""
     # eval_n 1: the loop's own end-of-run evaluation is a token one; `evaluate` below measures every arm alike
-    common = {"task": TASK, "seed": seed, "max_minutes": minutes, "steps": 100_000, "queries_per_step": 4,
+    common = {"task": TASK, "seed": seed, "max_minutes": s.minutes, "budget_clock": s.clock, "steps": 100_000,
+              "queries_per_step": 4,
               "eval_every": 0, "eval_n": 1, "checkpoint_every": 100_000, "flow_grpo": {"group_size": 8, "lr": 0.001,
                                                                            "temperature": 0.7}}
-    hrpo = {"lr": 0.1, "omega": 0.5}
+    hrpo = {"lr": s.hrpo_lr, "omega": 0.5}
     return {"topology": {"algorithm": "hrpo", "hrpo": hrpo},
             "gptswarm": {"algorithm": "hrpo", "hrpo": {**hrpo, "baseline": "moving_average"}},
-            "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": cost_lambda}},
+            "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": s.cost_lambda}},
             "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous"},
             "policy": {"algorithm": "flow_grpo"}}[arm] | common
 
@@ -96,8 +99,8 @@ def evaluate(graph: Any, backend: Any, topology: Any, n: int) -> dict[str, Any]:
             for k, v in by_type(traces).items()}
 
 
-def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float) -> dict[str, Any]:
-    """Train one arm for `minutes` and evaluate it; returns (and writes) its record."""
+def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
+    """Train one arm for `s.minutes` and evaluate it; returns (and writes) its record."""
     from masgraph.backends.hf import HFBackend
     from masgraph.events import TrainStep
     from masgraph.graph import compile_spec
@@ -109,7 +112,7 @@ def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float
     if arm == "policy":
         rule = json.loads((OUT / "rule.json").read_text())
         raw = fixed_route_yaml(raw, rule["routes"][rule["best_single"]]["decisions"])
-    raw["train"] = train_section(arm, seed, minutes, cost_lambda)
+    raw["train"] = train_section(arm, seed, s)
     graph = compile_spec(parse_spec(yaml.safe_dump(raw, sort_keys=False), GRAPH), GRAPH)
     rows: list[dict[str, Any]] = []
 
@@ -121,7 +124,8 @@ def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float
                 print(f"[{arm} s{seed}] step {event.step}  acc(train) {m.get('accuracy/train', 0):.3f}  "
                       f"tokens {m.get('tokens', 0):.0f}  {m.get('time/train_s', 0) / 60:.1f} min", flush=True)
 
-    run_dir = OUT / f"{arm}-s{seed}"
+    out = OUT / s.tag
+    run_dir = out / f"{arm}-s{seed}"
     loop = TrainLoop(graph, get_task(TASK), run_dir, sinks=[Keep()])
     t0 = time.perf_counter()
     asyncio.run(loop.run())
@@ -130,12 +134,13 @@ def run_arm(arm: str, seed: int, minutes: float, eval_n: int, cost_lambda: float
     if isinstance(backend, HFBackend):
         backend.deterministic = False  # batched greedy, as the rule's fixed routes were measured
     t1 = time.perf_counter()
-    result = evaluate(graph, backend, loop.topology, eval_n)
-    record = {"arm": arm, "seed": seed, "minutes": minutes, "steps": loop.step, "train_s": loop.train_seconds,
+    result = evaluate(graph, backend, loop.topology, s.eval_n)
+    record = {"arm": arm, "seed": seed, "minutes": s.minutes, "clock": s.clock, "steps": loop.step,
+              "train_s": loop.train_seconds, "hrpo_lr": s.hrpo_lr if arm != "policy" else None,
               "wall_s": wall, "eval_s": time.perf_counter() - t1, "eval": result, "curve": rows,
-              "cost_lambda": cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
+              "cost_lambda": s.cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
               "policy_probabilities": _per_type_probabilities(rows)}
-    (OUT / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
     a = result["all"]
     print(f"[{arm} s{seed}] {loop.step} steps in {loop.train_seconds / 60:.1f} min: held-out acc {a['acc']:.3f} "
           f"tokens/episode {a['tokens']:.0f} parse-failed {a['parse_failed']:.3f}", flush=True)
@@ -169,10 +174,10 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def report(record: bool) -> str:
+def report(record: bool, tag: str = "") -> str:
     rule = json.loads((OUT / "rule.json").read_text())
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for path in sorted(OUT.glob("*-s*.json")):
+    for path in sorted((OUT / tag).glob("*-s*.json")):
         r = json.loads(path.read_text())
         runs[r["arm"]].append(r)
     types = sorted(k for k in rule["routes"][rule["best_single"]]["test"] if k != "all")
@@ -217,25 +222,37 @@ def report(record: bool) -> str:
         tok = {arm: _mean([r["eval"]["all"]["tokens"] for r in runs[arm]]) for arm in ("cost", "topology")}
         most = max(rule["routes"].values(), key=lambda v: v["test"]["all"][1])["test"]["all"]
         ratio, loss = tok["cost"] / tok["topology"], _mean(acc["topology"]) - _mean(acc["cost"])
-        verdicts.append(f"4. Cost-aware (λ={runs['cost'][0]['cost_lambda']}): {tok['cost']:.0f} tokens/episode vs "
-                        f"{tok['topology']:.0f} for λ=0 ({ratio:.2f}x) at {100 * loss:+.1f} points accuracy loss; the "
-                        f"most expensive fixed route spends {most[1]:.0f} ({tok['cost'] / most[1]:.2f}x) at "
-                        f"{most[0]:.1%}; target ≤ 0.7x at ≤ 2 points (against λ=0): "
-                        f"{'MET' if ratio <= 0.7 and loss <= 0.02 else 'MISSED'}.")
+        ok_most, ok_zero = tok["cost"] / most[1] <= 0.7 and loss <= 0.02, ratio <= 0.7 and loss <= 0.02
+        per_seed = ", ".join(f"{r['eval']['all']['acc']:.1%} at {r['eval']['all']['tokens']:.0f} tokens"
+                             for r in sorted(runs["cost"], key=lambda r: r["seed"]))
+        verdicts.append(f"4. Cost-aware (λ={runs['cost'][0]['cost_lambda']}; seeds: {per_seed}): {tok['cost']:.0f} "
+                        f"tokens/episode vs {tok['topology']:.0f} for λ=0 ({ratio:.2f}x) at {100 * loss:+.1f} points "
+                        f"accuracy loss; the most expensive fixed route (every optional node on one route) spends "
+                        f"{most[1]:.0f} ({tok['cost'] / most[1]:.2f}x) at {most[0]:.1%}; target ≤ 0.7x of it at ≤ 2 "
+                        f"points loss against λ=0: {'MET' if ok_most else 'MISSED'}"
+                        f"; ≤ 0.7x of λ=0's tokens at ≤ 2 points: {'MET' if ok_zero else 'MISSED'}.")
     text = "\n".join(out) + "\n\n" + "\n".join(verdicts) + "\n"
     print(text)
     if record:
-        minutes = sorted({r["minutes"] for rs in runs.values() for r in rs})
+        rs = [r for rs in runs.values() for r in rs]
+        minutes, clock = sorted({r["minutes"] for r in rs}), sorted({r.get("clock", "wall") for r in rs})
+        lrs = sorted({r.get("hrpo_lr") or 0.1 for r in rs if r["arm"] != "policy"})
+        lams = sorted({r["cost_lambda"] for r in runs.get("cost", [])})
+        flags = (f"--minutes {minutes[0] if len(minutes) == 1 else minutes} --clock {'/'.join(clock)} --hrpo-lr "
+                 f"{'/'.join(map(str, lrs))}" + (f" --cost-lambda {'/'.join(map(str, lams))}" if lams else "")
+                 + (f" --tag {tag}" if tag else ""))
         with open(HERE / "RESULTS.md", "a") as f:
             f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-                    f"`python benchmarks/topology.py all --minutes {minutes[0] if len(minutes) == 1 else minutes}` — "
-                    f"each arm {minutes} min of training wall-clock per seed, two seeds side by side, one CPU thread "
-                    f"each. {text}")
+                    f"`python benchmarks/topology.py all --arms {' '.join(a for a in ARMS if a in runs)} {flags}` — "
+                    f"each arm {minutes} min of training ({'/'.join(clock)} clock) per seed, two seeds side by side, "
+                    f"one CPU thread each. {text}")
     return text
 
 
 def run_all(args: argparse.Namespace) -> int:
     """Each arm's seeds as side-by-side processes with one thread each, arm after arm; then the report."""
+    out = OUT / args.tag
+    out.mkdir(parents=True, exist_ok=True)
     if not (OUT / "rule.json").exists():
         print("error: runs/bench-topology/rule.json is missing; run benchmarks/topology_rule.py first", file=sys.stderr)
         return 2
@@ -243,18 +260,19 @@ def run_all(args: argparse.Namespace) -> int:
     for arm in args.arms:
         procs = []
         for seed in args.seeds:
-            log = open(OUT / f"{arm}-s{seed}.log", "w")
+            log = open(out / f"{arm}-s{seed}.log", "w")
             cmd = [sys.executable, __file__, "run", arm, "--seed", str(seed), "--minutes", str(args.minutes),
-                   "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda)]
+                   "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda), "--clock", args.clock,
+                   "--hrpo-lr", str(args.hrpo_lr), "--tag", args.tag]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        print(f"{arm}: seeds {args.seeds} running (logs in {OUT.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
+        print(f"{arm}: seeds {args.seeds} running (logs in {out.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
         codes = [p.wait() for p, _ in procs]
         for _, log in procs:
             log.close()
         if any(codes):
             print(f"error: arm {arm} failed (exit codes {codes}); see its logs", file=sys.stderr)
             return 1
-    report(record=not args.no_record)
+    report(not args.no_record, args.tag)
     return 0
 
 
@@ -274,16 +292,22 @@ def main() -> int:
         s.add_argument("--eval-n", type=int, default=210)
         s.add_argument("--cost-lambda", type=float, default=2.0,
                        help="λ of the `cost` arm: reward = accuracy − λ · completion tokens / 1000")
+        s.add_argument("--hrpo-lr", type=float, default=0.1, help="`hrpo.lr` of every topology arm")
+        s.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                       help="what --minutes counts: the process's CPU time (default) or wall-clock")
+        s.add_argument("--tag", default="", help="write (and report) runs under runs/bench-topology/TAG/")
     r = sub.add_parser("report")
     r.add_argument("--no-record", action="store_true")
+    r.add_argument("--tag", default="")
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if args.cmd == "run":
-        run_arm(args.arm, args.seed, args.minutes, args.eval_n, args.cost_lambda)
+        (OUT / args.tag).mkdir(parents=True, exist_ok=True)
+        run_arm(args.arm, args.seed, args)
         return 0
     if args.cmd == "all":
         return run_all(args)
-    report(record=not args.no_record)
+    report(not args.no_record, args.tag)
     return 0
 
 

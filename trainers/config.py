@@ -97,7 +97,10 @@ class TrainBase(BaseModel):
     queries_per_step: int = Field(4, ge=1)
     """Training queries per step (each rolled out `group_size` times)."""
     max_minutes: float | None = Field(None, gt=0)
-    """Stop after this much training wall-clock (rollouts + updates; evaluation not counted), even before `steps`."""
+    """Stop after this much training time (rollouts + updates; evaluation not counted), even before `steps`."""
+    budget_clock: Literal["wall", "cpu"] = "wall"
+    """What `max_minutes` counts: `wall` clock, or this process's `cpu` time (all its threads), so that a budget
+    buys the same work on a busy, shared machine (benchmarks compare arms this way)."""
     eval_every: int = Field(5, ge=0)
     """Held-out evaluation (greedy, the graph's own sampling) at step 0 (untrained), every N steps and at the end;
     0 = only at the end."""

@@ -123,7 +123,7 @@ class TrainLoop:
         self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
         self.step = 0
         self.cursor = 0  # next unused training item
-        self.train_seconds = 0.0  # rollouts + updates so far (the `max_minutes` budget)
+        self.train_seconds = 0.0  # rollouts + updates so far, on the `budget_clock` (the `max_minutes` budget)
         self._rng = self.learner.rng_state()  # RNG states as of the last completed step (what a checkpoint stores)
         self._updating = False  # adapters are mid-update: the weights match no step
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -170,6 +170,9 @@ class TrainLoop:
     def out_of_time(self) -> bool:
         return self.cfg.max_minutes is not None and self.train_seconds >= 60 * self.cfg.max_minutes
 
+    def _budget_clock(self) -> float:
+        return time.process_time() if self.cfg.budget_clock == "cpu" else time.perf_counter()
+
     def finished(self) -> bool:
         return self.step >= self.cfg.steps or self.out_of_time()
 
@@ -177,7 +180,7 @@ class TrainLoop:
         """Rollouts and update of one step. Only a finished update commits the step (step, data cursor and
         RNG states move together), so a step interrupted in its rollouts leaves no trace in a checkpoint."""
         q, fg = self.cfg.queries_per_step, self.cfg.flow_grpo
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self._budget_clock()
         cursor = self.cursor + q
         traces = (await self.rollouts.run_items(self.task, self.items[self.cursor:cursor], sinks=[store],
                                                 store=False)).traces
@@ -204,7 +207,7 @@ class TrainLoop:
             metrics |= topology_metrics(self.topology, traces[::self.group_size])
         self.step, self.cursor, self._rng, self._updating = self.step + 1, cursor, self.learner.rng_state(), False
         elapsed = time.perf_counter() - t0
-        self.train_seconds += elapsed
+        self.train_seconds += self._budget_clock() - c0
         tokens = sum(t.completion_tokens for t in traces)
         return {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
                 "informative_groups": float(len(informative_queries(traces, fg))), "resample_rounds": rounds,

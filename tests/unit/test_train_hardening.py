@@ -240,3 +240,13 @@ def test_broken_checkpoint_is_a_masgraph_error_with_the_path_and_a_fix(tiny, tmp
     message = str(err.value)
     fixes = ("earlier checkpoint", "another step", "resume with")
     assert str(checkpoint) in message and any(fix in message for fix in fixes)
+
+
+@pytest.mark.parametrize("clock, steps", [("cpu", 1), ("wall", 3)])
+def test_the_budget_counts_the_chosen_clock(tiny, tmp_path, monkeypatch, clock, steps):
+    # the process's CPU clock runs an hour per reading; the wall clock stays real (a few seconds for the run)
+    ticks = iter(range(0, 10**9, 3600))
+    monkeypatch.setattr("masgraph.trainers.loop.time.process_time", lambda: float(next(ticks)))
+    loop = _loop(tiny, tmp_path / "run", TRAIN.replace("seed: 3", f"seed: 3, max_minutes: 1, budget_clock: {clock}"))
+    asyncio.run(loop.run())
+    assert loop.step == steps  # cpu: out of budget after the first step; wall: all 3 steps fit in a minute
