@@ -18,6 +18,7 @@ async def memory(ctx: NodeContext) -> NodeOutput:
         if ctx.node_spec.policy is not None:
             old = ActionLog(max_actions=len(dropped), max_result_chars=log.max_result_chars, actions=dropped)
             completion = await ctx.generate(render(ctx, "memory", memory=old.render()))
+            log.shown |= old.shown  # the summary read them
             summary = completion.text.strip()
         else:
             summary = f"{len(dropped)} earlier step(s) compacted"

@@ -30,8 +30,12 @@ def load_template(name: str) -> tuple[tuple[str, Template], ...]:
 def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]]:
     """Chat messages from the node's template (the episode's slot choice, else its `prompt:`, else the role
     default) and values."""
-    values = {"query": ctx.query, "memory": ctx.memory.render(), "inputs": ctx.merged, **values}
     turns = load_template(ctx.prompt or ctx.node_spec.prompt or default)
+    names = {name for _, t in turns for name in t.get_identifiers()}
+    base = {"query": ctx.query, "inputs": ctx.merged}
+    if "memory" in names and "memory" not in values:  # rendered only when shown: a render marks entries as read
+        base["memory"] = ctx.memory.render()
+    values = {**base, **values}
     return [{"role": role, "content": t.safe_substitute(values)} for role, t in turns]
 
 

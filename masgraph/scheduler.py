@@ -157,41 +157,48 @@ class Scheduler:
         memory = ActionLog(spec.memory.max_actions, spec.memory.max_result_chars)
         runs: Counter[str] = Counter()
         frontier: _Frontier = {spec.entry: []}
-        while frontier:
-            ready, waiting = _plan(frontier, view.waits_for)
-            for node in ready:
-                if node in view.cycle_of and runs[node] >= (limits.max_turns or 1):
-                    raise _StepFailed(f"node {node!r} would exceed max_turns={limits.max_turns}")
-            if len(trace.steps) + len(ready) > limits.max_steps:
-                raise _StepFailed(f"episode exceeded max_steps={limits.max_steps}")
-            for node in ready:
-                runs[node] += 1
-            if len(ready) == 1:
-                [(node, inputs)] = ready.items()
-                results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
-            else:
-                results = await gather_eager([self._step(ep, trace, index, n, runs[n], inp, memory)
-                                              for n, inp in ready.items()])
-            nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
-            answer = None
-            for node, out, step in results:  # routed first, so a step event never changes after it is sent
-                if node == spec.exit:
-                    answer = out.answer if out.answer is not None else out.text
-                elif step.error is None:
-                    for edge in _route(view, limits.max_turns, node, out, runs[node], step):
-                        nxt.setdefault(edge.target, []).append((node, out))
-            for _, _, step in results:  # recorded in plan order, so traces do not depend on timing
-                step.index = len(trace.steps)
-                trace.steps.append(step)
-                self._emit(fast(StepFinished, step=step))
-            failed = next((s for _, _, s in results if s.error is not None), None)
-            if failed is not None:
-                raise _StepFailed(f"node {failed.node!r} failed after {failed.attempts} attempt(s): {failed.error}")
-            if answer is not None:
-                trace.answer = answer
-                return
-            frontier = nxt
-        raise _StepFailed("no edge fired and the exit node was not reached")
+        reads = _Reads()
+        try:
+            while frontier:
+                ready, waiting = _plan(frontier, view.waits_for)
+                for node in ready:
+                    if node in view.cycle_of and runs[node] >= (limits.max_turns or 1):
+                        raise _StepFailed(f"node {node!r} would exceed max_turns={limits.max_turns}")
+                if len(trace.steps) + len(ready) > limits.max_steps:
+                    raise _StepFailed(f"episode exceeded max_steps={limits.max_steps}")
+                for node, inputs in ready.items():
+                    runs[node] += 1
+                    reads.received(_read(spec.nodes[node].merge, inputs))
+                if len(ready) == 1:
+                    [(node, inputs)] = ready.items()
+                    results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
+                else:
+                    results = await gather_eager([self._step(ep, trace, index, n, runs[n], inp, memory)
+                                                  for n, inp in ready.items()])
+                nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
+                answer = None
+                for node, out, step in results:  # routed first, so a step event never changes after it is sent
+                    if node == spec.exit:
+                        answer = out.answer if out.answer is not None else out.text
+                    elif step.error is None:
+                        for edge in _route(view, limits.max_turns, node, out, runs[node], step):
+                            nxt.setdefault(edge.target, []).append((node, out))
+                for _, _, step in results:  # recorded in plan order, so traces do not depend on timing
+                    step.index = len(trace.steps)
+                    trace.steps.append(step)
+                    self._emit(fast(StepFinished, step=step))
+                reads.made(results, memory)
+                failed = next((s for _, _, s in results if s.error is not None), None)
+                if failed is not None:
+                    raise _StepFailed(f"node {failed.node!r} failed after {failed.attempts} attempt(s): "
+                                      f"{failed.error}")
+                if answer is not None:
+                    trace.answer = answer
+                    return
+                frontier = nxt
+            raise _StepFailed("no edge fired and the exit node was not reached")
+        finally:
+            trace.unused_steps = reads.unused(trace.steps, spec.exit, memory)
 
     async def _step(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int,
                     inputs: list[tuple[str, NodeOutput]], memory: ActionLog) -> tuple[str, NodeOutput, Step]:
@@ -286,6 +293,41 @@ def _route(view: GraphView, max_turns: int | None, node: str, out: NodeOutput, t
             step.bounded = True  # (rare: one assignment per bounded loop)
             return [e for e in leaving if e in fired] or leaving
     return fired
+
+
+class _Reads:
+    """Which steps' outputs later steps used, for `Trace.unused_steps`: received as an input that the merge kept,
+    or appended to memory and shown by a later render. Holds the outputs and entries it maps (by `id`), so their
+    ids cannot be reused within the episode."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, tuple[NodeOutput, int]] = {}  # id(output) -> (output, index of its step)
+        self.entries: dict[int, tuple[object, int]] = {}  # id(memory entry) -> (entry, index of the step)
+        self.used: set[int] = set()
+
+    def received(self, outputs: list[NodeOutput]) -> None:
+        self.used.update(self.outputs[id(o)][1] for o in outputs if id(o) in self.outputs)
+
+    def made(self, results: list[tuple[str, NodeOutput, Step]], memory: ActionLog) -> None:
+        by_node = {step.node: step.index for _, _, step in results}
+        for _, out, step in results:
+            self.outputs[id(out)] = (out, step.index)
+        for entry in memory.actions:  # the new entries belong to the step of the node that wrote them
+            if id(entry) not in self.entries and entry.node in by_node:
+                self.entries[id(entry)] = (entry, by_node[entry.node])
+
+    def unused(self, steps: list[Step], exit_node: str, memory: ActionLog) -> list[int]:
+        shown = {i for key, (_, i) in self.entries.items() if key in memory.shown}
+        return [s.index for s in steps
+                if s.error is None and s.node != exit_node and s.index not in self.used and s.index not in shown]
+
+
+def _read(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> list[NodeOutput]:
+    """The inputs whose content `_merge` keeps: all, except that `first` keeps one."""
+    if rule == "first" and len(inputs) > 1:
+        results = [o for _, o in inputs if o.has_result]
+        return [(results or [o for _, o in inputs])[0]]
+    return [o for _, o in inputs]
 
 
 def _merge(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> str:

@@ -103,6 +103,10 @@ class Trace(Record):
     duration_s: float = 0.0
     topology: TopologyChoice | None = None
     """The decisions of a topology policy this episode ran (None: the whole graph, or a topology given directly)."""
+    unused_steps: list[int] = Field(default_factory=list)
+    """Indices of the (successful) steps whose output nothing used: no later step received it (a fan-in merge
+    that keeps one input discards the others) and no later prompt showed its memory entry; the exit's step is the
+    answer. Component rationality for topology learning: such a node cost tokens for nothing."""
     meta: dict[str, Any] = Field(default_factory=dict)
 
     def __repr__(self) -> str:  # short: a full dump of every step is what model_dump_json is for

@@ -76,6 +76,9 @@ class HRPOConfig(BaseModel):
     """Action-wise reward: − this · completion tokens / 1000 of the nodes a decision switched on."""
     parse_penalty: float = Field(1.0, ge=0)
     """Action-wise reward: − this per step of those nodes whose output failed to parse (component rationality)."""
+    unused_penalty: float = Field(1.0, ge=0)
+    """Action-wise reward: − this per step of those nodes whose output nothing used (`Trace.unused_steps`: no later
+    step received it and no later prompt showed it; component rationality)."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer steps per batch of rollouts (the clip acts from the second)."""
     baseline: Literal["group", "moving_average"] = "group"

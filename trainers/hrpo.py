@@ -3,10 +3,10 @@
 Per query, G topologies are sampled and run (a group). Each episode's outcome reward is the task reward minus
 λ·tokens; its group-relative advantage is shared by every decision it made, and each decision adds ω times its
 own normalised action-wise reward: minus the token cost of the nodes that decision switched on, minus a penalty
-per step of those nodes that failed to parse (component rationality). The loss is a PPO-clip surrogate on the
-decisions' log-probabilities plus an entropy bonus, on the policy's own Adam optimizer. `baseline:
-moving_average` swaps in the GPTSwarm-style estimator (REINFORCE with a moving-average baseline) so the two
-can be compared in one code base. The formulas are in `hrpo_math.py`.
+per step of those nodes that failed to parse or whose output nothing used (component rationality). The loss is
+a PPO-clip surrogate on the decisions' log-probabilities plus an entropy bonus, on the policy's own Adam
+optimizer. `baseline: moving_average` swaps in the GPTSwarm-style estimator (REINFORCE with a moving-average
+baseline) so the two can be compared in one code base. The formulas are in `hrpo_math.py`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ def outcome_reward(trace: Trace, cost_lambda: float) -> float:
     return (trace.reward or 0.0) - cost_lambda * trace.completion_tokens / 1000
 
 
-def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: float, parse_penalty: float) -> float:
-    """Minus the cost of `nodes` in this episode: their completion tokens / 1000 · `token_cost`, and
-    `parse_penalty` per step of theirs whose output failed to parse."""
+def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: float, parse_penalty: float,
+                  unused_penalty: float = 0.0) -> float:
+    """Minus the cost of `nodes` in this episode: their completion tokens / 1000 · `token_cost`, `parse_penalty`
+    per step of theirs whose output failed to parse and `unused_penalty` per step of theirs whose output nothing
+    used."""
     steps = [s for s in trace.steps if s.node in nodes]
     tokens = sum(len(c.completion_ids) for s in steps for c in s.llm)
-    return -token_cost * tokens / 1000 - parse_penalty * sum(s.parse_error is not None for s in steps)
+    unused = set(trace.unused_steps)
+    return (-token_cost * tokens / 1000 - parse_penalty * sum(s.parse_error is not None for s in steps)
+            - unused_penalty * sum(s.index in unused for s in steps))
 
 
 class HRPO:
@@ -95,7 +99,8 @@ class HRPO:
         cfg, decisions = self.config, self.policy.space.decisions
         made = [t.topology.logprobs for t in group]  # type: ignore[union-attr]
         acts = [[action_reward(t, d.brings[d.options.index(t.topology.decisions[d.name])],  # type: ignore
-                               cfg.token_cost, cfg.parse_penalty) if d.name in m else None for d in decisions]
+                               cfg.token_cost, cfg.parse_penalty, cfg.unused_penalty) if d.name in m else None
+                 for d in decisions]
                 for t, m in zip(group, made)]
         combined = combine(group_advantages(rewards), action_advantages(acts), cfg.omega)
         return [{d.name: a for d, a in zip(decisions, row) if a is not None} for row in combined]

@@ -38,6 +38,8 @@ class ActionLog:
     actions: list[Action] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Summaries written by a memory node (kept in full; they replace what they summarise)."""
+    shown: set[int] = field(default_factory=set)
+    """`id()`s of the actions some render displayed (read by a prompt: what the scheduler calls used)."""
 
     def append(self, action: Action) -> None:
         self.actions.append(action)
@@ -50,6 +52,7 @@ class ActionLog:
         if hidden:
             lines.append(f"({hidden} earlier step{'s' if hidden > 1 else ''} not shown)")
         for i, a in enumerate(self.actions[hidden:], start=hidden + 1):
+            self.shown.add(id(a))
             lines.append(f"Step {i}: {a.sub_goal or a.node}")
             if a.tool:
                 lines.append(f"  tool: {a.tool}, input: {_cut(a.input or '', self.max_result_chars)}")

@@ -62,6 +62,7 @@ def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, t
     for tr in result.traces:
         assert tr.answer is not None and 0.0 <= tr.reward <= 1.0
         assert tr.steps[-1].node == graph.spec.exit
+        assert tr.unused_steps == []  # no shipped graph drops an output (no `first` merge; no episode cut short)
         for step in tr.steps:
             for call in step.llm:
                 assert call.policy == graph.spec.nodes[step.node].policy

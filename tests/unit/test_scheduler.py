@@ -480,3 +480,41 @@ def _timed(graph, topology) -> float:
     t0 = time.perf_counter()
     graph._make_view(topology)
     return time.perf_counter() - t0
+
+
+@register_agent("note")
+async def _note(ctx):
+    from masgraph.memory.action_log import Action
+
+    ctx.memory.append(Action(ctx.node, "noted", result="n"))
+    return NodeOutput(text="n")
+
+
+@register_agent("reads-memory")
+async def _reads_memory(ctx):
+    return NodeOutput(text=ctx.memory.render(), answer=ctx.merged)
+
+
+@pytest.mark.parametrize("merge, unused", [("concat", []), ("vote", []), ("first", ["c", "b2"])])
+def test_outputs_a_merge_discards_are_recorded_as_unused(merge, unused, run):
+    tr = run_one(fan_in_graph(merge), run)  # src, a, b1, c, b2, join; `first` keeps a's
+    assert [tr.steps[i].node for i in tr.unused_steps] == unused
+
+
+def test_a_failed_episode_leaves_the_outputs_nobody_reached_unused(run):
+    @register_agent("explodes-too")
+    async def explodes(ctx):
+        raise RuntimeError("boom")
+
+    tr = run_one(fan_in_graph(b2="explodes-too"), run)  # src, a, b1, c, b2 (failed): a and c never reach the join
+    assert [tr.steps[i].node for i in tr.unused_steps] == ["a", "c"]
+
+
+@pytest.mark.parametrize("join, unused", [("reads-memory", []), ("gather", ["w"])])
+def test_a_memory_entry_shown_to_a_later_prompt_counts_as_used(join, unused, run):
+    graph = (GraphBuilder("mem").add_node("src", role="custom", agent="echo")
+             .add_node("a", role="custom", agent="echo").add_node("w", role="custom", agent="note")
+             .add_node("join", role="custom", agent=join, merge="first")
+             .add_edge("src", "a").add_edge("src", "w").add_edge("a", "join").add_edge("w", "join").compile())
+    tr = run_one(graph, run)  # the merge keeps a's output; w's reaches the join only through memory, if rendered
+    assert tr.status == "ok" and [tr.steps[i].node for i in tr.unused_steps] == unused

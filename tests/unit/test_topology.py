@@ -430,3 +430,19 @@ def test_progress_line_shows_the_most_likely_option_of_each_decision():
         "topology/p/choice:start/harm": 0.3, "tokens_per_s": 3.0, "time/train_s": 60.0}))
     line = out.getvalue()
     assert "reward 0.750" in line and "topology start=solve 0.70" in line and "kl" not in line
+
+
+def test_action_reward_hand_computed():
+    from masgraph.trace import LLMCall, Step
+    from masgraph.trainers.hrpo import action_reward
+
+    def step(i: int, node: str, tokens: int, parse_error: str | None = None) -> Step:
+        call = LLMCall(policy="p", prompt_ids=[1], completion_ids=[7] * tokens, logprobs=[0.0] * tokens, text="t")
+        return Step(episode_id="e", index=i, node=node, role="custom", turn=1, llm=[call], parse_error=parse_error)
+
+    trace = Trace(episode_id="e", item_id="i", query="q", unused_steps=[1, 3],
+                  steps=[step(0, "x", 10), step(1, "x", 20, "bad"), step(2, "y", 40), step(3, "y", 5)])
+    # x: 30 tokens, one parse failure, one unused step; y: 45 tokens, one unused step
+    assert action_reward(trace, {"x"}, 2.0, 0.5, 0.25) == pytest.approx(-2.0 * 30 / 1000 - 0.5 - 0.25)
+    assert action_reward(trace, {"y"}, 2.0, 0.5, 0.25) == pytest.approx(-2.0 * 45 / 1000 - 0.25)
+    assert action_reward(trace, {"x", "y"}, 1.0, 0.0, 1.0) == pytest.approx(-75 / 1000 - 2.0)
