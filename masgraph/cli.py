@@ -361,6 +361,31 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from masgraph.agent import Agent
+    from masgraph.server import ServeConfig, check_bind, serve
+    from masgraph.store import new_run_dir
+
+    api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
+    check_bind(args.host, api_key, args.allow_public_without_key)
+    graph = _load_graph(args.graph)
+    if args.topology and graph.spec.topology is None:
+        raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section; "
+                            "drop the flag")
+    store = None
+    if not args.no_store:
+        Path(args.runs_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fails before the model loads
+        store = new_run_dir(args.runs_dir, f"{graph.spec.name}-serve")
+    config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
+                         max_queue=args.max_queue, timeout_s=args.timeout, store=store)
+    print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
+    agent = Agent(graph, args.checkpoint, args.topology or "greedy", args.deterministic)
+    if store is not None:
+        print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
+    serve(agent, graph.spec.name, args.host, args.port, config)
+    return 0
+
+
 def _run_task(run: Path) -> Task | None:
     """The task a training run trained on (from its config.json), if it can be loaded."""
 
@@ -434,6 +459,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="query-conditioned policies: held-out queries of the run's task to show (default 4)")
     tp.add_argument("--out", help="output PNG (default RUN/topology.png)")
     tp.set_defaults(fn=cmd_topology)
+
+    sv = sub.add_parser("serve", help="serve a graph behind an OpenAI-compatible endpoint (/v1/chat/completions)")
+    sv.add_argument("graph", help="graph YAML file")
+    sv.add_argument("--checkpoint", help="serve trained adapters (and topology): a training run dir or "
+                                         "RUN/checkpoints/step-N")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
+    sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $MASGRAPH_API_KEY, else none)")
+    sv.add_argument("--allow-public-without-key", action="store_true",
+                    help="serve a non-loopback --host without an API key (refused otherwise)")
+    sv.add_argument("--topology", choices=["greedy", "sample"], help="how a learned topology picks each question's "
+                    "sub-graph (default greedy)")
+    sv.add_argument("--deterministic", action="store_true", help="bit-exact answers whatever the load (slower)")
+    sv.add_argument("--max-concurrency", type=positive_int, default=64, help="episodes in flight (default 64)")
+    sv.add_argument("--max-queue", type=non_negative_int, default=256,
+                    help="requests waiting beyond those; more get 429 (default 256)")
+    sv.add_argument("--timeout", type=positive_float, default=300.0, help="per-request limit in s (504; default 300)")
+    sv.add_argument("--max-body-kb", type=positive_int, default=1024, help="largest request body (413; default 1024)")
+    sv.add_argument("--no-store", action="store_true", help="keep no traces (default: a run dir under --runs-dir)")
+    sv.add_argument("--runs-dir", default="runs")
+    sv.set_defaults(fn=cmd_serve)
 
     v = sub.add_parser("validate", help="check graph YAML files")
     v.add_argument("files", nargs="+")

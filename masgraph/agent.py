@@ -1,0 +1,126 @@
+"""A deployable agent: a graph (with a checkpoint's adapters and learned topology) that answers questions one at a
+time, concurrently — what `masgraph serve` and `masgraph.load_agent` put behind an API.
+
+Concurrent `aask` calls share one engine, so their LLM calls batch together in the backend; the sync `ask` runs
+on the agent's own event loop thread, so it can be called from anywhere (a script, a notebook, a thread pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from masgraph.engine import BackendOptions, Engine
+from masgraph.errors import MasgraphError
+from masgraph.events import Sink
+from masgraph.graph import Graph
+from masgraph.trace import Trace
+
+__all__ = ["Agent", "Answer", "load_agent"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What an agent says, and the episode behind it."""
+
+    answer: str | None
+    """The exit node's answer (None when the episode failed: see `trace.status` and `trace.error`)."""
+    trace: Trace
+
+    @property
+    def ok(self) -> bool:
+        return self.trace.status == "ok" and self.answer is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of every LLM call of the episode."""
+        return sum(len(c.prompt_ids) for c in self.trace.llm_calls)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of every LLM call of the episode."""
+        return self.trace.completion_tokens
+
+
+class Agent:
+    """A graph ready to answer: its engine built once, a checkpoint's adapters loaded, its topology policy (for a
+    graph with a `topology:` section) picking each question's sub-graph — `greedy` by default.
+
+    Example:
+        >>> agent = load_agent("graphs/agentflow.yaml")
+        >>> agent.ask("What is 12 * 7 + 3?").answer
+        '87'
+    """
+
+    def __init__(self, graph: Graph, checkpoint: str | Path | None = None,
+                 topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False,
+                 engine: Engine | None = None):
+        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+        from masgraph.topology.policy import load_policy
+
+        self.graph, self.mode = graph, topology
+        self.checkpoint = resolve_checkpoint(checkpoint) if checkpoint is not None else None
+        if self.checkpoint is not None:
+            checkpoint_adapters(self.checkpoint)  # a broken checkpoint is reported before the model loads
+        self.topology = load_policy(graph, self.checkpoint)
+        self.engine = engine or Engine(graph, options=BackendOptions(deterministic=deterministic))
+        if self.checkpoint is not None:
+            self.engine.load_checkpoint(self.checkpoint)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def name(self) -> str:
+        return self.graph.spec.name
+
+    async def aask(self, question: str, *, sinks: Sequence[Sink] = (), meta: dict | None = None) -> Answer:
+        """Answer one question (an episode on this agent's engine); never raises for a failed episode — the
+        trace says what failed."""
+        if not isinstance(question, str) or not question.strip():
+            raise MasgraphError("the question is empty; ask something")
+        topology = choice = None
+        if self.topology is not None:
+            picked = self.topology.sample(question, greedy=self.mode == "greedy")
+            topology, choice = picked.topology, picked.choice
+        trace = await self.engine.episode(question, topology=topology, choice=choice, sinks=sinks, meta=meta)
+        return Answer(trace.answer if trace.status == "ok" else None, trace)
+
+    def ask(self, question: str) -> Answer:
+        """`aask` from synchronous code (runs on the agent's own event loop thread)."""
+        return asyncio.run_coroutine_threadsafe(self.aask(question), self._own_loop()).result()
+
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="masgraph-agent", daemon=True)
+            self._thread.start()
+        return self._loop
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    def close(self) -> None:
+        """Release the backends (and the loop thread of `ask`)."""
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            assert self._thread is not None
+            self._thread.join()
+            self._loop = self._thread = None
+        else:
+            asyncio.run(self.aclose())
+
+
+def load_agent(source: str | Path, checkpoint: str | Path | None = None,
+               topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False) -> Agent:
+    """An `Agent` from a graph YAML file (optionally with a training run's checkpoint)."""
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+
+    path = Path(source)
+    if path.is_dir():
+        raise MasgraphError(f"{path} is a directory; pass a graph YAML file")
+    return Agent(compile_spec(load_spec(path), str(path)), checkpoint, topology, deterministic)

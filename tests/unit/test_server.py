@@ -1,0 +1,315 @@
+"""The OpenAI-compatible server on a scripted agent: a real uvicorn server on a socket, real HTTP clients (httpx and
+the official `openai` client); every guard — auth, body limit, 400s, 404, 429, 504, disconnect, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from masgraph.agent import Agent
+from masgraph.agents.registry import register_agent
+from masgraph.backends.scripted import ScriptedBackend
+from masgraph.engine import Engine
+from masgraph.errors import MasgraphError
+from masgraph.graph import compile_spec
+from masgraph.loader import parse_spec
+from masgraph.node import NodeOutput
+from masgraph.server import ServeConfig, check_bind, create_app
+
+GRAPH = """\
+name: echo
+policies:
+  main: {backend: scripted, model: none}
+nodes:
+  answer: {role: generator, policy: main}
+entry: answer
+exit: answer
+"""
+
+SLOW = """\
+name: slow
+nodes:
+  answer: {role: custom, agent: sleepy}
+entry: answer
+exit: answer
+"""
+
+EVENTS: list[str] = []
+
+
+@register_agent("sleepy")
+async def _sleepy(ctx):
+    """Sleeps as many seconds as the question says (`sleep 2`), recording whether it finished or was cancelled."""
+    try:
+        await asyncio.sleep(float(ctx.query.split()[-1]))
+    except asyncio.CancelledError:
+        EVENTS.append(f"cancelled {ctx.query}")
+        raise
+    EVENTS.append(f"finished {ctx.query}")
+    return NodeOutput(text="slept", answer="slept")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scripted_agent(text: str = GRAPH) -> Agent:
+    graph = compile_spec(parse_spec(text, "serve.yaml"))
+    backend = ScriptedBackend(default=lambda req: f"Answer: {len(req.messages[-1]['content'])}")
+    return Agent(graph, engine=Engine(graph, backends={"scripted": backend}))
+
+
+@contextlib.contextmanager
+def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"):
+    """A real uvicorn server in a thread, on a free port; yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    app = create_app(agent, model, config or ServeConfig())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def ask(text: str, model: str = "echo", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_openai_client_sync_streaming_and_the_trace_extension():
+    with serving(scripted_agent()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == ["echo"]
+        r = client.chat.completions.create(model="echo", messages=[{"role": "system", "content": "be brief"},
+                                                                   {"role": "user", "content": "What is 2 + 3?"}])
+        assert r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+        u = r.usage
+        assert u.completion_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert not hasattr(r, "masgraph") or r.masgraph is None  # the extension is opt-in
+        r = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"masgraph": {"trace": True}})
+        ext = r.model_extra["masgraph"]
+        assert ext["status"] == "ok" and [s["node"] for s in ext["steps"]] == ["answer"] and ext["trace_id"]
+        chunks = list(client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == r.choices[0].message.content
+        assert chunks[-1].usage.total_tokens == r.usage.total_tokens and chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_async_client_requests_run_concurrently_on_one_engine():
+    agent = scripted_agent()
+    backend = next(iter(agent.engine.backends.values()))
+    backend.delay_s = 0.3  # each backend call takes 0.3 s: 20 requests one by one would take 6 s
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        rs = await asyncio.gather(*(client.chat.completions.create(**ask("q" * (i + 1))) for i in range(20)))
+        return [r.choices[0].message.content for r in rs]
+
+    with serving(agent) as url:
+        t0 = time.perf_counter()
+        answers = asyncio.run(main())
+        assert [int(a) - int(answers[0]) for a in answers] == list(range(20))  # each got its own answer
+        assert time.perf_counter() - t0 < 3.0
+
+
+def test_auth_models_health_and_metrics():
+    with serving(scripted_agent(), ServeConfig(api_key="s3cret")) as url:
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"  # liveness needs no key
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/chat/completions", json=ask("hi"), headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").chat.completions.create(**ask("hi"))
+        good = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("hi"), headers=good).status_code == 200
+        metrics = httpx.get(f"{url}/metrics", headers=good).text
+        assert 'masgraph_requests_total{code="401",path="/v1/chat/completions"} 4.0' in metrics
+        assert 'masgraph_episodes_total{status="ok"} 1.0' in metrics and "masgraph_tokens_total" in metrics
+
+
+@pytest.mark.parametrize("body, code, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model"),
+    (json.dumps({"model": "echo", "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": "echo", "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400,
+     "messages.0.role"),
+    (json.dumps({"model": "echo", "messages": [{"role": "system", "content": "hi"}]}).encode(), 400, "messages"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "model"),
+    (json.dumps({"model": "echo", "messages": [{"role": "user", "content": "hi"}], "masgraph": {"x": 1}}).encode(),
+     400, "masgraph.x"),
+])
+def test_malformed_requests_get_openai_style_errors(body, code, param):
+    with serving(scripted_agent()) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == code and err["param"] == param and err["message"] and err["type"], r.text
+
+
+def test_unknown_paths_and_methods_are_openai_style_errors_too():
+    with serving(scripted_agent()) as url:
+        r = httpx.get(f"{url}/v1/completions")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
+
+
+def test_body_limit_declared_or_streamed():
+    with serving(scripted_agent(), ServeConfig(max_body_bytes=1000)) as url:
+        big = json.dumps(ask("x" * 2000)).encode()
+        r = httpx.post(f"{url}/v1/chat/completions", content=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = httpx.post(f"{url}/v1/chat/completions", content=iter([big[:600], big[600:]]))  # chunked, no length
+        assert r.status_code == 413
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("small")).status_code == 200
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    with serving(scripted_agent(SLOW), ServeConfig(max_concurrency=1, max_queue=1), model="slow") as url:
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(*(c.post(f"{url}/v1/chat/completions", json=ask("sleep 1", "slow"))
+                                              for _ in range(4)))
+        codes = sorted(r.status_code for r in asyncio.run(main()))
+        assert codes == [200, 200, 429, 429]
+        busy = next(r for r in asyncio.run(main()) if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_slow_episode_times_out_with_504_and_is_cancelled():
+    EVENTS.clear()
+    with serving(scripted_agent(SLOW), ServeConfig(timeout_s=0.5), model="slow") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("sleep 5", "slow"), timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert EVENTS == ["cancelled sleep 5"]
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_cancels_its_episode(stream, tmp_path):
+    EVENTS.clear()
+    with serving(scripted_agent(SLOW), ServeConfig(store=tmp_path / "traces"), model="slow") as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=ask("sleep 5", "slow", stream=stream), timeout=0.5)
+        deadline = time.monotonic() + 3
+        while not EVENTS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert EVENTS == ["cancelled sleep 5"]
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+    finished = [json.loads(x) for x in (tmp_path / "traces" / "events.jsonl").read_text().splitlines()]
+    [trace] = [e["trace"] for e in finished if e["kind"] == "episode_finished"]
+    assert trace["status"] == "cancelled"  # stored, not lost
+
+
+def test_a_failed_episode_is_a_500_with_the_trace_id_and_the_server_goes_on():
+    @register_agent("explodes-serve")
+    async def explodes(ctx):
+        raise RuntimeError("kaboom")
+
+    with serving(scripted_agent(SLOW.replace("sleepy", "explodes-serve")), model="slow") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("x", "slow"))
+        assert r.status_code == 500 and "kaboom" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "episode_error"
+        with pytest.raises(openai.InternalServerError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).chat.completions.create(**ask("x", "slow"))
+        stream = httpx.post(f"{url}/v1/chat/completions", json=ask("x", "slow", stream=True)).text
+        assert '"error"' in stream and stream.rstrip().endswith("data: [DONE]")
+
+
+def test_public_address_without_key_is_refused():
+    check_bind("127.0.0.1", None, False)
+    check_bind("::1", None, False)
+    check_bind("localhost", None, False)
+    check_bind("0.0.0.0", "key", False)
+    check_bind("0.0.0.0", None, True)
+    for host in ("0.0.0.0", "192.168.1.5", "example.com", "::"):
+        with pytest.raises(MasgraphError, match="API key"):
+            check_bind(host, None, False)
+
+
+def test_cli_refuses_a_public_bind_before_loading_anything(root):
+    r = subprocess.run([sys.executable, "-m", "masgraph.cli", "serve", str(root / "graphs" / "single.yaml"),
+                        "--host", "0.0.0.0"], capture_output=True, text=True, env={**os.environ,
+                                                                                   "MASGRAPH_API_KEY": ""})
+    assert r.returncode == 2 and r.stderr.startswith("error: --host 0.0.0.0") and "Traceback" not in r.stderr
+
+
+SERVE_SCRIPT = textwrap.dedent("""\
+    import sys
+    from masgraph.agent import Agent
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+    from masgraph.server import ServeConfig, serve
+    sys.path.insert(0, {here!r})
+    import test_server  # registers the `sleepy` agent
+    agent = Agent(compile_spec(parse_spec(test_server.SLOW, "slow.yaml")))
+    serve(agent, "slow", "127.0.0.1", {port}, ServeConfig(timeout_s=30, store={store!r}), log_level="warning")
+""")
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+    port = free_port()
+    script = tmp_path / "serve.py"
+    store = tmp_path / "traces"
+    script.write_text(SERVE_SCRIPT.format(here=str(Path(__file__).parent), port=port, store=str(store)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.1)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as c:
+                pending = [asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=ask("sleep 1.5", "slow")))
+                           for _ in range(3)]
+                await asyncio.sleep(0.5)  # all three are in flight
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                try:
+                    late = await c.post(f"{url}/v1/chat/completions", json=ask("sleep 0", "slow"))
+                    late = late.status_code
+                except httpx.TransportError:
+                    late = "refused"
+                return [r.status_code for r in await asyncio.gather(*pending)], late
+
+        codes, late = asyncio.run(main())
+        assert codes == [200, 200, 200]  # in-flight requests finish
+        assert late in ("refused", 503)  # new ones are not taken
+        out, err = proc.communicate(timeout=30)
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM, as it should
+        assert proc.returncode in (0, -signal.SIGTERM), err
+        assert json.loads((store / "summary.json").read_text()) == {"episodes": 3}  # shutdown ran after the drain
+    finally:
+        if proc.poll() is None:
+            proc.kill()
