@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from masgraph.bundle import Bundle, load_bundle
 from masgraph.engine import BackendOptions, Engine
 from masgraph.errors import MasgraphError
 from masgraph.events import Sink
 from masgraph.graph import Graph
 from masgraph.trace import Trace
 
-__all__ = ["Agent", "Answer", "load_agent"]
+__all__ = ["Agent", "Answer", "load_agent", "open_source"]
 
 
 @dataclass(frozen=True)
@@ -57,18 +58,21 @@ class Agent:
 
     def __init__(self, graph: Graph, checkpoint: str | Path | None = None,
                  topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False,
-                 engine: Engine | None = None):
+                 engine: Engine | None = None, bundle: Bundle | None = None):
         from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
         from masgraph.topology.policy import load_policy
 
-        self.graph, self.mode = graph, topology
+        if checkpoint is not None and bundle is not None:
+            raise MasgraphError("a bundle carries its own adapters; do not pass a checkpoint with it")
+        self.graph, self.mode, self.bundle = graph, topology, bundle
         self.checkpoint = resolve_checkpoint(checkpoint) if checkpoint is not None else None
-        if self.checkpoint is not None:
-            checkpoint_adapters(self.checkpoint)  # a broken checkpoint is reported before the model loads
-        self.topology = load_policy(graph, self.checkpoint)
+        adapters = checkpoint_adapters(self.checkpoint) if self.checkpoint is not None else {}  # checked early
+        if bundle is not None:
+            adapters = bundle.adapters
+        self.topology = load_policy(graph, bundle.path if bundle is not None and bundle.topology_file
+                                    else self.checkpoint)
         self.engine = engine or Engine(graph, options=BackendOptions(deterministic=deterministic))
-        if self.checkpoint is not None:
-            self.engine.load_checkpoint(self.checkpoint)
+        self.engine.load_adapters(adapters)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -114,13 +118,26 @@ class Agent:
             asyncio.run(self.aclose())
 
 
-def load_agent(source: str | Path, checkpoint: str | Path | None = None,
-               topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False) -> Agent:
-    """An `Agent` from a graph YAML file (optionally with a training run's checkpoint)."""
+def open_source(source: str | Path, check_models: bool = True) -> tuple[Graph, Bundle | None]:
+    """The graph of a graph YAML file, or of a bundle (a directory written by `masgraph export`, or its .tar.gz;
+    checked against its manifest first) with the bundle."""
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
 
     path = Path(source)
-    if path.is_dir():
-        raise MasgraphError(f"{path} is a directory; pass a graph YAML file")
-    return Agent(compile_spec(load_spec(path), str(path)), checkpoint, topology, deterministic)
+    bundle = None
+    if path.is_dir() or path.name.endswith(".tar.gz"):
+        if path.is_dir() and not (path / "manifest.json").exists() and (path / "checkpoints").is_dir():
+            raise MasgraphError(f"{path} is a training run; export it first (`masgraph export {path} --out DIR`) "
+                                "or pass its graph with --checkpoint")
+        bundle = load_bundle(path)
+        path = bundle.graph_file
+    return compile_spec(load_spec(path), str(path), check_models=check_models), bundle
+
+
+def load_agent(source: str | Path, checkpoint: str | Path | None = None,
+               topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False) -> Agent:
+    """An `Agent` from a bundle (`masgraph export`) or a graph YAML file (optionally with a training run's
+    checkpoint)."""
+    graph, bundle = open_source(source)
+    return Agent(graph, checkpoint, topology, deterministic, bundle=bundle)

@@ -123,20 +123,24 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from masgraph.agent import open_source
     from masgraph.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
     from masgraph.runner import RunConfig, Runner
 
-    graph = _load_graph(args.graph)
+    graph, bundle = open_source(args.graph)
     task = _load_task(args.task)
+    if bundle is not None and args.checkpoint:
+        raise MasgraphError(f"{args.graph} is a bundle with its own adapters; drop --checkpoint")
     checkpoint = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None:
         checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+    learned_from = bundle.path if bundle is not None and bundle.topology_file else checkpoint
     topology, mode = None, args.topology
     if graph.spec.topology is not None:
         from masgraph.topology.policy import load_policy
 
-        topology = load_policy(graph, checkpoint)
-        mode = mode or ("greedy" if has_learned_topology(checkpoint) else "sample")
+        topology = load_policy(graph, learned_from)
+        mode = mode or ("greedy" if has_learned_topology(learned_from) else "sample")
         print(f"topology: {'learned v' + str(topology.version) if topology.version else 'untrained prior'}, "
               f"{mode}", file=sys.stderr)
     elif args.topology:
@@ -157,6 +161,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = Runner(graph, config, topology=topology)
     if checkpoint is not None:
         print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
+    if bundle is not None:
+        runner.engine.load_adapters(bundle.adapters)
+        print(f"bundle {bundle.path}: adapters {sorted(bundle.adapters) or 'none'}", file=sys.stderr)
     return run_with_progress(runner, task, items)
 
 
@@ -362,13 +369,13 @@ def cmd_topology(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from masgraph.agent import Agent
+    from masgraph.agent import Agent, open_source
     from masgraph.server import ServeConfig, check_bind, serve
     from masgraph.store import new_run_dir
 
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
-    graph = _load_graph(args.graph)
+    graph, bundle = open_source(args.graph)
     if args.topology and graph.spec.topology is None:
         raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section; "
                             "drop the flag")
@@ -379,10 +386,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, timeout_s=args.timeout, store=store)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
-    agent = Agent(graph, args.checkpoint, args.topology or "greedy", args.deterministic)
+    agent = Agent(graph, args.checkpoint, args.topology or "greedy", args.deterministic, bundle=bundle)
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
     serve(agent, graph.spec.name, args.host, args.port, config)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from masgraph.bundle import export_bundle, load_bundle
+
+    out = export_bundle(args.source, args.out, archive=args.archive)
+    bundle = load_bundle(out)  # what was written loads (and the manifest matches)
+    m = bundle.manifest
+    ev = m.get("evaluation")
+    print(f"exported {m['name']} to {out}")
+    print(f"  adapters {sorted(m['adapters']) or 'none'}; topology "
+          f"{'learned v' + str(m['topology']['version']) if m['topology'] else 'none'}; "
+          f"base {', '.join(m['models']) or 'none'}")
+    if ev:
+        print(f"  held-out accuracy at step {ev['step']}: {ev['accuracy']:.3f} on {ev['n']} {ev['task']} items")
+    print(f"serve it: masgraph serve {out}")
     return 0
 
 
@@ -413,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run a graph on a task and report accuracy")
-    r.add_argument("graph", help="graph YAML file (see graphs/)")
+    r.add_argument("graph", help="graph YAML file (see graphs/), or a bundle written by `masgraph export`")
     r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
     r.add_argument("--n", type=positive_int, default=16, help="number of items (default 16)")
     r.add_argument("--split", default="test", choices=["train", "test"])
@@ -460,8 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--out", help="output PNG (default RUN/topology.png)")
     tp.set_defaults(fn=cmd_topology)
 
+    ex = sub.add_parser("export", help="write a trained graph as a self-contained, deployable bundle")
+    ex.add_argument("source", help="a training run dir (its latest checkpoint), RUN/checkpoints/step-N, or a graph "
+                                   "YAML file")
+    ex.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
+    ex.add_argument("--archive", action="store_true", help="write OUT.tar.gz instead of a directory")
+    ex.set_defaults(fn=cmd_export)
+
     sv = sub.add_parser("serve", help="serve a graph behind an OpenAI-compatible endpoint (/v1/chat/completions)")
-    sv.add_argument("graph", help="graph YAML file")
+    sv.add_argument("graph", help="a bundle (`masgraph export`: a directory or .tar.gz) or a graph YAML file")
     sv.add_argument("--checkpoint", help="serve trained adapters (and topology): a training run dir or "
                                          "RUN/checkpoints/step-N")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

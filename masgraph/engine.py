@@ -72,11 +72,15 @@ class Engine:
         from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
 
         checkpoint = resolve_checkpoint(path)
-        for name, adapter_dir in checkpoint_adapters(checkpoint).items():
+        self.load_adapters(checkpoint_adapters(checkpoint))
+        return checkpoint
+
+    def load_adapters(self, adapters: dict[str, Path]) -> None:
+        """Serve these trained adapters (name -> PEFT directory) in every backend that serves adapters."""
+        for name, adapter_dir in adapters.items():
             for backend in self.backends.values():
                 if serves_adapters(backend):
                     backend.load_adapter(name, str(adapter_dir))
-        return checkpoint
 
     def scheduler(self, sinks: Sequence[Sink] = (), score: Callable[[EpisodeInput, Trace], float] | None = None,
                   concurrency: int = 16, seed: int = 0) -> Scheduler:

@@ -121,6 +121,12 @@ class TrainLoop:
         fg = self.cfg.flow_grpo
         rounds = 1 + (fg.resample_rounds if fg.zero_variance == "resample" else 0)
         self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
+        if not self.items:
+            raise MasgraphError(f"task {task.name!r} gave no train items (seed {self.cfg.seed}); check its generate()")
+        if not task.items("test", self.cfg.eval_n, self.cfg.seed):  # found now, not after the training time
+            raise MasgraphError(f"task {task.name!r} has no held-out (test) items that differ from its train "
+                                f"questions (seed {self.cfg.seed}); held-out evaluation needs some: make "
+                                "generate('test', ...) ask other questions")
         self.step = 0
         self.cursor = 0  # next unused training item
         self.train_seconds = 0.0  # rollouts + updates so far, on the `budget_clock` (the `max_minutes` budget)

@@ -250,3 +250,13 @@ def test_the_budget_counts_the_chosen_clock(tiny, tmp_path, monkeypatch, clock, 
     loop = _loop(tiny, tmp_path / "run", TRAIN.replace("seed: 3", f"seed: 3, max_minutes: 1, budget_clock: {clock}"))
     asyncio.run(loop.run())
     assert loop.step == steps  # cpu: out of budget after the first step; wall: all 3 steps fit in a minute
+
+
+def test_a_task_without_held_out_items_is_refused_before_training(tiny, tmp_path):
+    class Leaky(Sums):
+        def generate(self, split, n, seed):  # the same questions in both splits: no held-out item survives
+            return super().generate("train", n, seed)
+
+    with pytest.raises(MasgraphError, match="no held-out"):
+        TrainLoop(_graph(tiny, TRAIN), Leaky(), tmp_path / "run", dtype="float32")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

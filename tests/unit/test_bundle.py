@@ -1,0 +1,189 @@
+"""Bundles (`masgraph export`) on a tiny random Llama: what is written, that it answers like the checkpoint it came
+from, that its adapters load with plain `peft`, and that a bundle that does not match its manifest is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from masgraph.agent import Agent, load_agent, open_source
+from masgraph.bundle import export_bundle, load_bundle
+from masgraph.errors import MasgraphError
+from masgraph.graph import compile_spec
+from masgraph.loader import parse_spec
+from masgraph.tasks import Item, Task
+from masgraph.trainers.loop import TrainLoop
+
+QUESTIONS = ["1 + 1 ?", "3 + 1 ?", "7 + 1 ?"]
+
+
+class Sums(Task):
+    name = "sums"
+
+    def generate(self, split: str, n: int, seed: int) -> list[Item]:
+        if split == "train":
+            return [Item(f"train-{seed}-{i}", f"{i % 19} + 1 ?", str(i % 19 + 1)) for i in range(n)]
+        return [Item(f"test-{seed}-{i}", f"{i % 19} * 1 ?", str(i % 19)) for i in range(n)]
+
+    def score(self, item: Item, answer: str) -> float:
+        return float(answer.strip() == item.answer)
+
+    def reward(self, item, trace) -> float:
+        return float(trace.meta["sample"] % 2)  # every group has a signal, so the adapter moves
+
+
+def graph_text(model: Path) -> str:
+    return f"""\
+name: tiny
+policies:
+  main: {{model: "{model}", adapter: answer, trainable: true, sampling: {{temperature: 0.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 2, seed: 1,
+         flow_grpo: {{group_size: 2, lr: 0.05, temperature: 1.0}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory) -> Path:
+    """A finished training run of the tiny graph (one step)."""
+    run = tmp_path_factory.mktemp("train") / "run"
+    asyncio.run(TrainLoop(compile_spec(parse_spec(graph_text(tiny), "tiny.yaml")), Sums(), run,
+                          dtype="float32").run())
+    return run
+
+
+def answers(agent: Agent) -> list[tuple[str | None, list[float]]]:
+    """Each question's answer and the log-probs of its tokens (which tell adapters apart even when the greedy
+    answer is the same)."""
+    async def main():
+        try:
+            return [(a.answer, [lp for c in a.trace.llm_calls for lp in c.logprobs])
+                    for a in [await agent.aask(q) for q in QUESTIONS]]
+        finally:
+            await agent.aclose()
+    return asyncio.run(main())
+
+
+def test_a_bundle_answers_like_its_checkpoint_from_anywhere(trained, tiny, tmp_path):
+    bundle = export_bundle(trained, tmp_path / "b")
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["source"]["step"] == 1 and set(m["adapters"]) == {"answer"}
+    assert m["evaluation"]["task"] == "sums" and m["evaluation"]["n"] == 2 and "masgraph run" in m["evaluation"][
+        "command"]
+    assert "train" not in yaml.safe_load((bundle / "graph.yaml").read_text())  # the train section is dropped
+    assert m["models"][str(tiny)]["weights"]["model.safetensors"]
+    moved = tmp_path / "elsewhere" / "b"  # copied away from the run
+    shutil.copytree(bundle, moved)
+    graph = compile_spec(parse_spec(graph_text(tiny), "tiny.yaml"))
+    from_checkpoint = answers(Agent(graph, trained, deterministic=True))
+    from_bundle = answers(load_agent(moved, deterministic=True))
+    untrained = answers(Agent(graph, deterministic=True))
+    assert from_bundle == from_checkpoint
+    assert [lp for _, lp in untrained] != [lp for _, lp in from_checkpoint]  # the adapter is served, not the base
+
+
+def test_bundle_adapters_load_with_plain_peft(trained, tiny, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    bundle = export_bundle(trained, tmp_path / "b")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), bundle / "adapters" / "answer")
+    lora = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert lora and any(bool(torch.any(v != 0)) for v in lora.values())  # trained weights, not the zero init
+
+
+def test_a_graph_file_exports_too_and_archives_round_trip(trained, tiny, tmp_path):
+    graph = tmp_path / "tiny.yaml"
+    graph.write_text(graph_text(tiny))
+    plain = export_bundle(graph, tmp_path / "plain")
+    assert json.loads((plain / "manifest.json").read_text())["adapters"] == {}
+    archive = export_bundle(trained, tmp_path / "packed", archive=True)
+    assert archive.name == "packed.tar.gz" and not (tmp_path / "packed").exists()
+    elsewhere = tmp_path / "far"
+    elsewhere.mkdir()
+    shutil.copy(archive, elsewhere)
+    g, b = open_source(elsewhere / "packed.tar.gz")
+    assert b is not None and set(b.adapters) == {"answer"} and g.spec.name == "tiny"
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda b: (b / "adapters/answer/adapter_model.safetensors").write_bytes(b"x"), "does not match its sha256"),
+    (lambda b: (b / "graph.yaml").unlink(), "graph.yaml is missing"),
+    (lambda b: (b / "manifest.json").write_text("{"), "not valid JSON"),
+    (lambda b: _edit(b, lambda m: m.update(format_version=99)), "format version 99"),
+    (lambda b: _edit(b, lambda m: m["models"][next(iter(m["models"]))]["weights"].update(
+        {"model.safetensors": "0" * 64})), "other weights of base model"),
+    (lambda b: _edit(b, lambda m: m["files"].pop("graph.yaml")), "does not cover graph.yaml"),
+    (lambda b: _retemplate(b), "prompt template direct.txt differs"),
+])
+def test_a_bundle_that_does_not_match_its_manifest_is_refused(trained, tmp_path, damage, match):
+    bundle = export_bundle(trained, tmp_path / "b")
+    damage(bundle)
+    with pytest.raises(MasgraphError, match=match):
+        load_bundle(bundle)
+
+
+def _edit(bundle: Path, change) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    change(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def _retemplate(bundle: Path) -> None:
+    """Other prompt text than this masgraph's, with a manifest that agrees (so only the prompt check can catch it)."""
+    from masgraph.bundle import sha256_file
+
+    (bundle / "prompts" / "direct.txt").write_text("Answer in French.\n")
+    _edit(bundle, lambda m: m["files"].update({"prompts/direct.txt": sha256_file(bundle / "prompts/direct.txt")}))
+
+
+def test_a_hostile_archive_is_refused(tmp_path):
+    evil = tmp_path / "evil.tar.gz"
+    payload = tmp_path / "payload"
+    payload.write_text("pwned")
+    with tarfile.open(evil, "w:gz") as tar:
+        tar.add(payload, arcname="../escaped.txt")
+    with pytest.raises(MasgraphError, match="cannot unpack"):
+        load_bundle(evil)
+    assert not (tmp_path.parent / "escaped.txt").exists()
+
+
+def test_export_refuses_to_overwrite_and_names_bad_sources(trained, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(MasgraphError, match="not empty"):
+        export_bundle(trained, out)
+    assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(MasgraphError, match="does not exist"):
+        export_bundle(tmp_path / "nope", tmp_path / "o1")
+    no_spec = tmp_path / "nospec"
+    shutil.copytree(trained, no_spec)
+    (no_spec / "spec.yaml").unlink()
+    with pytest.raises(MasgraphError, match="no spec.yaml"):
+        export_bundle(no_spec, tmp_path / "o2")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_cli_errors_for_export_and_serving_a_run_dir(trained, tmp_path):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "masgraph.cli", *args], capture_output=True, text=True)
+
+    r = cli("export", str(tmp_path / "missing"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    r = cli("serve", str(trained))
+    assert r.returncode == 2 and "is a training run; export it first" in r.stderr
+    r = cli("export", str(trained), "--out", str(tmp_path / "ok"))
+    assert r.returncode == 0 and "masgraph serve" in r.stdout, r.stderr
