@@ -1,0 +1,82 @@
+"""Export → deploy on the real model: a bundle exported from a joint training run (adapters + learned topology),
+copied to a fresh directory with the run deleted, served by a new `masgraph serve` process, answers the same
+questions exactly as `masgraph run --checkpoint` does (deterministic mode), topology decisions included."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+N = 6
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "masgraph.cli", *args], capture_output=True, text=True, cwd=cwd,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_exported_bundle_served_elsewhere_answers_like_run_checkpoint(root, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    _cli("train", str(root / "graphs" / "router.yaml"), "--steps", "1", "--queries-per-step", "1", "--eval-every",
+         "0", "--eval-n", "2", "--runs-dir", str(work / "runs"), cwd=work)
+    [run] = (work / "runs").iterdir()
+    assert (run / "checkpoints" / "step-1" / "topology.pt").is_file()
+
+    # the reference: `masgraph run --checkpoint` on held-out items, deterministic
+    _cli("run", str(run / "spec.yaml"), "--checkpoint", str(run), "--task", "basic_arithmetic", "--n", str(N),
+         "--deterministic", "--runs-dir", str(work / "eval"), cwd=work)
+    [eval_dir] = (work / "eval").iterdir()
+    events = [json.loads(x) for x in (eval_dir / "events.jsonl").read_text().splitlines()]
+    expected = {e["trace"]["query"]: (e["trace"]["answer"], e["trace"]["topology"]["decisions"])
+                for e in events if e["kind"] == "episode_finished"}
+    assert len(expected) == N
+
+    _cli("export", str(run), "--out", str(work / "bundle"), cwd=work)
+    deployed = tmp_path / "deployed"
+    shutil.copytree(work / "bundle", deployed / "agent")
+    shutil.rmtree(work)  # no run dir, no checkpoint, no training files around
+
+    port, log = _free_port(), open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", "agent", "--port", str(port),
+                             "--deterministic", "--no-store"], cwd=deployed, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = {}
+        for query in expected:
+            r = client.chat.completions.create(model="router", messages=[{"role": "user", "content": query}],
+                                               extra_body={"masgraph": {"trace": True}})
+            got[query] = (r.choices[0].message.content, r.model_extra["masgraph"]["topology"])
+        assert got == expected
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
