@@ -33,12 +33,14 @@ $(MODEL): $(STAMP)
 
 # Evaluate the AgentFlow graph, then train its planner + verifier adapters briefly (Flow-GRPO) and
 # evaluate again on held-out items; then a brief joint run on the router supergraph (topology + adapters)
-# and the topology distribution it learned; all offline on the embedded model.
+# and the topology distribution it learned; then that run is exported as a bundle, served behind the
+# OpenAI-compatible endpoint and asked one question with curl; all offline on the embedded model.
 demo: setup
 	$(VENV)/bin/masgraph run graphs/agentflow.yaml --task basic_arithmetic --n 32 --concurrency 16
 	$(VENV)/bin/masgraph train graphs/agentflow.yaml --task basic_arithmetic --steps 2 --queries-per-step 1 --eval-n 8 --runs-dir runs
 	$(VENV)/bin/masgraph train graphs/router.yaml --steps 3 --queries-per-step 1 --eval-every 0 --eval-n 4 --runs-dir runs
 	$(VENV)/bin/masgraph topology "$$(ls -td runs/router-train-* | head -1)"
+	VENV=$(VENV) scripts/serve_demo.sh
 
 test: setup
 	$(VENV)/bin/pytest -q --durations=15 tests

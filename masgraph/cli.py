@@ -389,7 +389,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     agent = Agent(graph, args.checkpoint, args.topology or "greedy", args.deterministic, bundle=bundle)
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
-    serve(agent, graph.spec.name, args.host, args.port, config)
+    serve(agent, graph.spec.name, args.host, args.port, config, log_level=args.log_level)
     return 0
 
 
@@ -510,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-kb", type=positive_int, default=1024, help="largest request body (413; default 1024)")
     sv.add_argument("--no-store", action="store_true", help="keep no traces (default: a run dir under --runs-dir)")
     sv.add_argument("--runs-dir", default="runs")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="server log level (info logs every request)")
     sv.set_defaults(fn=cmd_serve)
 
     v = sub.add_parser("validate", help="check graph YAML files")
