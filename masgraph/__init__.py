@@ -9,7 +9,7 @@ _os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 __version__ = "0.1.0"
 
 
-def load_agent(source, checkpoint=None, topology="greedy", deterministic=False):  # noqa: ANN001, ANN201
+def load_agent(source, checkpoint=None, topology=None, deterministic=False):  # noqa: ANN001, ANN201
     """A deployable agent from a graph YAML file (and a training run's checkpoint): `agent.ask(question)` →
     answer and trace; `await agent.aask(question)` from async code. See `masgraph.agent.load_agent`."""
     from masgraph.agent import load_agent as _load

@@ -7,6 +7,7 @@ on the agent's own event loop thread, so it can be called from anywhere (a scrip
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ class Answer:
 
 class Agent:
     """A graph ready to answer: its engine built once, a checkpoint's adapters loaded, its topology policy (for a
-    graph with a `topology:` section) picking each question's sub-graph — `greedy` by default.
+    graph with a `topology:` section) picking each question's sub-graph — by default `greedy` for a learned
+    topology and `sample` for the untrained prior (as `masgraph run` does).
 
     Example:
         >>> agent = load_agent("graphs/agentflow.yaml")
@@ -57,7 +59,7 @@ class Agent:
     """
 
     def __init__(self, graph: Graph, checkpoint: str | Path | None = None,
-                 topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False,
+                 topology: Literal["greedy", "sample"] | None = None, deterministic: bool = False,
                  engine: Engine | None = None, bundle: Bundle | None = None):
         from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
         from masgraph.topology.policy import load_policy
@@ -71,6 +73,8 @@ class Agent:
             adapters = bundle.adapters
         self.topology = load_policy(graph, bundle.path if bundle is not None and bundle.topology_file
                                     else self.checkpoint)
+        if self.mode is None:
+            self.mode = "greedy" if self.topology is not None and self.topology.version > 0 else "sample"
         self.engine = engine or Engine(graph, options=BackendOptions(deterministic=deterministic))
         self.engine.load_adapters(adapters)
         self._thread: threading.Thread | None = None
@@ -87,7 +91,8 @@ class Agent:
             raise MasgraphError("the question is empty; ask something")
         topology = choice = None
         if self.topology is not None:
-            picked = self.topology.sample(question, greedy=self.mode == "greedy")
+            greedy = self.mode == "greedy"
+            picked = self.topology.sample(question, seed=None if greedy else random.getrandbits(31), greedy=greedy)
             topology, choice = picked.topology, picked.choice
         trace = await self.engine.episode(question, topology=topology, choice=choice, sinks=sinks, meta=meta)
         return Answer(trace.answer if trace.status == "ok" else None, trace)
@@ -136,7 +141,7 @@ def open_source(source: str | Path, check_models: bool = True) -> tuple[Graph, B
 
 
 def load_agent(source: str | Path, checkpoint: str | Path | None = None,
-               topology: Literal["greedy", "sample"] = "greedy", deterministic: bool = False) -> Agent:
+               topology: Literal["greedy", "sample"] | None = None, deterministic: bool = False) -> Agent:
     """An `Agent` from a bundle (`masgraph export`) or a graph YAML file (optionally with a training run's
     checkpoint)."""
     graph, bundle = open_source(source)

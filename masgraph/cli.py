@@ -386,7 +386,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, timeout_s=args.timeout, store=store)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
-    agent = Agent(graph, args.checkpoint, args.topology or "greedy", args.deterministic, bundle=bundle)
+    agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
+    if agent.topology is not None:
+        print(f"topology: {'learned v' + str(agent.topology.version) if agent.topology.version else 'untrained prior'}"
+              f", {agent.mode}", file=sys.stderr)
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
     serve(agent, graph.spec.name, args.host, args.port, config, log_level=args.log_level)
@@ -500,8 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $MASGRAPH_API_KEY, else none)")
     sv.add_argument("--allow-public-without-key", action="store_true",
                     help="serve a non-loopback --host without an API key (refused otherwise)")
-    sv.add_argument("--topology", choices=["greedy", "sample"], help="how a learned topology picks each question's "
-                    "sub-graph (default greedy)")
+    sv.add_argument("--topology", choices=["greedy", "sample"], help="how the topology policy picks each question's "
+                    "sub-graph (default: greedy when learned, sample for the untrained prior)")
     sv.add_argument("--deterministic", action="store_true", help="bit-exact answers whatever the load (slower)")
     sv.add_argument("--max-concurrency", type=positive_int, default=64, help="episodes in flight (default 64)")
     sv.add_argument("--max-queue", type=non_negative_int, default=256,

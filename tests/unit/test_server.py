@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from masgraph.agent import Agent
 from masgraph.agents.registry import register_agent
@@ -313,3 +314,44 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+ARMS = """\
+name: arms
+nodes:
+  start: {role: custom, agent: echo-serve}
+  left: {role: custom, agent: echo-serve}
+  right: {role: custom, agent: echo-serve}
+  end: {role: custom, agent: echo-serve, merge: first}
+edges: [{source: start, target: left}, {source: start, target: right},
+        {source: left, target: end}, {source: right, target: end}]
+entry: start
+exit: end
+topology: {choices: {start: [left, right]}}
+"""
+
+
+@register_agent("echo-serve")
+async def _echo_serve(ctx):
+    return NodeOutput(text=ctx.node, answer=ctx.merged or ctx.node)
+
+
+def test_an_agent_samples_an_untrained_topology_and_follows_a_learned_one_greedily(monkeypatch):
+    def routes(agent: Agent) -> set[str]:
+        async def main():
+            return {(await agent.aask("same question")).answer for _ in range(24)}
+        return asyncio.run(main())
+
+    graph = compile_spec(parse_spec(ARMS, "arms.yaml"))
+    untrained = Agent(graph)
+    assert untrained.mode == "sample" and routes(untrained) == {"left", "right"}
+    from masgraph.topology import policy as policies
+
+    trained = policies.TopologyPolicy(untrained.topology.space)
+    with torch.no_grad():
+        trained.logits[0].copy_(torch.tensor([0.0, 0.5]))  # right is more likely, left still likely to be sampled
+    trained.version = 3
+    monkeypatch.setattr(policies, "load_policy", lambda graph, checkpoint=None: trained)  # as from a checkpoint
+    learned = Agent(graph)
+    assert learned.mode == "greedy" and routes(learned) == {"right"}
+    assert Agent(graph, topology="greedy").mode == "greedy"
