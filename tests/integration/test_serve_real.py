@@ -34,7 +34,8 @@ def server(tmp_path_factory):
     runs, port = tmp_path_factory.mktemp("serve-runs"), _free_port()
     log = open(runs.parent / "server.log", "w")  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", os.path.join(root, "graphs",
-                             "agentflow.yaml"), "--port", str(port), "--runs-dir", str(runs), "--api-key", "test-key"],
+                             "agentflow.yaml"), "--port", str(port), "--runs-dir", str(runs), "--api-key", "test-key",
+                             "--timeout", "1800"],  # 100 requests queue behind each other on a busy 2-core box
                             stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
