@@ -392,6 +392,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f", {agent.mode}", file=sys.stderr)
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving model {graph.spec.name!r} at http://{host}:{args.port}/v1 (OpenAI-compatible chat completions"
+          f"{'; bearer key required' if api_key else ''}); Ctrl-C stops", file=sys.stderr)
     serve(agent, graph.spec.name, args.host, args.port, config, log_level=args.log_level)
     return 0
 
