@@ -168,7 +168,8 @@ class Scheduler:
                     raise _StepFailed(f"episode exceeded max_steps={limits.max_steps}")
                 for node, inputs in ready.items():
                     runs[node] += 1
-                    reads.received(_read(spec.nodes[node].merge, inputs))
+                    if inputs:
+                        reads.received(spec.nodes[node].merge, inputs)
                 if len(ready) == 1:
                     [(node, inputs)] = ready.items()
                     results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
@@ -305,14 +306,20 @@ class _Reads:
         self.entries: dict[int, tuple[object, int]] = {}  # id(memory entry) -> (entry, index of the step)
         self.used: set[int] = set()
 
-    def received(self, outputs: list[NodeOutput]) -> None:
-        self.used.update(self.outputs[id(o)][1] for o in outputs if id(o) in self.outputs)
+    def received(self, merge: str | None, inputs: list[tuple[str, NodeOutput]]) -> None:
+        for out in _read(merge, inputs):
+            made = self.outputs.get(id(out))
+            if made is not None:
+                self.used.add(made[1])
 
     def made(self, results: list[tuple[str, NodeOutput, Step]], memory: ActionLog) -> None:
-        by_node = {step.node: step.index for _, _, step in results}
         for _, out, step in results:
             self.outputs[id(out)] = (out, step.index)
-        for entry in memory.actions:  # the new entries belong to the step of the node that wrote them
+        actions = memory.actions
+        if not actions or id(actions[-1]) in self.entries:  # nothing new (on the hot path: no scan)
+            return
+        by_node = {step.node: step.index for _, _, step in results}
+        for entry in actions:  # the new entries belong to the step of the node that wrote them
             if id(entry) not in self.entries and entry.node in by_node:
                 self.entries[id(entry)] = (entry, by_node[entry.node])
 
@@ -324,7 +331,7 @@ class _Reads:
 
 def _read(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> list[NodeOutput]:
     """The inputs whose content `_merge` keeps: all, except that `first` keeps one."""
-    if rule == "first" and len(inputs) > 1:
+    if len(inputs) > 1 and rule == "first":
         results = [o for _, o in inputs if o.has_result]
         return [(results or [o for _, o in inputs])[0]]
     return [o for _, o in inputs]
