@@ -7,9 +7,10 @@ evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
 - `topology`  HRPO on `graphs/mixed_router.yaml`'s query-conditioned topology policy, node policies frozen
 - `gptswarm`  the same with the GPTSwarm-style estimator (`hrpo.baseline: moving_average`)
 - `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
-(every HRPO arm uses `hrpo.lr: --hrpo-lr`)
 - `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
 - `policy`    Flow-GRPO alone on the best fixed route (the plain graph of the rule's best single route)
+
+Every HRPO arm uses `hrpo.lr: --hrpo-lr`.
 
 The fixed-route references (best single route, oracle router) come from `benchmarks/topology_rule.py`, which must
 have run first (it writes runs/bench-topology/rule.json); both use the same held-out items and greedy decoding.

@@ -39,7 +39,7 @@ class Answer:
     @property
     def prompt_tokens(self) -> int:
         """Prompt tokens of every LLM call of the episode."""
-        return sum(len(c.prompt_ids) for c in self.trace.llm_calls)
+        return self.trace.prompt_tokens
 
     @property
     def completion_tokens(self) -> int:

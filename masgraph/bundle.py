@@ -99,16 +99,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _evaluation(run: Path, step: int | None) -> dict[str, Any] | None:
     """The training run's held-out evaluation at the exported step (from metrics.jsonl), with its command."""
+    from masgraph.store import read_jsonl
+
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a half-written last line of a killed run
-    at = [r for r in rows if r.get("step") == step and "accuracy/test" in r]
+    at = [r for r in read_jsonl(metrics) if r.get("step") == step and "accuracy/test" in r]  # cut lines skipped
     if not at:
         return None
     cfg: dict[str, Any] = {}

@@ -141,8 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         topology = load_policy(graph, learned_from)
         mode = mode or ("greedy" if has_learned_topology(learned_from) else "sample")
-        print(f"topology: {'learned v' + str(topology.version) if topology.version else 'untrained prior'}, "
-              f"{mode}", file=sys.stderr)
+        _print_topology(topology, mode)
     elif args.topology:
         raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section, so "
                             "every episode runs the whole graph; drop the flag")
@@ -368,6 +367,12 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_topology(policy: Any, mode: str) -> None:
+    """Which topology a run or a server follows, and how (stderr)."""
+    print(f"topology: {'learned v' + str(policy.version) if policy.version else 'untrained prior'}, {mode}",
+          file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from masgraph.agent import Agent, open_source
     from masgraph.server import ServeConfig, check_bind, serve
@@ -388,8 +393,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
     if agent.topology is not None:
-        print(f"topology: {'learned v' + str(agent.topology.version) if agent.topology.version else 'untrained prior'}"
-              f", {agent.mode}", file=sys.stderr)
+        _print_topology(agent.topology, agent.mode)
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -81,8 +81,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 def usage(trace: Trace) -> dict[str, int]:
     """Token usage of the whole episode: every LLM call of every node."""
-    prompt = sum(len(c.prompt_ids) for c in trace.llm_calls)
-    completion_ = trace.completion_tokens
+    prompt, completion_ = trace.prompt_tokens, trace.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion_, "total_tokens": prompt + completion_}
 
 

@@ -345,9 +345,9 @@ def _merge(rule: str | None, inputs: list[tuple[str, NodeOutput]]) -> str:
         return ""
     if len(inputs) == 1:
         return inputs[0][1].text
-    results = [(src, o) for src, o in inputs if o.has_result]
     if rule == "first":
-        return (results or inputs)[0][1].text
+        return _read(rule, inputs)[0].text
+    results = [(src, o) for src, o in inputs if o.has_result]
     if rule == "vote":
         votes = Counter((o.answer or o.text).strip() for _, o in results or inputs)
         return votes.most_common(1)[0][0]

@@ -122,6 +122,10 @@ class Trace(Record):
         return sum(len(c.completion_ids) for c in self.llm_calls)
 
     @property
+    def prompt_tokens(self) -> int:
+        return sum(len(c.prompt_ids) for c in self.llm_calls)
+
+    @property
     def turns(self) -> int:
         """Most runs of any node (the number of loop turns taken)."""
         return max((s.turn for s in self.steps), default=0)
