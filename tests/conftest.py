@@ -78,3 +78,37 @@ def runner_for(tmp_path):
 def run():
     """Drive a coroutine to completion (tests are sync; the library is async-only)."""
     return asyncio.run
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port() -> a TCP port on 127.0.0.1 nobody listens on (for a server a test starts)."""
+    import socket
+
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick
+
+
+@pytest.fixture(scope="session")
+def wait_healthy():
+    """wait_healthy(url, proc, seconds, log) -> once GET url/health answers 200; if the server process exits or
+    the time runs out, it is killed and the test fails with `log()` (the server's output)."""
+    import contextlib
+    import time
+
+    import httpx
+
+    def wait(url: str, proc, seconds: float, log=lambda: "") -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the server at {url} did not start:\n{log()}")
+            time.sleep(0.1)
+    return wait

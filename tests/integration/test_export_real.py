@@ -4,16 +4,12 @@ questions exactly as `masgraph run --checkpoint` does (deterministic mode), topo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -29,13 +25,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_an_exported_bundle_served_elsewhere_answers_like_run_checkpoint(root, tmp_path):
+def test_an_exported_bundle_served_elsewhere_answers_like_run_checkpoint(root, tmp_path, free_port, wait_healthy):
     work = tmp_path / "work"
     work.mkdir()
     _cli("train", str(root / "graphs" / "router.yaml"), "--steps", "1", "--queries-per-step", "1", "--eval-every",
@@ -58,18 +48,12 @@ def test_an_exported_bundle_served_elsewhere_answers_like_run_checkpoint(root, t
     shutil.copytree(work / "bundle", deployed / "agent")
     shutil.rmtree(work)  # no run dir, no checkpoint, no training files around
 
-    port, log = _free_port(), open(tmp_path / "server.log", "w")
+    port, log = free_port(), open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", "agent", "--port", str(port),
                              "--deterministic", "--no-store"], cwd=deployed, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.2)
+        wait_healthy(url, proc, 180, (tmp_path / "server.log").read_text)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         got = {}
         for query in expected:

@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -21,32 +18,18 @@ pytestmark = pytest.mark.integration
 QUESTIONS = [f"What is {a} + {b}?" for a, b in [(2, 3), (12, 7), (40, 2), (9, 9)]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, free_port, wait_healthy):
     """`masgraph serve graphs/agentflow.yaml` in its own process; yields (base URL, runs dir)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    runs, port = tmp_path_factory.mktemp("serve-runs"), _free_port()
+    runs, port = tmp_path_factory.mktemp("serve-runs"), free_port()
     log = open(runs.parent / "server.log", "w")  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", os.path.join(root, "graphs",
                              "agentflow.yaml"), "--port", str(port), "--runs-dir", str(runs), "--api-key", "test-key",
                              "--timeout", "1800"],  # 100 requests queue behind each other on a busy 2-core box
                             stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{(runs.parent / 'server.log').read_text()}")
-        time.sleep(0.2)
+    wait_healthy(url, proc, 180, (runs.parent / "server.log").read_text)
     yield url, runs
     proc.terminate()
     proc.wait(60)

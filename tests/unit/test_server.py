@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -64,12 +63,6 @@ async def _sleepy(ctx):
     return NodeOutput(text="slept", answer="slept")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scripted_agent(text: str = GRAPH) -> Agent:
     graph = compile_spec(parse_spec(text, "serve.yaml"))
     backend = ScriptedBackend(default=lambda req: f"Answer: {len(req.messages[-1]['content'])}")
@@ -78,18 +71,18 @@ def scripted_agent(text: str = GRAPH) -> Agent:
 
 @contextlib.contextmanager
 def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"):
-    """A real uvicorn server in a thread, on a free port; yields its base URL."""
+    """A real uvicorn server in a thread, on a port the OS picks; yields its base URL."""
     import uvicorn
 
-    port = free_port()
     app = create_app(agent, model, config or ServeConfig())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -274,7 +267,7 @@ SERVE_SCRIPT = textwrap.dedent("""\
 """)
 
 
-def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, free_port, wait_healthy):
     port = free_port()
     script = tmp_path / "serve.py"
     store = tmp_path / "traces"
@@ -282,13 +275,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
-            time.sleep(0.1)
+        wait_healthy(url, proc, 30, lambda: proc.stderr.read() if proc.poll() is not None else "")
 
         async def main():
             async with httpx.AsyncClient(timeout=30) as c:
