@@ -14,8 +14,9 @@ from pydantic import Field, TypeAdapter
 
 from masgraph.trace import Record, Step, Trace
 
-EVENT_SCHEMA_VERSION = 2
-"""Bumped when an event's fields change incompatibly (v1 had no step_started/llm_call/tool_call/train events)."""
+EVENT_SCHEMA_VERSION = 3
+"""Bumped when an event's fields change incompatibly (v1 had no step_started/llm_call/tool_call/train events;
+v2 had no `Step.sources`, and its stores wrote no episodes.jsonl). Readers read every version."""
 
 
 class EpisodeStarted(Record):

@@ -105,11 +105,12 @@ class RunStore:
         atomic_write(self.path / "config.json", json.dumps(
             {"config": config, "versions": package_versions(), "argv": sys.argv,
              "event_schema_version": EVENT_SCHEMA_VERSION}, indent=2, default=str), durable=False)
-        events = self.path / "events.jsonl"
-        cut = _is_cut(events)
-        self._events = open(events, "ab")  # noqa: SIM115 (open for the run's life; closed by close())
-        if cut:  # a killed run left half a line: end it, or the first new event would be glued onto it
-            self._events.write(b"\n")
+        self._events = _append(self.path / "events.jsonl")
+        self._index = _append(self.path / INDEX)
+        self._offset = self._events.tell()
+        """Bytes in events.jsonl once the pending events are written before it: where the next write starts."""
+        self._starts: dict[str, int] = {}
+        """Live episode -> an offset in events.jsonl at or before its `episode_started` line."""
         self._pending: list[Event] = []
         """Events sent and not yet written."""
         self._sent = _SentSteps()
@@ -117,11 +118,14 @@ class RunStore:
         """The event loop a flush is scheduled on; None when none is."""
 
     def emit(self, event: Event) -> None:
-        if type(event) in _ACCOUNTED:
+        kind = type(event)
+        if kind in _ACCOUNTED:
             sent = self._sent.add(event)
             if sent is not None:  # an episode ended: it is on disk when this returns (read_traces sees it)
-                self._write(_finished_line(event, sent))  # type: ignore[arg-type]
+                self._finish(event, sent)  # type: ignore[arg-type]
                 return
+            if kind is EpisodeStarted:  # its line goes after everything already written
+                self._starts[event.episode_id] = self._offset  # type: ignore[union-attr]
         self._pending.append(event)
         if self._flush_loop is not None and not self._flush_loop.is_closed():
             return  # a flush is already scheduled (the common case: no loop lookup per event)
@@ -144,14 +148,26 @@ class RunStore:
         if not self._events.closed:
             self._write()
             self._events.close()
+            self._index.close()
         atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, default=str), durable=False)
+
+    def _finish(self, event: EpisodeFinished, sent: list[Step]) -> None:
+        """Write an episode's last line, then its line in the index (so a reader of both finds the first first)."""
+        trace = event.trace
+        start = self._starts.pop(trace.episode_id, self._offset)
+        self._write(_finished_line(event, sent))
+        self._index.write(index_line(trace, start, self._offset, time.time()))
+        self._index.flush()
 
     def _write(self, last: bytes = b"") -> None:
         """Serialise the pending events, then `last`, onto events.jsonl, and push them to the file."""
         if self._pending:
-            self._events.write(b"".join(map(_line, self._pending)))
+            data = b"".join(map(_line, self._pending))
             self._pending.clear()
+            self._events.write(data)
+            self._offset += len(data)
         self._events.write(last)
+        self._offset += len(last)
         self._events.flush()
 
     def _timed_flush(self) -> None:
@@ -290,6 +306,33 @@ class _Parser:
         return event
 
 
+INDEX = "episodes.jsonl"
+"""The run directory's episode index: one line per finished episode (see `index_line`)."""
+
+
+def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
+    """An episode's line in episodes.jsonl: its table row, a digest of its steps and the byte range of events.jsonl
+    that holds its lines, so a watcher opens a run of 100k episodes without parsing every step line and reads one
+    episode back without scanning the file. `steps` holds [node, route, flag (0 ok, 1 parse error, 2 error),
+    completion tokens, seconds, source nodes] per step. A cache: events.jsonl stays the record."""
+    steps, tokens = [], 0
+    for s in trace.steps:
+        tok = sum(len(c.completion_ids) for c in s.llm) if s.llm else 0
+        tokens += tok
+        steps.append((s.node, s.route, 2 if s.error is not None else 1 if s.parse_error is not None else 0, tok,
+                      round(s.duration_s, 4), s.sources))
+    return (json.dumps({
+        "id": trace.episode_id, "item": trace.item_id, "query": trace.query[:_CLIP], "status": trace.status,
+        "reward": trace.reward, "answer": None if trace.answer is None else trace.answer[:_CLIP],
+        "error": None if trace.error is None else trace.error[:_CLIP], "tokens": tokens, "turns": trace.turns,
+        "duration_s": round(trace.duration_s, 4), "ended": round(ended, 3), "start": start, "end": end,
+        "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+_CLIP = 200
+"""Characters of the query, answer and error an index line keeps (the full texts are in events.jsonl)."""
+
+
 def _finished_line(event: EpisodeFinished, sent: list[Step]) -> bytes:
     """The trace without its steps when they are exactly the steps sent (so already in step lines), else whole."""
     trace = event.trace
@@ -316,6 +359,16 @@ def _numbered_records(file: Path) -> Iterator[tuple[int, dict[str, Any] | None]]
             except ValueError:  # also UnicodeDecodeError
                 rec = None
             yield number, rec if isinstance(rec, dict) else None
+
+
+def _append(file: Path):
+    """`file` opened to append whole lines: a killed run left half a line? end it, or the first new line would be
+    glued onto it."""
+    cut = _is_cut(file)
+    f = open(file, "ab")  # noqa: SIM115 (open for the run's life; closed by RunStore.close())
+    if cut:
+        f.write(b"\n")
+    return f
 
 
 def _is_cut(file: Path) -> bool:

@@ -57,6 +57,8 @@ class Step(Record):
     """1-based count of this node's runs in the episode (its loop turn)."""
     route: str | None = None
     """Label matched against the `when` of outgoing edges."""
+    sources: list[str] = Field(default_factory=list)
+    """The nodes whose outputs this step received, in order: the edges it was reached by (none for the entry)."""
     text: str = ""
     """The node's output text (what downstream nodes read)."""
     llm: list[LLMCall] = Field(default_factory=list)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from masgraph.errors import MasgraphError
-from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
+from masgraph.events import EVENT_SCHEMA_VERSION, EpisodeFinished, EpisodeStarted, StepFinished
 from masgraph.store import RunStore, follow, read_traces
 from masgraph.trace import Step, Trace
 
@@ -205,7 +205,7 @@ def test_v2_writes_each_step_once_and_readers_rebuild_whole_traces(tmp_path):
     [compact, whole] = [x for x in lines if x["kind"] == "episode_finished"]
     assert compact["steps"] == 3 and "steps" not in compact["trace"]  # steps are in the step lines only
     assert "steps" not in whole and len(whole["trace"]["steps"]) == 2
-    assert all(x["v"] == 2 for x in lines)
+    assert all(x["v"] == EVENT_SCHEMA_VERSION for x in lines)
     assert list(read_traces(tmp_path)) == [finished("e1", sent).trace, finished("e2", steps_of("e2", 2)).trace]
     assert [e.trace for e in follow(tmp_path) if isinstance(e, EpisodeFinished)] == list(read_traces(tmp_path))
 
