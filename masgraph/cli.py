@@ -127,6 +127,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from masgraph.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
     from masgraph.runner import RunConfig, Runner
 
+    if args.watch:
+        from masgraph.watch import require_terminal
+
+        require_terminal()  # before the model loads
     graph, bundle = open_source(args.graph)
     task = _load_task(args.task)
     if bundle is not None and args.checkpoint:
@@ -163,24 +167,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     if bundle is not None:
         runner.engine.load_adapters(bundle.adapters)
         print(f"bundle {bundle.path}: adapters {sorted(bundle.adapters) or 'none'}", file=sys.stderr)
-    return run_with_progress(runner, task, items)
+    return run_with_progress(runner, task, items, watch=args.watch)
 
 
-def run_with_progress(runner: Runner, task: Task, items: list[Item]) -> int:
-    """Run items with a progress bar and print the summary; Ctrl-C (exit 130) and SIGTERM (exit 143) cancel the
-    run cleanly, and the summary then counts the episodes that finished."""
-    bar = ProgressBar(len(items) * runner.config.samples)
+def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool = False) -> int:
+    """Run items with a progress bar (or the TUI, `watch`) and print the summary; Ctrl-C (exit 130) and SIGTERM
+    (exit 143) cancel the run cleanly, and the summary then counts the episodes that finished."""
+    from masgraph.store import new_run_dir
+
+    run_dir = new_run_dir(runner.config.runs_dir, runner.graph.spec.name) if watch else None
+    bar = None if watch else ProgressBar(len(items) * runner.config.samples)
 
     async def run() -> None:
         try:
-            await runner.run_items(task, items, sinks=[bar])
+            await runner.run_items(task, items, sinks=[bar] if bar else [], run_dir=run_dir)
         finally:
             await runner.aclose()
 
     try:
-        code = _run_cancellable(run)
+        if run_dir is not None:
+            from masgraph.watch import watch_while
+
+            code = watch_while(run_dir, run)
+        else:
+            code = _run_cancellable(run)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     result = runner.last_result
     if result is None:
         print("interrupted before the run started", file=sys.stderr)
@@ -307,6 +320,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from masgraph.registry import default_registry
     from masgraph.store import new_run_dir
 
+    if args.watch:
+        from masgraph.watch import require_terminal
+
+        require_terminal()  # before the model loads
     graph = _load_graph(args.graph)
     spec = graph.spec
     registry = default_registry()  # the trainers register their algorithms (the core never imports them)
@@ -323,7 +340,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
-    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[TrainProgress(train.steps)])
+    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)])
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
@@ -331,7 +348,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     async def run_training() -> None:
         await loop.run()
 
-    code = _run_cancellable(run_training)
+    if args.watch:
+        from masgraph.watch import watch_while
+
+        code = watch_while(run_dir, run_training)
+    else:
+        code = _run_cancellable(run_training)
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
@@ -430,6 +452,14 @@ def _run_task(run: Path) -> Task | None:
         return None
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from masgraph.watch import watch
+    from masgraph.watch.index import RunIndex
+
+    RunIndex(args.run)  # a wrong path is reported before the terminal is checked
+    return watch(args.run, poll_s=args.poll)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from masgraph.plot import plot_run, plot_topology
 
@@ -461,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--topology", choices=["greedy", "sample"],
                    help="graphs with a `topology:` section: run the most likely topology per query, or sample one "
                         "(default: greedy with a checkpoint that learned one, else sample)")
+    r.add_argument("--watch", action="store_true", help="watch the run live in the TUI (see `masgraph watch`)")
     r.set_defaults(fn=cmd_run)
 
     t = sub.add_parser("train", help="train the graph's node policies (Flow-GRPO), its topology (HRPO), or both")
@@ -480,7 +511,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of data order, sampling and LoRA init (default: train.seed)")
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
     t.add_argument("--runs-dir", default="runs")
+    t.add_argument("--watch", action="store_true", help="watch the training live in the TUI (see `masgraph watch`)")
     t.set_defaults(fn=cmd_train)
+
+    w = sub.add_parser("watch", help="TUI over a run or training directory, live or finished: graph, episodes, "
+                                     "training curves (keys: ? in the app)")
+    w.add_argument("run", help="a run directory (runs/<graph>-<date>-<time>)")
+    w.add_argument("--poll", type=positive_float, default=0.25, help="seconds between reads of the run (default 0.25)")
+    w.set_defaults(fn=cmd_watch)
 
     pl = sub.add_parser("plot", help="PNG of reward and held-out accuracy per step of a training run")
     pl.add_argument("run", help="training run directory")

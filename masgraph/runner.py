@@ -105,15 +105,16 @@ class Runner:
         return self.engine.scheduler(sinks, score, concurrency=self.config.concurrency, seed=self.config.seed)
 
     async def run_items(self, task: Task, items: list[Item], sinks: Sequence[Sink] = (),
-                        store: bool = True) -> RunResult:
-        """Run items × samples; store the run directory unless store=False. When the run is cancelled, the
-        summary (summary.json, and `last_result`) still counts every episode that finished."""
+                        store: bool = True, run_dir: Path | None = None) -> RunResult:
+        """Run items × samples; store the run directory (a new one under `runs_dir`, or `run_dir`) unless
+        store=False. When the run is cancelled, the summary (summary.json, and `last_result`) still counts every
+        episode that finished."""
         by_id = {it.id: it for it in items}
         finished = ListSink()  # the traces that ended, also when the run is cancelled before gather returns
         all_sinks: list[Sink] = [*sinks, finished]
         run_store = None
         if store:
-            run_store = RunStore(new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
+            run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
         sched = self.scheduler(all_sinks, score=lambda ep, tr: task.reward(by_id[ep.item_id], tr))

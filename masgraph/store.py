@@ -319,14 +319,18 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
     for s in trace.steps:
         tok = sum(len(c.completion_ids) for c in s.llm) if s.llm else 0
         tokens += tok
-        steps.append((s.node, s.route, 2 if s.error is not None else 1 if s.parse_error is not None else 0, tok,
-                      round(s.duration_s, 4), s.sources))
+        steps.append((s.node, s.route, step_flag(s.error, s.parse_error), tok, round(s.duration_s, 4), s.sources))
     return (json.dumps({
         "id": trace.episode_id, "item": trace.item_id, "query": trace.query[:_CLIP], "status": trace.status,
         "reward": trace.reward, "answer": None if trace.answer is None else trace.answer[:_CLIP],
         "error": None if trace.error is None else trace.error[:_CLIP], "tokens": tokens, "turns": trace.turns,
         "duration_s": round(trace.duration_s, 4), "ended": round(ended, 3), "start": start, "end": end,
         "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def step_flag(error: str | None, parse_error: str | None) -> int:
+    """A step's outcome in an index line: 0 ok, 1 parse error (the node used its fallback), 2 failed."""
+    return 2 if error is not None else 1 if parse_error is not None else 0
 
 
 _CLIP = 200

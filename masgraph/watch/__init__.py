@@ -1,0 +1,95 @@
+"""`masgraph watch`: the Textual TUI over a run directory (app.py), what it reads (index.py), what it draws
+(render.py). Textual is imported only when a watcher starts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from masgraph.errors import MasgraphError
+
+
+def require_terminal() -> None:
+    """The TUI needs an interactive terminal on stdin and stdout; a clear error otherwise (a pipe, a CI job)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise MasgraphError("masgraph watch needs an interactive terminal (stdin and stdout are not both a TTY). "
+                            "Over SSH use `ssh -t`; in scripts read the run directory's events.jsonl, episodes.jsonl "
+                            "and metrics.jsonl instead")
+
+
+def watch(run_dir: str | Path, poll_s: float = 0.25) -> int:
+    """Open the TUI on a run directory until the user quits."""
+    from masgraph.watch.app import WatchApp
+    from masgraph.watch.index import RunIndex
+
+    require_terminal()
+    WatchApp(run_dir, poll_s, index=RunIndex(run_dir)).run()
+    return 0
+
+
+def watch_while(run_dir: Path, main: Callable[[], Coroutine[Any, Any, None]], poll_s: float = 0.25) -> int:
+    """Run `main()` on its own event loop in a worker thread while the TUI watches `run_dir` in this one
+    (`masgraph run|train --watch`). Quitting the TUI leaves the run going: this then waits for it, and Ctrl-C
+    cancels it (exit 130). An exception of the run is raised here once the TUI has closed."""
+    from masgraph.watch.app import WatchApp
+
+    require_terminal()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = _Background(main)
+    job.thread.start()
+    while not job.done.wait(0.05) and not _started(run_dir):  # the run writes its first files
+        pass
+    if _started(run_dir):
+        WatchApp(run_dir, poll_s).run()
+    if not job.done.is_set():
+        print(f"the watcher closed; the run goes on in {run_dir} (Ctrl-C stops it, `masgraph watch {run_dir}` "
+              "watches it again)", file=sys.stderr)
+    try:
+        while not job.done.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        job.cancel()
+        job.done.wait()
+        return 130
+    if job.error is not None:
+        raise job.error
+    return 130 if job.cancelled else 0
+
+
+def _started(run_dir: Path) -> bool:
+    return any((run_dir / f).exists() for f in ("config.json", "events.jsonl", "metrics.jsonl"))
+
+
+class _Background:
+    """A coroutine run to completion on a new event loop in a daemon thread, cancellable from another thread."""
+
+    def __init__(self, main: Callable[[], Coroutine[Any, Any, None]]):
+        self.main = main
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self.thread = threading.Thread(target=self._run, name="masgraph-run", daemon=True)
+
+    def _run(self) -> None:
+        async def go() -> None:
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            await self.main()
+
+        try:
+            asyncio.run(go())
+        except asyncio.CancelledError:
+            self.cancelled = True
+        except BaseException as exc:  # handed to the main thread, which reports it as the CLI does
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        if self._loop is not None and self._task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)

@@ -1,0 +1,367 @@
+"""What each view shows, as Rich text built from a RunIndex: pure functions, so tests read them without a screen."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from rich.text import Text
+
+from masgraph.topology.space import node_places
+from masgraph.trace import Step, Trace
+from masgraph.watch.index import NodeStats, RunIndex, Row
+
+STATUS_STYLE = {"ok": "green", "error": "bold red", "timeout": "red", "cancelled": "yellow"}
+
+
+def human(n: float) -> str:
+    """1234 -> 1.2k, 2500000 -> 2.5M."""
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}" if float(n).is_integer() else f"{n:.2f}"
+
+
+def clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+# -- status line ----------------------------------------------------------------------------------------------
+
+def status_line(index: RunIndex, now: float | None = None) -> Text:
+    """Run name, kind, live or ended, episodes done and running, throughput over the last minute."""
+    rows = index.rows
+    text = Text()
+    text.append(f" {index.path.name} ", style="bold")
+    text.append("train " if index.is_training else "run ", style="cyan")
+    if index.ended:
+        text.append("ended ", style="green")
+    else:
+        text.append("● live ", style="bold yellow")
+    text.append(f"{len(rows):,} done")
+    if index.live:
+        text.append(f" · {len(index.live)} running")
+    if rows:
+        text.append(f" · {sum(r.correct for r in rows) / len(rows):.0%} correct")
+    rate = episode_rate(rows, now if not index.ended else None)
+    if rate is not None:
+        text.append(f" · {rate:.1f}/s")
+    return text
+
+
+def episode_rate(rows: Sequence[Row], now: float | None, window_s: float = 60.0) -> float | None:
+    """Episodes per second over the last `window_s` seconds of the run (up to `now`, else its last episode)."""
+    ended = [r.ended for r in rows[-2000:] if r.ended]
+    if len(ended) < 2:
+        return None
+    end = now if now is not None else max(ended)
+    recent = [t for t in ended if t >= end - window_s]
+    span = end - min(recent) if len(recent) >= 2 else 0.0
+    return len(recent) / span if span > 0 else None
+
+
+# -- graph view -----------------------------------------------------------------------------------------------
+
+def graph_text(index: RunIndex) -> Text:
+    """The graph in layers from the entry (loops' back edges cut), each node with its counts, edges with their
+    traversals; the nodes running now lit; a topology-learning run's decision probabilities last."""
+    stats = index.node_stats()
+    edges = index.edge_counts()
+    spec = index.spec
+    out = Text()
+    if spec is None:
+        out.append("(no readable spec.yaml: nodes as the steps name them)\n\n", style="dim")
+        layers = [sorted(stats)]
+        spec_edges: list[Any] = []
+    else:
+        places = node_places(spec)
+        layers = [[n for n in spec.nodes if places[n] == p] for p in sorted(set(places.values()))]
+        layers += [[n for n in stats if n not in spec.nodes]] if any(n not in spec.nodes for n in stats) else []
+        spec_edges = spec.edges
+        out.append(f"{spec.name}", style="bold")
+        out.append(f"  entry {spec.entry} → exit {spec.exit}\n", style="dim")
+    for depth, layer in enumerate(layers):
+        for node in layer:
+            _node_block(out, depth, node, spec, stats.get(node, NodeStats()), spec_edges, edges)
+    extra = [(e, n) for e, n in edges.items() if not any((x.source, x.target) == e for x in spec_edges)]
+    if spec is not None and extra:
+        out.append("\nother traversals: " + ", ".join(f"{a}→{b} ×{n:,}" for (a, b), n in extra) + "\n", style="dim")
+    probs = index.decision_probs()
+    if probs:
+        out.append("\nTopology (current decision probabilities)\n", style="bold")
+        for decision, options in probs.items():
+            out.append(f"  {decision}\n")
+            for option, p in sorted(options.items(), key=lambda kv: -kv[1]):
+                bar = "█" * round(p * 20)
+                out.append(f"    {option:<14.14} {p:5.2f} ")
+                out.append(f"{bar}\n", style="magenta")
+    return out
+
+
+def _node_block(out: Text, depth: int, node: str, spec: Any, s: NodeStats, spec_edges: Sequence[Any],
+                edges: Counter[tuple[str, str]]) -> None:
+    role = spec.nodes[node].role if spec is not None and node in spec.nodes else "?"
+    lit = s.active > 0
+    out.append(f"{depth:>2} ", style="dim")
+    out.append(f" {node} ", style="bold black on yellow" if lit else "bold reverse")
+    out.append(f" {role}", style="cyan")
+    if lit:
+        out.append(f"  ● {s.active} running", style="bold yellow")
+    out.append("\n   ")
+    out.append(f"calls {s.calls:,} · {s.mean_s:.2f} s · {human(s.tokens)} tok · ")
+    out.append(f"{s.parse_failures:,} parse ✗", style="yellow" if s.parse_failures else "")
+    out.append(" · ")
+    out.append(f"{s.errors:,} err", style="bold red" if s.errors else "")
+    out.append("\n")
+    outs = [e for e in spec_edges if e.source == node]
+    if outs:
+        out.append("   ")
+        for i, e in enumerate(outs):
+            n = edges.get((e.source, e.target), 0)
+            out.append("  " if i else "")
+            out.append(f"→ {e.target}", style="" if n else "dim")
+            if e.when:
+                out.append(f" [{e.when}]", style="dim")
+            out.append(f" ×{n:,}", style="green" if n else "dim")
+        out.append("\n")
+
+
+# -- episodes table -------------------------------------------------------------------------------------------
+
+COLUMNS: list[tuple[str, int]] = [("#", 7), ("status", 9), ("reward", 7), ("turns", 6), ("tokens", 7), ("time", 8)]
+"""Fixed-width columns after the flexible id column."""
+
+
+def row_cells(row: Row) -> list[tuple[str, str]]:
+    """(text, style) of each fixed column."""
+    outcome = row.outcome
+    status = row.status if row.status != "ok" else outcome
+    style = {"correct": "green", "wrong": "yellow"}.get(status, STATUS_STYLE.get(row.status, ""))
+    reward = "-" if row.reward is None else f"{row.reward:.2f}"
+    return [(str(row.seq + 1), "dim"), (status, style), (reward, ""), (str(row.turns), ""), (human(row.tokens), ""),
+            (f"{row.duration_s:.2f}s", "")]
+
+
+def header_text(width: int) -> Text:
+    text = Text(style="bold")
+    id_width = max(8, width - sum(w for _, w in COLUMNS) - 1)
+    text.append(f"{'episode':<{id_width}} ")
+    for name, w in COLUMNS:
+        text.append(f"{name:>{w}}")
+    return text
+
+
+def row_text(row: Row, width: int) -> Text:
+    text = Text(no_wrap=True)
+    id_width = max(8, width - sum(w for _, w in COLUMNS) - 1)
+    ident = row.id if len(row.id) <= id_width else row.id[: id_width - 1] + "…"
+    text.append(f"{ident:<{id_width}} ")
+    for (cell, style), (_, w) in zip(row_cells(row), COLUMNS, strict=True):
+        text.append(f"{cell:>{w}}", style=style)
+    return text
+
+
+FILTERS = ("all", "failed", "correct", "wrong")
+SORTS = ("finished", "reward", "tokens", "turns", "time")
+
+
+def select(rows: Sequence[Row], outcome: str = "all", node_error: str | None = None, search: str = "",
+           sort: str = "finished", reverse: bool = False) -> list[Row]:
+    """The rows a table shows: filtered by outcome, by a node that failed in them, by a search string (in the id,
+    item, query or answer; case-insensitive), then sorted."""
+    out: list[Row] = list(rows) if outcome == "all" else [r for r in rows if r.outcome == outcome]
+    if node_error:
+        out = [r for r in out if node_error in r.failed_nodes]
+    if search:
+        needle = search.lower()
+        out = [r for r in out if needle in r.id.lower() or needle in r.item.lower() or needle in r.query.lower()
+               or (r.answer is not None and needle in r.answer.lower())]
+    if sort != "finished":
+        key = {"reward": lambda r: -math.inf if r.reward is None else r.reward, "tokens": lambda r: r.tokens,
+               "turns": lambda r: r.turns, "time": lambda r: r.duration_s}[sort]
+        out.sort(key=key, reverse=reverse)
+    elif reverse:
+        out.reverse()
+    return out
+
+
+# -- episode detail -------------------------------------------------------------------------------------------
+
+def episode_header(row: Row, trace: Trace | None) -> Text:
+    text = Text()
+    text.append(f"{row.id}\n", style="bold")
+    text.append("status ")
+    text.append(row.status, style=STATUS_STYLE.get(row.status, ""))
+    text.append(f" · reward {'-' if row.reward is None else f'{row.reward:.2f}'} · {row.turns} turns · "
+                f"{row.tokens:,} tokens · {row.duration_s:.2f} s\n")
+    text.append("query  ", style="dim")
+    text.append(f"{trace.query if trace else row.query}\n")
+    text.append("answer ", style="dim")
+    text.append(f"{(trace.answer if trace else row.answer)!s}\n", style="bold")
+    error = trace.error if trace else row.error
+    if error:
+        text.append(f"error  {error}\n", style="bold red")
+    if trace is not None and trace.topology is not None:
+        made = trace.topology.logprobs
+        text.append("topology ", style="dim")
+        text.append(", ".join(f"{d}={o}" for d, o in trace.topology.decisions.items() if d in made) or "(none)")
+        text.append(f"  (v{trace.topology.version}, {trace.topology.mode})\n", style="dim")
+    if trace is not None and trace.unused_steps:
+        text.append(f"unused outputs: steps {trace.unused_steps}\n", style="yellow")
+    return text
+
+
+def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob_colours: bool = False) -> Text:
+    """One step of the timeline: node, role, turn, route, timing; prompt (folded unless `show_prompt`), completion
+    (coloured by per-token log-prob when `logprob_colours` and a tokenizer's `decode` is given), tool call, errors."""
+    text = Text()
+    text.append(f"#{step.index} ", style="dim")
+    text.append(step.node, style="bold")
+    text.append(f" ({step.role}) turn {step.turn}", style="cyan")
+    if step.sources:
+        text.append(f" ← {', '.join(step.sources)}", style="dim")
+    if step.route is not None:
+        text.append(f" → route {step.route}", style="magenta")
+    text.append(f" · {step.duration_s:.2f} s")
+    if step.attempts > 1:
+        text.append(f" · {step.attempts} attempts", style="yellow")
+    if step.bounded:
+        text.append(" · turn bound forced the exit", style="yellow")
+    text.append("\n")
+    for call in step.llm:
+        text.append("  prompt ", style="dim")
+        if show_prompt and decode is not None:
+            text.append(f"({len(call.prompt_ids)} tokens)\n", style="dim")
+            text.append(_indent(decode(call.prompt_ids)) + "\n", style="grey62")
+        else:
+            note = "" if decode is not None or not show_prompt else " (no tokenizer to show it)"
+            text.append(f"▸ {len(call.prompt_ids)} tokens{note}, p to unfold\n" if not show_prompt else
+                        f"{len(call.prompt_ids)} tokens{note}\n", style="dim")
+        text.append("  output ", style="dim")
+        mean = sum(call.logprobs) / len(call.logprobs) if call.logprobs else 0.0
+        text.append(f"({len(call.completion_ids)} tokens, mean log-prob {mean:.2f}, "
+                    f"{call.policy}{'/' + call.adapter if call.adapter else ''} v{call.policy_version})\n", style="dim")
+        if logprob_colours and decode is not None and call.logprobs:
+            text.append("  ")
+            for token_id, lp in zip(call.completion_ids, call.logprobs, strict=False):
+                text.append(decode([token_id]).replace("\n", "\n  "), style=_logprob_style(lp))
+            text.append("\n")
+        else:
+            text.append(_indent(call.text) + "\n")
+    if not step.llm and step.text:
+        text.append("  output\n", style="dim")
+        text.append(_indent(step.text) + "\n")
+    if step.tool is not None:
+        t = step.tool
+        text.append(f"  tool   {t.tool}(", style="cyan")
+        text.append(t.input[:500])
+        text.append(f") {t.duration_s:.2f} s → ", style="cyan")
+        text.append(t.output[:500] if t.output is not None else f"error: {t.error}",
+                    style="" if t.error is None else "red")
+        text.append("\n")
+    if step.parse_error:
+        text.append(f"  parse  {step.parse_error}\n", style="yellow")
+    if step.error:
+        text.append(f"  error  {step.error}\n", style="bold red")
+    text.rstrip()
+    return text
+
+
+def _indent(s: str) -> str:
+    return "  " + s.replace("\n", "\n  ")
+
+
+def _logprob_style(lp: float) -> str:
+    """Green for a likely token, through yellow, to red for an unlikely one (p = exp(lp))."""
+    p = math.exp(lp)
+    return "green" if p >= 0.9 else "bright_green" if p >= 0.6 else "yellow" if p >= 0.3 else "red"
+
+
+# -- training -------------------------------------------------------------------------------------------------
+
+TRAIN_PLOTS = ("reward/mean", "accuracy/train", "accuracy/test", "kl", "loss/total", "clip_frac", "tokens_per_s")
+
+
+def plot_keys(metrics: Sequence[dict[str, Any]]) -> list[str]:
+    """The metric series the training view plots: the standard ones present, then per-adapter grad norms and the
+    topology policy's entropy and loss."""
+    present: dict[str, None] = {}
+    for rec in metrics:
+        present.update(dict.fromkeys(k for k, v in rec.items() if isinstance(v, int | float)))
+    keys = [k for k in TRAIN_PLOTS if k in present]
+    keys += sorted(k for k in present if k.startswith("grad_norm/"))
+    keys += [k for k in ("topology/entropy", "topology/loss") if k in present]
+    return keys
+
+
+def series(metrics: Sequence[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric; a resumed run's repeated steps keep their last value."""
+    by_step: dict[int, float] = {}
+    for rec in metrics:
+        value = rec.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            by_step[int(rec["step"])] = float(value)
+    return sorted(by_step.items())
+
+
+def progress(index: RunIndex) -> tuple[int, int | None, float | None, Text]:
+    """(step, total steps or None, fraction done or None, the line that says it with the ETA)."""
+    cfg = (index.config.get("config") or {}).get("train") or {}
+    total, minutes = cfg.get("steps"), cfg.get("max_minutes")
+    step = max((int(r["step"]) for r in index.metrics), default=0)
+    step_times = [v for _, v in series(index.metrics, "time/step_s")]
+    per_step = sum(step_times) / len(step_times) if step_times else None
+    fraction = None
+    if isinstance(total, int) and total > 0:
+        fraction = min(1.0, step / total)
+    if isinstance(minutes, int | float) and minutes > 0 and per_step is not None:
+        by_time = min(1.0, sum(step_times) / (minutes * 60))
+        fraction = by_time if fraction is None else max(fraction, by_time)
+    text = Text()
+    text.append(f"step {step}" + (f"/{total}" if total else ""), style="bold")
+    if fraction is not None:
+        text.append(f"  {'█' * round(fraction * 24)}{'░' * (24 - round(fraction * 24))} {fraction:.0%}")
+    if index.ended:
+        text.append("  ended", style="green")
+    elif per_step is not None and fraction is not None and fraction < 1:
+        left = (1 - fraction) / fraction * sum(step_times) if fraction > 0 else None
+        if left is not None:
+            text.append(f"  ETA {clock(left)}", style="yellow")
+    if per_step is not None:
+        text.append(f"  {per_step:.1f} s/step", style="dim")
+    return step, total if isinstance(total, int) else None, fraction, text
+
+
+def checkpoints_text(index: RunIndex) -> Text:
+    text = Text()
+    text.append("checkpoints  ", style="bold")
+    if not index.checkpoints:
+        text.append("none yet", style="dim")
+    for c in index.checkpoints[-6:]:
+        versions = ",".join(f"{a} v{v}" for a, v in (c.get("versions") or {}).items())
+        text.append(f"step-{c['step']}", style="green")
+        text.append(f" ({versions})  " if versions else "  ", style="dim")
+    return text
+
+
+def node_table(index: RunIndex) -> Text:
+    """Per node side by side: role, adapter, its last gradient norm, calls, tokens, parse failures, errors."""
+    stats = index.node_stats()
+    last = index.metrics[-1] if index.metrics else {}
+    text = Text()
+    text.append(f"{'node':<12}{'role':<10}{'adapter':<11}{'grad':>7}{'calls':>8}{'tokens':>8}{'parse✗':>8}"
+                f"{'err':>6}\n", style="bold")
+    spec = index.spec
+    for node, s in stats.items():
+        role = spec.nodes[node].role if spec and node in spec.nodes else "?"
+        policy = spec.nodes[node].policy if spec and node in spec.nodes else None
+        adapter = ((spec.policies.get(policy) or {}).get("adapter") if spec and policy else None) or "-"
+        grad = last.get(f"grad_norm/{adapter}")
+        text.append(f"{node:<12.12}{role:<10.10}{adapter:<11.11}{'-' if grad is None else f'{grad:.3f}':>7}"
+                    f"{s.calls:>8,}{human(s.tokens):>8}{s.parse_failures:>8,}{s.errors:>6,}\n")
+    return text
+
