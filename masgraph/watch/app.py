@@ -23,7 +23,7 @@ from textual.strip import Strip
 from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
 
 from masgraph.watch import render
-from masgraph.watch.index import RunIndex, Row
+from masgraph.watch.index import Row, RunIndex
 
 KEYS = """\
 [b]Everywhere[/b]
@@ -205,6 +205,7 @@ class WatchApp(App):
     TITLE = "masgraph watch"
     CSS = """
     #status { height: 1; background: $boost; }
+    #tabs { height: 1fr; }
     #warnings { height: auto; color: $warning; }
     #warnings.empty { display: none; }
     #table-bar { height: 1; color: $text-muted; }

@@ -176,7 +176,7 @@ class RunIndex:
         self._read_events()
         if self.indexed:
             self._read_index()  # after the events: an episode_finished line read above has its index line by now
-        for off, raw in self._metrics.read():
+        for _, raw in self._metrics.read():
             rec = _loads(raw)
             if rec is None or "step" not in rec:
                 self.bad_lines["metrics.jsonl"] += 1
@@ -342,7 +342,7 @@ def _digest(step: dict[str, Any]) -> list[Any]:
     """A step's digest from its JSON (as store.index_line writes it from a Step)."""
     tokens = sum(len(c.get("completion_ids", ())) for c in step.get("llm") or ())
     return [step["node"], step.get("route"), step_flag(step.get("error"), step.get("parse_error")), tokens,
-            float(step.get("duration_s") or 0.0), list(step.get("sources") or ())]
+            round(float(step.get("duration_s") or 0.0), 4), list(step.get("sources") or ())]
 
 
 def _summary(trace: dict[str, Any], digest: list[list[Any]], start: int, end: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from masgraph.topology.space import node_places
 from masgraph.trace import Step, Trace
-from masgraph.watch.index import NodeStats, RunIndex, Row
+from masgraph.watch.index import NodeStats, Row, RunIndex
 
 STATUS_STYLE = {"ok": "green", "error": "bold red", "timeout": "red", "cancelled": "yellow"}
 

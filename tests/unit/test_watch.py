@@ -1,0 +1,336 @@
+"""`masgraph watch`: the run index, the views (Textual pilot on recorded real-model run dirs), live following,
+damaged files, SVG snapshots, and the CLI's errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from masgraph.store import INDEX, RunStore, read_traces
+from masgraph.watch.app import EpisodeScreen, EpisodeTable, WatchApp
+from masgraph.watch.index import RunIndex
+
+pytestmark = pytest.mark.anyio  # the async tests run on anyio's pytest plugin, on asyncio
+
+RECORDED = Path(__file__).parent.parent / "data" / "recorded"
+SNAPSHOTS = Path(__file__).parent.parent / "snapshots" / "watch"
+UPDATE = os.environ.get("MASGRAPH_UPDATE_SNAPSHOTS") == "1"
+SIZE = (80, 24)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """The recorded real-model run (agentflow, 6 episodes on basic_arithmetic), copied."""
+    return Path(shutil.copytree(RECORDED / "agentflow-run", tmp_path / "agentflow-run"))
+
+
+@pytest.fixture
+def train_dir(tmp_path):
+    """The recorded real-model joint training run (router graph, 3 steps, topology + adapters), copied."""
+    return Path(shutil.copytree(RECORDED / "router-train", tmp_path / "router-train"))
+
+
+def screen_text(app: WatchApp) -> str:
+    """What the terminal shows, as plain text."""
+    console = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), force_terminal=True,
+                      record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()
+
+
+def check_snapshot(app: WatchApp, name: str) -> None:
+    """The screen's SVG equals the stored one (MASGRAPH_UPDATE_SNAPSHOTS=1 rewrites it; review the diff)."""
+    svg = app.export_screenshot(title=f"masgraph watch: {name}")
+    path = SNAPSHOTS / f"{name}.svg"
+    if UPDATE or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(svg)
+        if not UPDATE:
+            pytest.fail(f"no snapshot {path} yet: written now; review it and commit it")
+    assert svg == path.read_text(), (f"the {name} view changed; if intended, rerun with MASGRAPH_UPDATE_SNAPSHOTS=1 "
+                                     f"and review {path}")
+
+
+# -- the index ----------------------------------------------------------------------------------------------
+
+def test_the_index_holds_every_episode_of_a_recorded_run_and_reads_each_back(run_dir):
+    index = RunIndex(run_dir)
+    assert index.poll() and index.indexed and index.ended
+    traces = list(read_traces(run_dir))
+    assert [r.id for r in index.rows] == [t.episode_id for t in traces]
+    for row, trace in zip(index.rows, traces, strict=True):
+        assert index.trace(row) == trace  # the byte range holds the whole episode
+        assert (row.tokens, row.turns, row.reward) == (trace.completion_tokens, trace.turns, trace.reward)
+    stats = index.node_stats()
+    for node in ("planner", "executor", "verifier", "generator"):
+        steps = [s for t in traces for s in t.steps if s.node == node]
+        assert stats[node].calls == len(steps)
+        assert stats[node].tokens == sum(len(c.completion_ids) for s in steps for c in s.llm)
+    edges = index.edge_counts()
+    assert edges[("planner", "executor")] == 6 and edges[("verifier", "generator")] == 6
+    assert sum(edges.values()) == sum(len(s.sources) for t in traces for s in t.steps)
+    assert not index.poll()  # nothing new
+
+
+def test_a_run_dir_from_before_the_index_reads_the_same(run_dir):
+    """Schema v2 wrote no episodes.jsonl: rows, counts and edges then come from events.jsonl alone."""
+    new = RunIndex(run_dir)
+    new.poll()
+    (run_dir / INDEX).unlink()
+    cfg = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps(cfg | {"event_schema_version": 2}))
+    old = RunIndex(run_dir)
+    old.poll()
+    assert not old.indexed
+    assert [(r.id, r.status, r.reward, r.tokens, r.turns) for r in old.rows] == [
+        (r.id, r.status, r.reward, r.tokens, r.turns) for r in new.rows]
+    assert old.node_stats() == new.node_stats() and old.edge_counts() == new.edge_counts()
+    assert old.trace(old.rows[2]) == new.trace(new.rows[2])
+
+
+def test_damaged_files_show_what_they_can_with_a_warning(run_dir):
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b'{"v":3,"kind":"step_started","episode_id":"x","node":"planner"}\nnot json\n{"v":3,"kind":"st')
+    with open(run_dir / INDEX, "ab") as f:
+        f.write(b'{"id": "cut"\n[1, 2]\n')
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_bytes(b'{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    index = RunIndex(run_dir)
+    index.poll()
+    assert len(index.rows) == 6 and len(index.metrics) == 1
+    text = " ".join(index.warnings)
+    assert "episodes.jsonl: 2 bad lines" in text and "events.jsonl: 2 bad lines" in text
+    assert "half a line" in text
+
+
+async def test_a_damaged_run_opens_with_the_warning_on_screen(run_dir):
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b"garbage\n")
+    (run_dir / INDEX).write_bytes((run_dir / INDEX).read_bytes()[:-40])  # the last index line cut
+    app = WatchApp(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        text = screen_text(app)
+        assert "⚠" in text and "bad line" in text
+        assert "5/5 episodes" in text  # the cut index line is left out, the others shown
+
+
+def test_an_unknown_directory_is_a_clear_error(tmp_path):
+    from masgraph.errors import MasgraphError
+
+    with pytest.raises(MasgraphError, match="no run directory"):
+        RunIndex(tmp_path / "nope")
+    with pytest.raises(MasgraphError, match="not a run directory"):
+        RunIndex(tmp_path)
+
+
+# -- the views on recorded real-model runs ------------------------------------------------------------------
+
+async def test_graph_view_shows_nodes_counts_and_edges(run_dir):
+    app = WatchApp(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("1")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "agentflow-run run ended 6 done" in text
+        for node in ("planner", "executor", "verifier", "generator"):
+            assert f"{node}  {node}" in text  # name and role
+        assert "calls 6 · 2.26 s · 110 tok · 0 parse ✗ · 0 err" in text  # planner, from the recorded steps
+        assert "→ executor ×6" in text and "→ planner [continue] ×0" in text and "→ generator [stop] ×6" in text
+        check_snapshot(app, "graph")
+
+
+async def test_episodes_view_lists_filters_searches_and_sorts(run_dir):
+    app = WatchApp(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "6/6 episodes · filter all · sort finished" in text
+        assert "episode" in text and "status reward turns tokens" in text
+        assert text.count("wrong") == 5 and text.count("correct") >= 1
+        check_snapshot(app, "episodes")
+        table = app.query_one(EpisodeTable)
+        await pilot.press("f")  # failed
+        assert len(table.rows) == 0 and "0/6 episodes · filter failed" in screen_text(app)
+        await pilot.press("f")  # correct
+        assert [r.seq for r in table.rows] == [2]
+        await pilot.press("f", "f")  # wrong, then all
+        await pilot.press("s")  # by reward, largest first
+        assert table.rows[0].reward == 1.0 and "sort reward ↓" in screen_text(app)
+        await pilot.press("s", "r")  # tokens, smallest first
+        assert [r.tokens for r in table.rows] == sorted(r.tokens for r in app.index.rows)
+        await pilot.press("slash", *"test-323290510-12", "enter")
+        await pilot.pause()
+        assert len(table.rows) == 1 and "search “test-323290510-12”" in screen_text(app)
+        await pilot.press("slash", "escape")
+        await pilot.pause()
+        assert len(table.rows) == 6
+
+
+async def test_episode_view_shows_the_step_timeline_prompts_and_token_logprobs(run_dir):
+    app = WatchApp(run_dir)
+    async with app.run_test(size=(100, 60)) as pilot:
+        await pilot.press("2", "down", "down", "enter")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, EpisodeScreen) and screen.row.seq == 2
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        text = screen_text(app)
+        assert "status ok · reward 1.00" in text and "answer 386" in text
+        assert "#0 planner (planner) turn 1 → route calculator" in text
+        assert "#1 executor (executor) turn 1 ← planner → route ok" in text
+        assert "tool   calculator(-60 * -7 + -34)" in text and "→ 386" in text
+        assert "▸ 347 tokens, p to unfold" in text
+        assert "tokens decoded with smollm2-135m's tokenizer" in text
+        await pilot.press("p")
+        text = screen_text(app)
+        assert "<|im_start|>system" in text and "You are the planner" in text
+        planner = screen.query(".step").first()
+        plain = len(planner.render().spans)  # type: ignore[attr-defined]
+        await pilot.press("l")
+        await pilot.pause()
+        coloured = planner.render().spans  # type: ignore[attr-defined]
+        assert len(coloured) >= plain + 19  # one coloured span per output token (19 in the planner's output)
+        assert len({str(s.style) for s in coloured[plain:]}) >= 2  # likely and unlikely tokens differ
+        await pilot.press("escape")
+        assert not isinstance(app.screen, EpisodeScreen)
+
+
+async def test_episode_view_snapshot(run_dir):
+    app = WatchApp(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2", "down", "down", "enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        check_snapshot(app, "episode")
+
+
+async def test_training_view_shows_curves_progress_nodes_checkpoints(train_dir):
+    app = WatchApp(train_dir)
+    async with app.run_test(size=(100, 70)) as pilot:
+        await pilot.pause()
+        text = screen_text(app)  # a training run opens on the training view
+        assert "router-train train ended 24 done" in text
+        assert "step 3/3" in text and "100%" in text
+        for key in ("reward/mean", "accuracy/train", "accuracy/test", "kl", "loss/total", "clip_frac",
+                    "tokens_per_s", "grad_norm/planner", "grad_norm/verifier", "topology/entropy"):
+            assert key in text
+        assert "accuracy/test 0.5" in text
+        assert "planner     planner   planner" in text and "verifier    verifier  verifier" in text
+        assert "checkpoints  step-3 (planner v3,verifier v3)" in text
+        await pilot.press("1")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "Topology (current decision probabilities)" in text
+        assert "choice:planner" in text and "python          0.62" in text
+
+
+async def test_training_view_snapshot(train_dir):
+    app = WatchApp(train_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        check_snapshot(app, "training")
+
+
+async def test_help_lists_the_keys(run_dir):
+    app = WatchApp(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "search (id, item, query, answer" in text and "filter: all → failed → correct → wrong" in text
+        check_snapshot(app, "help")
+        await pilot.press("escape")
+        assert "search (id, item" not in screen_text(app)
+
+
+# -- live ---------------------------------------------------------------------------------------------------
+
+async def test_appended_events_appear_while_the_app_runs(run_dir, tmp_path):
+    """A run written while the app watches: a running step lights its node, finished episodes join the table."""
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("spec.yaml", "config.json"):
+        shutil.copy(run_dir / name, live)
+    events = (run_dir / "events.jsonl").read_bytes().splitlines(keepends=True)
+    index_lines = (run_dir / INDEX).read_bytes().splitlines(keepends=True)
+    first_end = json.loads(index_lines[0])["end"]
+    app = WatchApp(live, poll_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("1")
+        await pilot.pause()
+        assert "0 done" in screen_text(app) and "● live" in screen_text(app)
+        with open(live / "events.jsonl", "ab") as f:  # up to the first step_started
+            for line in events:
+                f.write(line)
+                if b'"kind":"step_started"' in line:
+                    break
+        await pilot.pause(0.3)
+        text = screen_text(app)
+        assert "1 running" in text and "● 1 running" in text  # planner lit
+        with open(live / "events.jsonl", "ab") as f:
+            f.write(b"".join(events)[f.tell():first_end])
+        with open(live / INDEX, "ab") as f:
+            f.write(index_lines[0])
+        await pilot.pause(0.3)
+        assert "1 done" in screen_text(app)
+        with open(live / "events.jsonl", "ab") as f:
+            f.write(b"".join(events)[first_end:])
+        with open(live / INDEX, "ab") as f:
+            f.writelines(index_lines[1:])
+        (live / "summary.json").write_text("{}")
+        await pilot.pause(0.3)
+        await pilot.press("2")
+        text = screen_text(app)
+        assert "6/6 episodes" in text and "ended" in text and "running" not in text
+
+
+async def test_a_store_written_live_is_followed(tmp_path):
+    """The RunStore writer and the app in one process: what the store writes shows up."""
+    from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished, StepStarted
+    from masgraph.trace import Step, Trace
+
+    store = RunStore(tmp_path / "r", spec=None, config={})
+    app = WatchApp(tmp_path / "r", poll_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2")
+        for i in range(3):
+            eid = f"e{i}"
+            store.emit(EpisodeStarted(episode_id=eid, item_id=f"i{i}", query=f"q{i}"))
+            store.emit(StepStarted(episode_id=eid, node="solo", turn=1))
+            step = Step(episode_id=eid, index=0, node="solo", role="generator", turn=1, text="4")
+            store.emit(StepFinished(step=step))
+            store.emit(EpisodeFinished(trace=Trace(episode_id=eid, item_id=f"i{i}", query=f"q{i}", steps=[step],
+                                                   answer="4", reward=float(i % 2))))
+            await pilot.pause(0.2)
+            assert f"{i + 1}/{i + 1} episodes" in screen_text(app)
+        store.close({})
+        await pilot.pause(0.2)
+        assert "ended" in screen_text(app)
+        assert app.index.node_stats()["solo"].calls == 3
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+def test_watch_without_a_terminal_is_an_error_line(run_dir):
+    for argv in (["watch", str(run_dir)], ["watch", str(run_dir / "nope")],
+                 ["run", "graphs/agentflow.yaml", "--task", "basic_arithmetic", "--watch"]):
+        p = subprocess.run([sys.executable, "-m", "masgraph.cli", *argv], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parent.parent.parent)
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
+    assert "interactive terminal" in p.stderr
