@@ -197,7 +197,11 @@ class RunIndex:
                 self.bad_lines[INDEX] += 1
 
     def _read_events(self) -> None:
-        for off, raw in self._events.read():
+        lines = self._events.read()
+        done = _finished_ids(lines) if self.indexed else set()
+        for off, raw in lines:
+            if done and _episode_of(raw) in done:
+                continue  # started and finished within this read: its index line has all a view needs
             rec = _loads(raw)
             if rec is None:
                 self.bad_lines["events.jsonl"] += 1
@@ -336,6 +340,36 @@ class RunIndex:
                 if trace is not None and trace.episode_id == row.id:
                     found = trace
         return found
+
+
+_ID_PREFIXES = tuple(b'{"v":%d,%s"episode_id":"' % (v, kind) for v in (2, 3)
+                     for kind in (b"", b'"kind":"step","step":{', b'"kind":"episode_started",'))
+_FINISHED = b'"kind":"episode_finished"'
+
+
+def _episode_of(raw: bytes) -> bytes | None:
+    """The episode id of an episode, step or call line, read off its fixed prefix without parsing the line (None
+    when the line does not start as the store writes them)."""
+    for prefix in _ID_PREFIXES:
+        if raw.startswith(prefix):
+            end = raw.find(b'"', len(prefix))
+            return raw[len(prefix):end] if end > 0 and raw[end - 1:end] != b"\\" else None
+    return None
+
+
+def _finished_ids(lines: list[tuple[int, bytes]]) -> set[bytes]:
+    """Ids of the episodes that start and finish within these lines."""
+    started = {_episode_of(raw) for _, raw in lines if raw.startswith(_ID_PREFIXES[2]) or raw.startswith(
+        _ID_PREFIXES[5])}
+    finished = set()
+    for _, raw in lines:
+        if _FINISHED in raw[:40]:
+            rec = _loads(raw)
+            trace = rec.get("trace") if rec else None
+            if isinstance(trace, dict) and isinstance(trace.get("episode_id"), str):
+                finished.add(json.dumps(trace["episode_id"], ensure_ascii=False)[1:-1].encode())
+    started.discard(None)
+    return started & finished  # type: ignore[return-value]
 
 
 def _digest(step: dict[str, Any]) -> list[Any]:
