@@ -12,7 +12,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration lint setup bench bench-learn bench-topology bench-serve clean
+.PHONY: demo test test-unit test-integration lint setup bench bench-learn bench-topology bench-serve bench-watch clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -65,10 +65,14 @@ bench: setup
 bench-learn: setup
 	$(PY) benchmarks/learns.py --seeds 0 1 --minutes 25 --eval-n 200 --passk-n 16 --compare graphs/single.yaml
 
-# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~1.5 h on 2 cores)
 bench-serve: setup
 	$(PY) benchmarks/serve_throughput.py
 
+# the TUI: open 100k episodes (writes a ~1 GB run dir to a temp dir), follow at 50 episodes/s, watched-run cost
+bench-watch: setup
+	$(PY) benchmarks/watch.py all
+
+# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~1.5 h on 2 cores)
 bench-topology: setup
 	$(PY) benchmarks/topology_rule.py --graph graphs/mixed_router.yaml --n-train 60 --n-test 210
 	$(PY) benchmarks/topology.py all --minutes 10 --eval-n 210

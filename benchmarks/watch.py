@@ -187,8 +187,9 @@ def bench_follow(rate: float, seconds: float, root: Path) -> dict:
     path = root / f"follow-{time.time_ns()}"
     follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(path)], stdout=subprocess.PIPE, text=True)
     time.sleep(1.5)  # the follower imports Textual first
-    writer = subprocess.run([sys.executable, "-c", WRITER, str(path), str(rate), str(seconds), str(HERE),
-                             str(HERE.parent / "graphs" / "agentflow.yaml")], capture_output=True, text=True, check=True)
+    spec = str(HERE.parent / "graphs" / "agentflow.yaml")
+    writer = subprocess.run([sys.executable, "-c", WRITER, str(path), str(rate), str(seconds), str(HERE), spec],
+                            capture_output=True, text=True, check=True)
     out, _ = follower.communicate(timeout=120)
     got = json.loads(out.strip().splitlines()[-1])
     written = int(writer.stdout.strip())
