@@ -454,9 +454,7 @@ def _run_task(run: Path) -> Task | None:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from masgraph.watch import watch
-    from masgraph.watch.index import RunIndex
 
-    RunIndex(args.run)  # a wrong path is reported before the terminal is checked
     return watch(args.run, poll_s=args.poll)
 
 

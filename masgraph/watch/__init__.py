@@ -22,12 +22,13 @@ def require_terminal() -> None:
 
 
 def watch(run_dir: str | Path, poll_s: float = 0.25) -> int:
-    """Open the TUI on a run directory until the user quits."""
+    """Open the TUI on a run directory until the user quits (a wrong path is reported before the terminal check)."""
     from masgraph.watch.app import WatchApp
     from masgraph.watch.index import RunIndex
 
+    index = RunIndex(run_dir)
     require_terminal()
-    WatchApp(run_dir, poll_s, index=RunIndex(run_dir)).run()
+    WatchApp(run_dir, poll_s, index=index).run()
     return 0
 
 

@@ -294,7 +294,7 @@ class WatchApp(App):
     def _refresh_training(self) -> None:
         metrics = self.index.metrics
         self.query_one("#progress", Static).update(
-            render.progress(self.index)[3] if metrics or self.index.is_training else Text(
+            render.progress(self.index) if metrics or self.index.is_training else Text(
                 "not a training run: no metrics.jsonl", style="dim"))
         grid = self.query_one("#metric-grid", Grid)
         for key in render.plot_keys(metrics):

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import yaml
 
+from masgraph.checkpoint import read_state
 from masgraph.errors import MasgraphError
 from masgraph.store import INDEX, _Parser, step_flag
 from masgraph.trace import Trace
@@ -198,9 +199,9 @@ class RunIndex:
 
     def _read_events(self) -> None:
         lines = self._events.read()
-        done = _finished_ids(lines) if self.indexed else set()
+        done, done_ends = _done_within(lines) if self.indexed else (set(), set())
         for off, raw in lines:
-            if done and _episode_of(raw) in done:
+            if done and (off in done_ends or _episode_of(raw) in done):
                 continue  # started and finished within this read: its index line has all a view needs
             rec = _loads(raw)
             if rec is None:
@@ -264,8 +265,11 @@ class RunIndex:
         self._ckpt_mtime = mtime
         found = []
         for d in folder.glob("step-*"):
-            state = _read_json(d / "state.json")
-            if state is not None and isinstance(state.get("step"), int):
+            try:
+                state = read_state(d)
+            except MasgraphError:  # being written, or broken: not listed
+                continue
+            if isinstance(state.get("step"), int):
                 found.append(state | {"path": str(d)})
         self.checkpoints = sorted(found, key=lambda s: s["step"])
 
@@ -284,7 +288,7 @@ class RunIndex:
 
     def node_stats(self) -> dict[str, NodeStats]:
         """Per node: finished episodes plus the steps of running ones, and how many of its steps run now."""
-        out = {n: NodeStats(s.calls, s.tokens, s.seconds, s.parse_failures, s.errors) for n, s in self.nodes.items()}
+        out = {n: replace(s) for n, s in self.nodes.items()}
         for live in self.live.values():
             for s in live.digest:
                 out.setdefault(s[0], NodeStats()).add(s)
@@ -357,19 +361,20 @@ def _episode_of(raw: bytes) -> bytes | None:
     return None
 
 
-def _finished_ids(lines: list[tuple[int, bytes]]) -> set[bytes]:
-    """Ids of the episodes that start and finish within these lines."""
+def _done_within(lines: list[tuple[int, bytes]]) -> tuple[set[bytes], set[int]]:
+    """Ids of the episodes that start and finish within these lines, and the offsets of their finishing lines
+    (parsed here once, so the reader skips them too)."""
     started = {_episode_of(raw) for _, raw in lines if raw.startswith(_ID_PREFIXES[2]) or raw.startswith(
         _ID_PREFIXES[5])}
-    finished = set()
-    for _, raw in lines:
+    finished: dict[bytes, int] = {}
+    for off, raw in lines:
         if _FINISHED in raw[:40]:
             rec = _loads(raw)
             trace = rec.get("trace") if rec else None
             if isinstance(trace, dict) and isinstance(trace.get("episode_id"), str):
-                finished.add(json.dumps(trace["episode_id"], ensure_ascii=False)[1:-1].encode())
-    started.discard(None)
-    return started & finished  # type: ignore[return-value]
+                finished[json.dumps(trace["episode_id"], ensure_ascii=False)[1:-1].encode()] = off
+    done = started.intersection(finished)
+    return done, {finished[e] for e in done}  # type: ignore[index]
 
 
 def _digest(step: dict[str, Any]) -> list[Any]:

@@ -32,7 +32,7 @@ def clock(seconds: float) -> str:
 
 # -- status line ----------------------------------------------------------------------------------------------
 
-def status_line(index: RunIndex, now: float | None = None) -> Text:
+def status_line(index: RunIndex) -> Text:
     """Run name, kind, live or ended, episodes done and running, throughput over the last minute."""
     rows = index.rows
     text = Text()
@@ -47,18 +47,18 @@ def status_line(index: RunIndex, now: float | None = None) -> Text:
         text.append(f" · {len(index.live)} running")
     if rows:
         text.append(f" · {sum(r.correct for r in rows) / len(rows):.0%} correct")
-    rate = episode_rate(rows, now if not index.ended else None)
+    rate = episode_rate(rows)
     if rate is not None:
         text.append(f" · {rate:.1f}/s")
     return text
 
 
-def episode_rate(rows: Sequence[Row], now: float | None, window_s: float = 60.0) -> float | None:
-    """Episodes per second over the last `window_s` seconds of the run (up to `now`, else its last episode)."""
+def episode_rate(rows: Sequence[Row], window_s: float = 60.0) -> float | None:
+    """Episodes per second over the `window_s` seconds up to the last episode that finished."""
     ended = [r.ended for r in rows[-2000:] if r.ended]
     if len(ended) < 2:
         return None
-    end = now if now is not None else max(ended)
+    end = max(ended)
     recent = [t for t in ended if t >= end - window_s]
     span = end - min(recent) if len(recent) >= 2 else 0.0
     return len(recent) / span if span > 0 else None
@@ -308,18 +308,19 @@ def series(metrics: Sequence[dict[str, Any]], key: str) -> list[tuple[int, float
     return sorted(by_step.items())
 
 
-def progress(index: RunIndex) -> tuple[int, int | None, float | None, Text]:
-    """(step, total steps or None, fraction done or None, the line that says it with the ETA)."""
+def progress(index: RunIndex) -> Text:
+    """The training's step, the fraction done (of its steps, or of its minutes when that is further) and the ETA."""
     cfg = (index.config.get("config") or {}).get("train") or {}
     total, minutes = cfg.get("steps"), cfg.get("max_minutes")
     step = max((int(r["step"]) for r in index.metrics), default=0)
     step_times = [v for _, v in series(index.metrics, "time/step_s")]
-    per_step = sum(step_times) / len(step_times) if step_times else None
+    spent = sum(step_times)
+    per_step = spent / len(step_times) if step_times else None
     fraction = None
     if isinstance(total, int) and total > 0:
         fraction = min(1.0, step / total)
     if isinstance(minutes, int | float) and minutes > 0 and per_step is not None:
-        by_time = min(1.0, sum(step_times) / (minutes * 60))
+        by_time = min(1.0, spent / (minutes * 60))
         fraction = by_time if fraction is None else max(fraction, by_time)
     text = Text()
     text.append(f"step {step}" + (f"/{total}" if total else ""), style="bold")
@@ -327,13 +328,11 @@ def progress(index: RunIndex) -> tuple[int, int | None, float | None, Text]:
         text.append(f"  {'█' * round(fraction * 24)}{'░' * (24 - round(fraction * 24))} {fraction:.0%}")
     if index.ended:
         text.append("  ended", style="green")
-    elif per_step is not None and fraction is not None and fraction < 1:
-        left = (1 - fraction) / fraction * sum(step_times) if fraction > 0 else None
-        if left is not None:
-            text.append(f"  ETA {clock(left)}", style="yellow")
+    elif per_step is not None and fraction is not None and 0 < fraction < 1:
+        text.append(f"  ETA {clock((1 - fraction) / fraction * spent)}", style="yellow")
     if per_step is not None:
         text.append(f"  {per_step:.1f} s/step", style="dim")
-    return step, total if isinstance(total, int) else None, fraction, text
+    return text
 
 
 def checkpoints_text(index: RunIndex) -> Text:
