@@ -335,15 +335,19 @@ class RunIndex:
                 data = f.read(max(0, row.end - row.start))
         except OSError:
             return None
-        tag = b'"episode_id":' + json.dumps(row.id).encode()
-        parse, found = _Parser(), None
-        for raw in data.split(b"\n"):
-            if tag in raw:
-                event = parse(raw)
-                trace = getattr(event, "trace", None)
-                if trace is not None and trace.episode_id == row.id:
-                    found = trace
-        return found
+        lines = data.split(b"\n")
+        tag = b'"episode_id":' + json.dumps(row.id, ensure_ascii=False).encode()  # as the store writes it (UTF-8)
+        return _trace_in([raw for raw in lines if tag in raw], row.id) or _trace_in(lines, row.id)  # else: any escape
+
+
+def _trace_in(lines: list[bytes], episode_id: str) -> Trace | None:
+    """The last trace of `episode_id` that these lines rebuild."""
+    parse, found = _Parser(), None
+    for raw in lines:
+        trace = getattr(parse(raw), "trace", None)
+        if trace is not None and trace.episode_id == episode_id:
+            found = trace
+    return found
 
 
 _ID_PREFIXES = tuple(b'{"v":%d,%s"episode_id":"' % (v, kind) for v in (2, 3)

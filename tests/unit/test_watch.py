@@ -85,6 +85,23 @@ def test_the_index_holds_every_episode_of_a_recorded_run_and_reads_each_back(run
     assert not index.poll()  # nothing new
 
 
+def test_an_episode_id_with_quotes_and_non_ascii_reads_back(tmp_path):
+    from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
+    from masgraph.trace import Step, Trace
+
+    store = RunStore(tmp_path / "r", spec=None, config={})
+    for eid in ('naïve-"q"-0', "plain-1"):
+        store.emit(EpisodeStarted(episode_id=eid, item_id="i", query="q"))
+        step = Step(episode_id=eid, index=0, node="solo", role="generator", turn=1, text="4")
+        store.emit(StepFinished(step=step))
+        store.emit(EpisodeFinished(trace=Trace(episode_id=eid, item_id="i", query="q", steps=[step])))
+    store.close({})
+    index = RunIndex(tmp_path / "r")
+    index.poll()
+    assert [r.id for r in index.rows] == ['naïve-"q"-0', "plain-1"]
+    assert [index.trace(r).steps[0].text for r in index.rows] == ["4", "4"]  # type: ignore[union-attr]
+
+
 def test_a_run_dir_from_before_the_index_reads_the_same(run_dir):
     """Schema v2 wrote no episodes.jsonl: rows, counts and edges then come from events.jsonl alone."""
     new = RunIndex(run_dir)
