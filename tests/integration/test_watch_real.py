@@ -57,9 +57,10 @@ def test_run_watch_shows_the_real_run_live_and_quits(tmp_path):
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="80", LINES="24")
     argv = [str(Path(sys.executable).parent / "masgraph"), "run", "graphs/agentflow.yaml", "--task",
             "basic_arithmetic", "--n", "4", "--concurrency", "4", "--runs-dir", str(tmp_path), "--watch"]
-    code, shown, everything = drive(argv, b"4 done", limit_s=600, env=env)
-    assert shown, f"the TUI never showed the 4 episodes done; output:\n{everything[-2000:]}"
-    assert "Episodes [2]" in shown and "ended" in shown  # the app's tabs and the run's end, drawn by the TUI
+    # "ended" is drawn once summary.json exists, a poll after the last row ("4 done" can show while still live)
+    code, shown, everything = drive(argv, b"ended", limit_s=600, env=env)
+    assert shown, f"the TUI never showed the run ended; output:\n{everything[-2000:]}"
+    assert "Episodes [2]" in shown and "4 done" in shown  # the app's tabs and the 4 episodes, drawn by the TUI
     assert code == 0, everything[-2000:]
     assert "episodes 4" in everything and "run dir" in everything  # the CLI's summary after the TUI closed
     [run_dir] = tmp_path.iterdir()
