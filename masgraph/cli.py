@@ -101,6 +101,24 @@ def _load_task(name: str):
     return load_task_file(name) if ":" in name else get_task(name)
 
 
+def with_backend(graph: Graph, kind: str | None, api_base: str | None, file: str) -> Graph:
+    """The graph with every hf policy served by backend `kind` (`--backend vllm`), attached to `api_base` if given."""
+    if kind is None:
+        if api_base:
+            raise MasgraphError("--api-base needs --backend (e.g. --backend vllm --api-base http://host:8000/v1)")
+        return graph
+    from masgraph.graph import compile_spec
+    from masgraph.registry import default_registry
+
+    if kind not in default_registry().backends:
+        raise MasgraphError(f"--backend {kind}: not a registered backend; use one of "
+                            f"{sorted(default_registry().backends)}")
+    spec = graph.spec
+    policies = {n: p.model_copy(update={"backend": kind, "api_base": api_base}) if p.backend == "hf" else p
+                for n, p in spec.policies.items()}
+    return compile_spec(spec.model_copy(update={"policies": policies}), file)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     bad = 0
     for path in args.files:
@@ -126,12 +144,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from masgraph.agent import open_source
     from masgraph.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
     from masgraph.runner import RunConfig, Runner
+    from masgraph.store import new_run_dir
 
     if args.watch:
         from masgraph.watch import require_terminal
 
         require_terminal()  # before the model loads
     graph, bundle = open_source(args.graph)
+    graph = with_backend(graph, args.backend, args.api_base, args.graph)
     task = _load_task(args.task)
     if bundle is not None and args.checkpoint:
         raise MasgraphError(f"{args.graph} is a bundle with its own adapters; drop --checkpoint")
@@ -161,21 +181,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                             "check its generate() or pick the other --split")
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
-    runner = Runner(graph, config, topology=topology)
+    run_dir = new_run_dir(config.runs_dir, graph.spec.name)  # now: a server a backend starts logs into it
+    runner = Runner(graph, config, topology=topology, log_dir=run_dir)
     if checkpoint is not None:
         print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
     if bundle is not None:
         runner.engine.load_adapters(bundle.adapters)
         print(f"bundle {bundle.path}: adapters {sorted(bundle.adapters) or 'none'}", file=sys.stderr)
-    return run_with_progress(runner, task, items, watch=args.watch)
+    return run_with_progress(runner, task, items, watch=args.watch, run_dir=run_dir)
 
 
-def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool = False) -> int:
+def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool = False,
+                      run_dir: Path | None = None) -> int:
     """Run items with a progress bar (or the TUI, `watch`) and print the summary; Ctrl-C (exit 130) and SIGTERM
     (exit 143) cancel the run cleanly, and the summary then counts the episodes that finished."""
     from masgraph.store import new_run_dir
 
-    run_dir = new_run_dir(runner.config.runs_dir, runner.graph.spec.name) if watch else None
+    if watch and run_dir is None:
+        run_dir = new_run_dir(runner.config.runs_dir, runner.graph.spec.name)
     bar = None if watch else ProgressBar(len(items) * runner.config.samples)
 
     async def run() -> None:
@@ -185,7 +208,7 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
             await runner.aclose()
 
     try:
-        if run_dir is not None:
+        if watch:
             from masgraph.watch import watch_while
 
             code = watch_while(run_dir, run)
@@ -324,7 +347,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from masgraph.watch import require_terminal
 
         require_terminal()  # before the model loads
-    graph = _load_graph(args.graph)
+    graph = with_backend(_load_graph(args.graph), args.backend, args.api_base, args.graph)
     spec = graph.spec
     registry = default_registry()  # the trainers register their algorithms (the core never imports them)
     graph = train_graph(graph, registry, args)
@@ -346,7 +369,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
 
     async def run_training() -> None:
-        await loop.run()
+        try:
+            await loop.run()
+        finally:
+            await loop.aclose()  # a vLLM server it started
 
     if args.watch:
         from masgraph.watch import watch_while
@@ -470,6 +496,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", help="serve every hf policy with this backend instead, e.g. vllm (a vLLM server: "
+                   "started here unless --api-base; `make vllm` installs it)")
+    p.add_argument("--api-base", help="with --backend vllm: attach to this running server (http://host:port/v1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="masgraph", description="Multi-agent LLM graphs: run, validate, train.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -490,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graphs with a `topology:` section: run the most likely topology per query, or sample one "
                         "(default: greedy with a checkpoint that learned one, else sample)")
     r.add_argument("--watch", action="store_true", help="watch the run live in the TUI (see `masgraph watch`)")
+    _backend_args(r)
     r.set_defaults(fn=cmd_run)
 
     t = sub.add_parser("train", help="train the graph's node policies (Flow-GRPO), its topology (HRPO), or both")
@@ -510,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
     t.add_argument("--runs-dir", default="runs")
     t.add_argument("--watch", action="store_true", help="watch the training live in the TUI (see `masgraph watch`)")
+    _backend_args(t)
     t.set_defaults(fn=cmd_train)
 
     w = sub.add_parser("watch", help="TUI over a run or training directory, live or finished: graph, episodes, "

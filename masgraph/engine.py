@@ -31,6 +31,8 @@ class BackendOptions:
     """How long the batcher waits for more requests."""
     seed: int = 0
     """Seeds the backend's own sampling generator (requests from the scheduler carry their own seeds)."""
+    log_dir: str | None = None
+    """Where a backend that starts a server (vllm) keeps its log: the run dir."""
 
 
 class Engine:

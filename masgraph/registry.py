@@ -162,6 +162,12 @@ def _litellm(policy: PolicySpec, **options: Any) -> Backend:
     return LiteLLMBackend(policy.model, api_base=policy.api_base)
 
 
+def _vllm(policy: PolicySpec, **options: Any) -> Backend:
+    from masgraph.backends.vllm import VLLMBackend
+
+    return VLLMBackend(policy.model, api_base=policy.api_base, **options)
+
+
 def _scripted(policy: PolicySpec, **options: Any) -> Backend:
     raise MasgraphError(
         f"a policy uses `backend: scripted` (model {policy.model!r}), which has no built-in instance: it replays "
@@ -178,6 +184,8 @@ def register_core(registry: Registry) -> None:
         "hf": BackendKind("hf", _hf, returns_tokens=True, local_models=True,
                           options=("deterministic", "max_batch_size", "batch_wait_ms", "seed")),
         "litellm": BackendKind("litellm", _litellm, returns_tokens=False),
+        "vllm": BackendKind("vllm", _vllm, returns_tokens=True, local_models=True,
+                            options=("deterministic", "seed", "log_dir")),
         "scripted": BackendKind("scripted", _scripted, returns_tokens=True),
     })
     registry.models.update({name: f"embedded ({pip})" for name, (_, _, pip) in EMBEDDED.items()})

@@ -73,7 +73,7 @@ class Runner:
 
     def __init__(self, graph: Graph, config: RunConfig | None = None, backends: dict[str, Backend] | None = None,
                  registry: Registry | None = None, engine: Engine | None = None,
-                 topology: TopologySampler | None = None):
+                 topology: TopologySampler | None = None, log_dir: str | Path | None = None):
         self.graph, self.config = graph, config or RunConfig()
         if topology is None and graph.spec.topology is not None:  # a supergraph never runs whole
             from masgraph.topology.policy import load_policy
@@ -85,7 +85,7 @@ class Runner:
         uniform prior for a graph with a `topology:` section."""
         c = self.config
         self.engine = engine or Engine(graph, registry, backends, BackendOptions(
-            c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed))
+            c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed, str(log_dir) if log_dir else None))
         self.last_result: RunResult | None = None
         """The latest run's result, set also when that run was cancelled (its summary counts what finished)."""
 

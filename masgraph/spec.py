@@ -30,8 +30,9 @@ class PolicySpec(_Strict):
     """A named model endpoint that nodes call: backend + model + optional LoRA adapter + sampling."""
 
     backend: str = "hf"
-    """A registered backend: `hf` runs transformers in-process (token ids + logprobs), `litellm` calls any API or
-    OpenAI-compatible server (text only), `scripted` replays canned replies (tests, from Python)."""
+    """A registered backend: `hf` runs transformers in-process (token ids + logprobs), `vllm` a vLLM server (token
+    ids + logprobs; started here, or attached by `api_base`), `litellm` calls any API or OpenAI-compatible server
+    (text + the token counts it reports), `scripted` replays canned replies (tests, from Python)."""
     model: str = "smollm2-135m"
     """Model name: `smollm2-135m` (embedded default), a local HF directory, or a litellm model string."""
     adapter: str | None = None
@@ -39,7 +40,8 @@ class PolicySpec(_Strict):
     trainable: bool = False
     """Whether RL trainers update this policy (needs a backend that returns token ids and logprobs)."""
     api_base: str | None = None
-    """Base URL of an OpenAI-compatible server (litellm backend)."""
+    """Base URL of an OpenAI-compatible server (litellm backend), or of a running vLLM server to attach to (vllm
+    backend; without it masgraph starts one)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling parameters."""
 

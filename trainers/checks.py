@@ -6,9 +6,12 @@ from masgraph.errors import Problem, shorten
 from masgraph.registry import Registry
 from masgraph.spec import GraphSpec
 
+LEARNABLE_BACKENDS = ("hf", "vllm")
+"""Backends whose policies the learner trains: both serve the local base model the learner loads, as LoRA adapters."""
+
 
 def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
-    """Something to train, each trained policy on the in-process hf learner with an adapter of its own."""
+    """Something to train, each trained policy served by a learnable backend (hf, vllm) with an adapter of its own."""
     trainable = {n: p for n, p in spec.policies.items() if p.trainable}
     if not trainable:
         return [Problem("train", "the graph has a `train:` section but no trainable policy",
@@ -16,8 +19,12 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
     problems = []
     adapters: dict[str, str] = {}
     for pname, pol in trainable.items():
-        if pol.backend != "hf" or pol.adapter is None:
-            problems.append(Problem(f"policies.{pname}", "a trained policy needs `backend: hf` and an `adapter:`",
+        if pol.backend not in LEARNABLE_BACKENDS:
+            problems.append(Problem(f"policies.{pname}.backend", f"backend {shorten(pol.backend)!r} cannot serve a "
+                                    "trained policy (the learner's LoRA adapters live on a local base model)",
+                                    "use `backend: hf` (in process) or `backend: vllm`"))
+        elif pol.adapter is None:
+            problems.append(Problem(f"policies.{pname}", "a trained policy needs an `adapter:`",
                                     "give it its own adapter name, e.g. `adapter: " + pname + "`"))
         elif adapters.setdefault(pol.adapter, pname) != pname:
             problems.append(Problem(f"policies.{pname}.adapter", f"adapter {shorten(pol.adapter)!r} is also trained "

@@ -30,6 +30,7 @@ from masgraph.tasks import Task
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import Trace
+from masgraph.trainers.checks import LEARNABLE_BACKENDS
 from masgraph.trainers.config import TrainSpec
 from masgraph.trainers.flow_grpo import FlowGRPO, informative_queries
 from masgraph.trainers.hrpo import HRPO
@@ -46,9 +47,10 @@ def sampling_graph(spec: GraphSpec, temperature: float) -> Graph:
 
 
 def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
-    """The one base model training loads: the trainable policies' `model` (any hf policy's when training only the
-    topology). Every hf policy is served from it (trainable ones as LoRA adapters on it), so all must name it."""
-    hf = {n: p for n, p in spec.policies.items() if p.backend == "hf"}
+    """The one base model training loads: the trainable policies' `model` (any hf/vllm policy's when training only
+    the topology). Every hf/vllm policy is served from it (trainable ones as LoRA adapters on it), so all must name
+    it, and the trainable ones must share one backend (the one the weight-sync step publishes to)."""
+    hf = {n: p for n, p in spec.policies.items() if p.backend in LEARNABLE_BACKENDS}
     trainable = [n for n, p in hf.items() if p.trainable] or ([] if needs_trainable else list(hf))
     if not trainable:
         raise SpecError([Problem("policies", "no hf policy is `trainable: true`, so there is nothing to train",
@@ -58,9 +60,20 @@ def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
                         f"{trainable[0]!r}; training serves every hf policy from one base model (trainable ones "
                         "as LoRA adapters on it)", f"set `model: {model}` here (or train on {p.model!r} throughout)")
                 for n, p in hf.items() if p.model != model]
+    first = hf[trainable[0]]
+    problems += [Problem(f"policies.{n}.backend", f"{p.backend!r} differs from {first.backend!r} of trainable policy "
+                         f"{trainable[0]!r}; the trained adapters are published to one rollout backend",
+                         f"set `backend: {first.backend}` here") for n in trainable
+                 if (p := hf[n]).backend != first.backend or p.api_base != first.api_base]
     if problems:
         raise SpecError(problems)
     return model
+
+
+def rollout_kind(spec: GraphSpec) -> str:
+    """The backend kind that serves the trained policies' rollouts (hf unless they say vllm)."""
+    kinds = [p.backend for p in spec.policies.values() if p.trainable and p.backend in LEARNABLE_BACKENDS]
+    return kinds[0] if kinds else "hf"
 
 
 class TrainLoop:
@@ -91,12 +104,23 @@ class TrainLoop:
         self.trains_nodes, self.trains_topology = algorithm in ("flow_grpo", "joint"), algorithm in ("hrpo", "joint")
         model = base_model(spec, needs_trainable=self.trains_nodes)
         self.learner: Learner = learner or HFLearner(model, dtype=dtype)
+        kind = rollout_kind(spec)
+        self._owned: list[SyncedBackend] = []  # backends this loop started (a vLLM server): closed by aclose()
         if backend is None:
             if not isinstance(self.learner, HFLearner):
                 raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
                                     "learner's adapters to rollouts), or leave both out for the in-process hf pair")
-            backend = HFBackend(self.learner.weights, deterministic=self.cfg.deterministic, seed=self.cfg.seed)
-            # evaluation decodes deterministically: a second serving view over the same weights
+            if kind == "vllm":  # rollouts on a vLLM server (started here unless attached), the learner in process
+                policy = next(p for p in spec.policies.values() if p.trainable and p.backend == kind)
+                from masgraph.backends.vllm import VLLMBackend
+
+                backend = VLLMBackend(policy.model, policy.api_base, dtype=self.learner.dtype, seed=self.cfg.seed,
+                                      log_dir=self.run_dir, deterministic=self.cfg.deterministic,
+                                      max_lora_rank=max(16, self.cfg.lora_rank))
+                self._owned.append(backend)
+            else:
+                backend = HFBackend(self.learner.weights, deterministic=self.cfg.deterministic, seed=self.cfg.seed)
+            # evaluation decodes deterministically in process: a second serving view over the learner's weights
             eval_backend = eval_backend or HFBackend(self.learner.weights, deterministic=True, seed=self.cfg.seed)
         self.backend, self.eval_backend = backend, eval_backend or backend
         lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
@@ -115,9 +139,9 @@ class TrainLoop:
         self.group_size = self.cfg.hrpo.group_size if algorithm == "hrpo" else self.cfg.flow_grpo.group_size
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.group_size, **common),
-                               backends={"hf": self.backend}, topology=self.topology)
+                               backends={kind: self.backend}, topology=self.topology)
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
-                                backends={"hf": self.eval_backend}, topology=self.topology)
+                                backends={kind: self.eval_backend}, topology=self.topology)
         fg = self.cfg.flow_grpo
         rounds = 1 + (fg.resample_rounds if fg.zero_variance == "resample" else 0)
         self.items = task.items("train", self.cfg.steps * self.cfg.queries_per_step * rounds, self.cfg.seed)
@@ -163,6 +187,12 @@ class TrainLoop:
             self._emit.sinks.remove(store)
             store.close({"step": self.step, **last})
         return last
+
+    async def aclose(self) -> None:
+        """Stop what this loop started (a vLLM server); the in-process hf backends need nothing."""
+        for backend in self._owned:
+            await backend.aclose()
+        self._owned.clear()
 
     @property
     def sink_errors(self) -> int:

@@ -44,7 +44,7 @@ def test_schema_command_prints_json_schema(capsys):
     assert algorithms == ["flow_grpo", "hrpo", "joint"]
     assert "omega" in schema["$defs"]["HRPOConfig"]["properties"] and "TopologySpec" in schema["$defs"]
     assert "group_size" in schema["$defs"]["FlowGRPOConfig"]["properties"]
-    assert schema["$defs"]["PolicySpec"]["properties"]["backend"]["enum"] == ["hf", "litellm", "scripted"]
+    assert schema["$defs"]["PolicySpec"]["properties"]["backend"]["enum"] == ["hf", "litellm", "scripted", "vllm"]
 
 
 def test_validate_subprocess_has_no_traceback(root, tmp_path):
