@@ -150,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from masgraph.watch import require_terminal
 
         require_terminal()  # before the model loads
+    ray = _ray_config(args)
     graph, bundle = open_source(args.graph)
     graph = with_backend(graph, args.backend, args.api_base, args.graph)
     task = _load_task(args.task)
@@ -182,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     run_dir = new_run_dir(config.runs_dir, graph.spec.name)  # now: a server a backend starts logs into it
-    runner = Runner(graph, config, topology=topology, log_dir=run_dir)
+    runner = Runner(graph, config, topology=topology, log_dir=run_dir, engine=_ray_engine(ray, graph, config))
     if checkpoint is not None:
         print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
     if bundle is not None:
@@ -347,6 +348,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from masgraph.watch import require_terminal
 
         require_terminal()  # before the model loads
+    ray = _ray_config(args)
     graph = with_backend(_load_graph(args.graph), args.backend, args.api_base, args.graph)
     spec = graph.spec
     registry = default_registry()  # the trainers register their algorithms (the core never imports them)
@@ -363,7 +365,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
-    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)])
+    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)],
+                   ray=ray)
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
@@ -496,6 +499,40 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_config(args: argparse.Namespace) -> Any:
+    """`--ray [--workers N] [--address A]` as a RayConfig (None without --ray)."""
+    if not args.ray:
+        if args.workers is not None or args.address is not None:
+            raise MasgraphError("--workers and --address need --ray")
+        return None
+    from masgraph.ray_rollouts import RayConfig, require_ray
+
+    require_ray()  # before anything loads
+    config = RayConfig(workers=args.workers or 2, address=args.address)
+    print(f"starting {config.workers} Ray rollout workers{f' on {config.address}' if config.address else ''} ...",
+          file=sys.stderr)
+    return config
+
+
+def _ray_engine(ray: Any, graph: Graph, config: Any) -> Any:
+    """The Ray rollout engine for `masgraph run --ray` (None without it)."""
+    if ray is None:
+        return None
+    from masgraph.engine import BackendOptions
+    from masgraph.ray_rollouts import RayEngine
+
+    return RayEngine(graph, ray, BackendOptions(config.deterministic, config.max_batch_size, config.batch_wait_ms,
+                                                config.seed))
+
+
+def _ray_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", action="store_true", help="run episodes on Ray rollout workers (each its own model "
+                   "replica; the learner stays here)")
+    p.add_argument("--workers", type=positive_int, help="with --ray: rollout workers (default 2)")
+    p.add_argument("--address", help="with --ray: a running Ray cluster (`ray start --head` prints it; `auto` finds "
+                   "the one on this machine); default: a local Ray for this run")
+
+
 def _backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="serve every hf policy with this backend instead, e.g. vllm (a vLLM server: "
                    "started here unless --api-base; `make vllm` installs it)")
@@ -523,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: greedy with a checkpoint that learned one, else sample)")
     r.add_argument("--watch", action="store_true", help="watch the run live in the TUI (see `masgraph watch`)")
     _backend_args(r)
+    _ray_args(r)
     r.set_defaults(fn=cmd_run)
 
     t = sub.add_parser("train", help="train the graph's node policies (Flow-GRPO), its topology (HRPO), or both")
@@ -544,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--runs-dir", default="runs")
     t.add_argument("--watch", action="store_true", help="watch the training live in the TUI (see `masgraph watch`)")
     _backend_args(t)
+    _ray_args(t)
     t.set_defaults(fn=cmd_train)
 
     w = sub.add_parser("watch", help="TUI over a run or training directory, live or finished: graph, episodes, "

@@ -23,6 +23,7 @@ from masgraph.events import CheckpointSaved, Emitter, EvalFinished, Sink, TrainS
 from masgraph.graph import Graph, compile_spec
 from masgraph.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.metrics import MetricsSink
+from masgraph.ray_rollouts import RayConfig
 from masgraph.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
@@ -92,7 +93,7 @@ class TrainLoop:
 
     def __init__(self, graph: Graph, task: Task, run_dir: Path, learner: Learner | None = None,
                  backend: SyncedBackend | None = None, eval_backend: SyncedBackend | None = None,
-                 dtype: str = "auto", sinks: Sequence[Sink] = ()):
+                 dtype: str = "auto", sinks: Sequence[Sink] = (), ray: RayConfig | None = None):
         if graph.spec.train is None:
             raise SpecError([Problem("train", "the graph has no `train:` section",
                                      "add `train: {task: basic_arithmetic}` (see TrainSpec for the knobs)")])
@@ -105,7 +106,20 @@ class TrainLoop:
         model = base_model(spec, needs_trainable=self.trains_nodes)
         self.learner: Learner = learner or HFLearner(model, dtype=dtype)
         kind = rollout_kind(spec)
-        self._owned: list[SyncedBackend] = []  # backends this loop started (a vLLM server): closed by aclose()
+        # training rollouts sample the trained policies; evaluation uses the graph as written (greedy), and the
+        # topology policy's most likely topology
+        train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature) if self.trains_nodes else graph
+        self._owned: list[Any] = []  # what this loop started (a vLLM server, Ray workers): closed by aclose()
+        self.ray_engine = None
+        if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
+            from masgraph.engine import BackendOptions
+            from masgraph.ray_rollouts import RayEngine
+
+            self.ray_engine = RayEngine(train_graph, ray, BackendOptions(self.cfg.deterministic, seed=self.cfg.seed))
+            self._owned.append(self.ray_engine)
+            backend = self.ray_engine.pool  # what the weight sync publishes to (through the object store)
+            if eval_backend is None and isinstance(self.learner, HFLearner):
+                eval_backend = HFBackend(self.learner.weights, deterministic=True, seed=self.cfg.seed)
         if backend is None:
             if not isinstance(self.learner, HFLearner):
                 raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
@@ -132,14 +146,11 @@ class TrainLoop:
         self.trainable = {n: spec.policies[s.policy].adapter for n, s in spec.nodes.items()
                           if s.policy and spec.policies[s.policy].trainable}
         self.algo = FlowGRPO(self.learner, self.trainable, self.cfg.flow_grpo)
-        # training rollouts sample the trained policies; evaluation uses the graph as written (greedy), and the
-        # topology policy's most likely topology
-        train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature) if self.trains_nodes else graph
         self.topology, self.hrpo = _topology_trainer(graph, self.cfg)
         self.group_size = self.cfg.hrpo.group_size if algorithm == "hrpo" else self.cfg.flow_grpo.group_size
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.group_size, **common),
-                               backends={kind: self.backend}, topology=self.topology)
+                               backends={kind: self.backend}, topology=self.topology, engine=self.ray_engine)
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
                                 backends={kind: self.eval_backend}, topology=self.topology)
         fg = self.cfg.flow_grpo
@@ -189,9 +200,9 @@ class TrainLoop:
         return last
 
     async def aclose(self) -> None:
-        """Stop what this loop started (a vLLM server); the in-process hf backends need nothing."""
-        for backend in self._owned:
-            await backend.aclose()
+        """Stop what this loop started (a vLLM server, Ray workers); the in-process hf backends need nothing."""
+        for part in self._owned:
+            await part.aclose()
         self._owned.clear()
 
     @property

@@ -36,6 +36,22 @@ def served_models(backend) -> list[str]:
     return [m["id"] for m in httpx.get(f"{backend.api_base}/models").json()["data"]]
 
 
+def rollout_versions(run: Path, adapter: str) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """The adapter versions the rollouts of each step ran on, and what they should be: the number of updates of
+    the adapter in the steps before (metrics.jsonl has its grad norm for each step that updated it)."""
+    step, seen = 1, {}
+    for line in (run / "events.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["kind"] == "train_step" and d["step"] >= 1:
+            step += 1
+        elif d["kind"] == "step":  # a finished node step, with its LLM calls
+            for v in re.findall(rf'"adapter":"{adapter}","policy_version":(\d+)', line):
+                seen.setdefault(step, set()).add(int(v))
+    updated = [f"grad_norm/{adapter}" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    expected = {k: {sum(updated[:k - 1])} for k in seen}
+    return seen, expected
+
+
 def test_logprobs_match_the_learner_and_each_published_version_is_served(vllm_fp32):
     learner = HFLearner("smollm2-135m", dtype="float32")
     learner.add_adapter("planner", LoraConfigSpec(rank=16))
@@ -112,24 +128,19 @@ def test_train_end_to_end_with_rollouts_on_vllm(tmp_path, vllm_py):
     adapters are published after each step, and each rollout records the version that produced it."""
     env = {**os.environ, "MASGRAPH_VLLM_PYTHON": vllm_py}
     cmd = [sys.executable, "-m", "masgraph.cli", "train", str(ROOT / "graphs/agentflow.yaml"), "--backend", "vllm",
-           "--task", "basic_arithmetic", "--steps", "2", "--queries-per-step", "1", "--eval-every", "0",
+           "--task", "basic_arithmetic", "--steps", "3", "--queries-per-step", "1", "--eval-every", "0",
            "--eval-n", "2", "--runs-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [run] = [p for p in tmp_path.iterdir() if p.is_dir()]
     log = (run / "vllm-server.log").read_text()
-    for name in ("planner-v1", "planner-v2", "verifier-v1", "verifier-v2"):
-        assert name in log, f"{name} was never loaded by the server"
-    # rollouts of step 1 ran on version 0 (the fresh adapters), those of step 2 on version 1
-    step, seen = 1, {}
-    for line in (run / "events.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if d["kind"] == "train_step" and d["step"] >= 1:
-            step += 1
-        elif d["kind"] == "step":  # a finished node step, with its LLM calls
-            for v in re.findall(r'"adapter":"planner","policy_version":(\d+)', line):
-                seen.setdefault(step, set()).add(int(v))
-    assert seen == {1: {0}, 2: {1}}, seen
+    final = json.loads((run / "checkpoints/step-3/state.json").read_text())["versions"]
+    for adapter, version in final.items():  # every version the learner made was loaded by the server
+        for v in range(1, version + 1):
+            assert f"{adapter}-v{v}" in log, f"{adapter}-v{v} was never loaded by the server"
+    # each step's rollouts ran on the version the updates before it made (0: the fresh adapter)
+    seen, expected = rollout_versions(run, "planner")
+    assert seen == expected and max(max(v) for v in seen.values()) >= 1, (seen, expected)
     server = re.search(r"--port (\d+)", log).group(1)
     with pytest.raises(httpx.HTTPError):  # the server it started is gone
         httpx.get(f"http://127.0.0.1:{server}/health", timeout=2)
