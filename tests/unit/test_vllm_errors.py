@@ -19,7 +19,8 @@ def test_the_server_command_is_token_exact_and_serves_runtime_lora():
     cmd = server_command("py", "/m", "smol", 8001, "float32", 3, 16, 4, 2048, ["--max-num-seqs", "8"])
     flags = " ".join(cmd)
     for flag in ("--logprobs-mode processed_logprobs", "--enable-lora", "--max-lora-rank 16", "--enforce-eager",
-                 "--enable-prefix-caching", "--max-model-len 2048", "--seed 3", "--dtype float32"):
+                 "--enable-prefix-caching", "--max-model-len 2048", "--no-enable-chunked-prefill", "--seed 3",
+                 "--dtype float32"):
         assert flag in flags
     assert cmd[-2:] == ["--max-num-seqs", "8"]
 
