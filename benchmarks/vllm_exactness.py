@@ -3,7 +3,8 @@
 1. rollout logprobs vs the learner's recomputation on the same ids: sampled at the training temperature (1.0) with
    a LoRA adapter published through the weight-sync step (its weights perturbed, as after training), mean / p99 /
    max |Δ| per token, and the PPO clip fraction this mismatch alone causes at ratio ≈ 1 (Flow-GRPO's clip
-   [1 - 0.2, 1 + 0.3]: the fraction of tokens whose ratio exp(Δ) falls outside before any update);
+   [1 - 0.2, 1 + 0.3]: the fraction of tokens whose ratio exp(Δ) falls outside before any update); the peer is
+   the in-process hf backend's batched rollouts against the same learner (what training uses without vLLM);
 2. greedy agreement with the hf backend (deterministic, same dtype) on the same prompts: identical completion ids,
    and identical answer text.
 
@@ -52,7 +53,7 @@ def perturbed_learner(dtype: str) -> HFLearner:
     return learner
 
 
-def logprob_gap(backend: VLLMBackend, learner: HFLearner, msgs: list, max_tokens: int) -> dict[str, float]:
+def logprob_gap(backend, learner: HFLearner, msgs: list, max_tokens: int) -> dict[str, float]:
     sampling = SamplingSpec(temperature=1.0, max_tokens=max_tokens)
     reqs = [Request(m, adapter="planner", sampling=sampling, seed=i) for i, m in enumerate(msgs)]
     done = asyncio.run(backend.complete(reqs))
@@ -107,10 +108,16 @@ def main() -> int:
                 agree = greedy_agreement(backend, learner, msgs, args.max_tokens)
             finally:
                 asyncio.run(backend.aclose())
+        # the peer: the in-process hf backend's rollouts (batched, as in training) against the same learner
+        hf = HFBackend(learner.weights, seed=0)
+        hf_gap = logprob_gap(hf, learner, msgs, args.max_tokens)
+        asyncio.run(hf.aclose())
         print(f"{dtype:9s} server start {started:.0f} s")
         print(f"  logprobs (T=1, adapter v{learner.version('planner')}), {gap['tokens']} tokens: mean |Δ| "
               f"{gap['mean_abs']:.2e}  p99 {gap['p99_abs']:.2e}  max {gap['max_abs']:.2e}  clip fraction at ratio≈1 "
               f"{gap['clip_fraction']:.4f}")
+        print(f"  peer, hf backend batched rollouts, {hf_gap['tokens']} tokens: mean |Δ| {hf_gap['mean_abs']:.2e}  "
+              f"p99 {hf_gap['p99_abs']:.2e}  max {hf_gap['max_abs']:.2e}  clip fraction {hf_gap['clip_fraction']:.4f}")
         print(f"  greedy vs hf (base): identical ids {agree['same_ids']}/{agree['prompts']}, identical text "
               f"{agree['same_text']}/{agree['prompts']}, median first divergence at token "
               f"{agree['first_divergence_median']}")

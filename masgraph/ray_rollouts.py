@@ -63,6 +63,7 @@ class _Files:
         self.files = files
 
     def save(self, path: str) -> str:
+        Path(path).mkdir(parents=True, exist_ok=True)
         for name, data in self.files.items():
             (Path(path) / name).write_bytes(data)
         return path

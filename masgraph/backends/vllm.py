@@ -3,13 +3,14 @@
 Prompts go out as token ids (our chat template and context rule, the same `TokenLayout` as the hf backend), and the
 sampled ids and their logprobs come back (`return_token_ids`, `logprobs: 0`, the server in `processed_logprobs`
 mode: after temperature, as the trainer recomputes them), so the trainer never re-tokenises. Trained adapters are
-named LoRA adapters loaded at run time: each published version under its own name (`planner-v3`), the stale one
-unloaded after the new one loads. The server is attached by URL (`api_base:`) or started and stopped here
+named LoRA adapters loaded at run time: each published version under its own name (`planner-v3-<digest>`), the stale
+one unloaded after the new one loads. The server is attached by URL (`api_base:`) or started and stopped here
 (`VLLMServer`)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -111,11 +112,14 @@ class VLLMBackend:
         self.stats["publishes"] += 1
 
     def _serve(self, adapter: str, version: int, path: Path, owned: bool = False) -> None:
-        new = f"{adapter}-v{version}"
-        if self.lora_names.get(adapter) == new:  # the same name reloaded: unload it first (no in-place reload)
-            self._drop_lora(adapter)
+        """Load `path` as the adapter's new version under a content-addressed name (`planner-v3-1a2b3c4d`): on a
+        server shared by several clients (Ray workers) the same weights load once, and a name left loaded by an
+        earlier run can never stand for other weights."""
+        new = f"{adapter}-v{version}-{_digest(path)}"
+        if self.lora_names.get(adapter) == new:
+            return
         self._post("/load_lora_adapter", {"lora_name": new, "lora_path": str(path)},
-                   f"cannot load adapter {adapter!r} version {version} from {path}")
+                   f"cannot load adapter {adapter!r} version {version} from {path}", ok_if="has already been loaded")
         self._drop_lora(adapter)
         self.versions[adapter], self.lora_names[adapter] = version, new
         if owned:
@@ -209,13 +213,15 @@ class VLLMBackend:
         except (httpx.HTTPError, ValueError) as exc:
             raise self._failure(exc) from None
 
-    def _post(self, path: str, body: dict[str, Any], what: str, missing_ok: bool = False) -> None:
+    def _post(self, path: str, body: dict[str, Any], what: str, missing_ok: bool = False, ok_if: str = "") -> None:
         import httpx
 
         try:
             resp = self._sync.post(path, json=body)
         except httpx.HTTPError as exc:
             raise self._failure(exc) from None
+        if ok_if and resp.status_code == 400 and ok_if in _message(resp):
+            return
         if resp.status_code != 200 and not (missing_ok and resp.status_code == 404):
             hint = (" (start the server with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
                     if resp.status_code == 404 else "")
@@ -237,6 +243,14 @@ def _message(resp: Any) -> str:
         return str(body.get("error", {}).get("message") or body.get("message") or body)[:500]
     except ValueError:
         return resp.text[:500]
+
+
+def _digest(path: Path) -> str:
+    """8 hex digits of the adapter directory's files (names and bytes)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:8]
 
 
 def _dtype_name(dtype: str) -> str:

@@ -62,7 +62,7 @@ def test_logprobs_match_the_learner_and_each_published_version_is_served(vllm_fp
             p.add_(torch.randn_like(p) * 0.02)
     learner.new_version("planner")
     assert sync() == ["planner"]
-    assert "planner-v1" in served_models(vllm_fp32)
+    assert any(m.startswith("planner-v1-") for m in served_models(vllm_fp32))
 
     for temperature in (1.0, 0.0):  # sampled (training) and greedy (evaluation) calls
         reqs = [Request(messages(q), adapter="planner", seed=i,
@@ -97,7 +97,7 @@ def test_logprobs_match_the_learner_and_each_published_version_is_served(vllm_fp
     learner.new_version("planner")
     sync()  # version 2 loads under its own name; version 1 is unloaded
     models = served_models(vllm_fp32)
-    assert "planner-v2" in models and "planner-v1" not in models
+    assert [m.split("-")[1] for m in models if m.startswith("planner-")] == ["v2"]
     [c] = asyncio.run(vllm_fp32.complete([Request(messages(QUESTIONS[0]), adapter="planner")]))
     assert c.policy_version == 2
 
@@ -178,3 +178,37 @@ def test_a_server_that_dies_fails_its_episodes_with_the_log_and_the_run_goes_on(
     assert result.summary["episodes"] == 3 and result.summary["status"]["error"] == 3
     assert all("vLLM server died" in (t.error or "") for t in result.traces)
     assert (result.run_dir / "summary.json").exists()
+
+
+def test_ray_workers_as_clients_of_one_shared_server(vllm_fp32, tmp_path):
+    """Two Ray rollout workers attached to one vLLM server: a published adapter version loads there once (both
+    workers publish it; the content-addressed name makes the second a no-op) and both serve it."""
+    import ray
+
+    from masgraph.cli import with_backend
+    from masgraph.engine import BackendOptions
+    from masgraph.graph import compile_spec
+    from masgraph.loader import load_spec
+    from masgraph.ray_rollouts import RayConfig, RayEngine
+    from masgraph.runner import RunConfig, Runner
+    from masgraph.tasks import get_task
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    path = str(ROOT / "graphs/agentflow.yaml")
+    graph = with_backend(compile_spec(load_spec(path), path), "vllm", vllm_fp32.api_base, path)
+    learner = HFLearner("smollm2-135m", dtype="float32")
+    learner.add_adapter("planner", LoraConfigSpec(rank=16))
+    learner.new_version("planner")
+    engine = RayEngine(graph, RayConfig(workers=2), BackendOptions())
+    try:
+        engine.pool.publish("planner", learner.version("planner"), learner.source("planner"))
+        assert [m for m in served_models(vllm_fp32) if m.startswith("planner-")] == \
+            [m for m in served_models(vllm_fp32) if m.startswith("planner-v1-")] != []
+        runner = Runner(graph, RunConfig(n=4, runs_dir=str(tmp_path)), engine=engine)
+        result = asyncio.run(runner.run_task(get_task("basic_arithmetic")))
+        assert result.summary["status"]["ok"] == 4
+        versions = {c.policy_version for t in result.traces for c in t.llm_calls if c.adapter == "planner"}
+        assert versions == {1}
+    finally:
+        asyncio.run(engine.aclose())
+        ray.shutdown()
