@@ -202,8 +202,8 @@ def test_ray_workers_as_clients_of_one_shared_server(vllm_fp32, tmp_path):
     engine = RayEngine(graph, RayConfig(workers=2), BackendOptions())
     try:
         engine.pool.publish("planner", learner.version("planner"), learner.source("planner"))
-        assert [m for m in served_models(vllm_fp32) if m.startswith("planner-")] == \
-            [m for m in served_models(vllm_fp32) if m.startswith("planner-v1-")] != []
+        # loaded once (by the first worker; the second found it loaded); another client's versions may be there too
+        assert len([m for m in served_models(vllm_fp32) if m.startswith("planner-v1-")]) == 1
         runner = Runner(graph, RunConfig(n=4, runs_dir=str(tmp_path)), engine=engine)
         result = asyncio.run(runner.run_task(get_task("basic_arithmetic")))
         assert result.summary["status"]["ok"] == 4
