@@ -11,7 +11,6 @@ Ray is imported only here, and only when `--ray` asks for it: local runs need it
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +22,7 @@ from masgraph.engine import BackendOptions
 from masgraph.errors import MasgraphError
 from masgraph.events import Emitter, EpisodeFinished, Sink
 from masgraph.graph import Graph
-from masgraph.scheduler import EpisodeInput
+from masgraph.scheduler import EpisodeInput, apply_score, run_bounded
 from masgraph.trace import Trace
 
 MAX_ATTEMPTS = 3
@@ -222,20 +221,7 @@ class RayScheduler:
         return self._emit.errors
 
     async def run(self, episodes: Iterable[EpisodeInput]) -> list[Trace]:
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def guarded(i: int, ep: EpisodeInput) -> Trace:
-            async with gate:
-                return await self.run_episode(ep, index=i)
-
-        tasks = [asyncio.ensure_future(guarded(i, ep)) for i, ep in enumerate(episodes)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await run_bounded(self.run_episode, episodes, self.concurrency)
 
     async def run_episode(self, ep: EpisodeInput, index: int = 0) -> Trace:
         try:
@@ -244,11 +230,7 @@ class RayScheduler:
             trace = Trace(episode_id=ep.episode_id or f"{index:06d}-{ep.item_id}-{ep.sample}", item_id=ep.item_id,
                           query=ep.query, meta={"sample": ep.sample, **ep.meta}, status="error", error=str(exc))
             events = [EpisodeFinished(trace=trace)]
-        if self.score is not None and trace.status == "ok":
-            try:
-                trace.reward = float(self.score(ep, trace))  # the EpisodeFinished event holds this same trace
-            except Exception as exc:
-                trace.error = f"reward failed: {type(exc).__name__}: {exc}"
+        apply_score(self.score, ep, trace)  # the EpisodeFinished event holds this same trace
         for event in events:
             self._emit(event)
         return trace

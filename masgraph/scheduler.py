@@ -8,7 +8,7 @@ import inspect
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,35 @@ class Policy:
     backend: Backend
 
 
+async def run_bounded(run_episode: Callable[..., Awaitable[Trace]], episodes: Iterable[EpisodeInput],
+                      concurrency: int) -> list[Trace]:
+    """`run_episode(ep, index=i)` for every episode, at most `concurrency` at once, results in input order; on
+    failure or cancellation the rest are cancelled and awaited."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def guarded(i: int, ep: EpisodeInput) -> Trace:
+        async with gate:
+            return await run_episode(ep, index=i)
+
+    tasks = [asyncio.ensure_future(guarded(i, ep)) for i, ep in enumerate(episodes)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def apply_score(score: Callable[[EpisodeInput, Trace], float] | None, ep: EpisodeInput, trace: Trace) -> None:
+    """Set the reward of a finished ok episode; a scorer that raises is recorded in `trace.error`, never fatal."""
+    if score is not None and trace.status == "ok":
+        try:
+            trace.reward = float(score(ep, trace))
+        except Exception as exc:
+            trace.error = f"reward failed: {type(exc).__name__}: {exc}"
+
+
 class _StepFailed(Exception):
     pass
 
@@ -97,20 +126,7 @@ class Scheduler:
 
     async def run(self, episodes: Iterable[EpisodeInput]) -> list[Trace]:
         """Run all episodes under the concurrency limit; every episode yields a Trace, failed ones too."""
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def guarded(i: int, ep: EpisodeInput) -> Trace:
-            async with gate:
-                return await self.run_episode(ep, index=i)
-
-        tasks = [asyncio.ensure_future(guarded(i, ep)) for i, ep in enumerate(episodes)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await run_bounded(self.run_episode, episodes, self.concurrency)
 
     async def run_episode(self, ep: EpisodeInput, index: int = 0) -> Trace:
         """Run one episode on its topology (the whole graph by default); it always yields a Trace."""
@@ -144,11 +160,7 @@ class Scheduler:
         except Exception as exc:  # a bug in an agent or sink must not take the run down
             trace.status, trace.error = "error", f"{type(exc).__name__}: {exc}"
         trace.duration_s = time.perf_counter() - t0
-        if self.score is not None and trace.status == "ok":
-            try:
-                trace.reward = float(self.score(ep, trace))
-            except Exception as exc:
-                trace.error = f"reward failed: {type(exc).__name__}: {exc}"
+        apply_score(self.score, ep, trace)
         self._emit(EpisodeFinished(trace=trace))
         return trace
 
