@@ -261,10 +261,11 @@ class Scheduler:
                 policy=policy_name, adapter=policy.spec.adapter, policy_version=c.policy_version,
                 prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-                finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency))
+                finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency,
+                prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens))
             self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
-                            adapter=policy.spec.adapter, prompt_tokens=len(c.prompt_ids),
-                            completion_tokens=len(c.completion_ids), latency_s=latency,
+                            adapter=policy.spec.adapter, prompt_tokens=c.n_prompt,
+                            completion_tokens=c.n_completion, latency_s=latency,
                             batch_size=getattr(c, "batch_size", 1)))
             return c
 

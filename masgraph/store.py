@@ -317,7 +317,7 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
     completion tokens, seconds, source nodes] per step. A cache: events.jsonl stays the record."""
     steps, tokens = [], 0
     for s in trace.steps:
-        tok = sum(len(c.completion_ids) for c in s.llm) if s.llm else 0
+        tok = sum(c.n_completion for c in s.llm) if s.llm else 0
         tokens += tok
         steps.append((s.node, s.route, step_flag(s.error, s.parse_error), tok, round(s.duration_s, 4), s.sources))
     return (json.dumps({

@@ -34,6 +34,21 @@ class LLMCall(Record):
     prompt_truncated: bool = False
     """True when the prompt outgrew the context and older memory was dropped."""
     latency_s: float = 0.0
+    prompt_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
+    """Prompt length the server reported, for a call to a backend that returns text only (no ids to count);
+    left out of the stored trace when None, as it is for every call that has its ids."""
+    completion_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
+    """Output length the server reported, like `prompt_tokens`."""
+
+    @property
+    def n_prompt(self) -> int:
+        """Prompt tokens: the server's count when it reported one, else the ids'."""
+        return len(self.prompt_ids) if self.prompt_tokens is None else self.prompt_tokens
+
+    @property
+    def n_completion(self) -> int:
+        """Completion tokens: the server's count when it reported one, else the ids'."""
+        return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
 
 
 class ToolCall(Record):
@@ -121,11 +136,11 @@ class Trace(Record):
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.completion_ids) for c in self.llm_calls)
+        return sum(c.n_completion for c in self.llm_calls)
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(c.prompt_ids) for c in self.llm_calls)
+        return sum(c.n_prompt for c in self.llm_calls)
 
     @property
     def turns(self) -> int:

@@ -42,7 +42,7 @@ def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: fl
     per step of theirs whose output failed to parse and `unused_penalty` per step of theirs whose output nothing
     used."""
     steps = [s for s in trace.steps if s.node in nodes]
-    tokens = sum(len(c.completion_ids) for s in steps for c in s.llm)
+    tokens = sum(c.n_completion for s in steps for c in s.llm)
     unused = set(trace.unused_steps)
     return (-token_cost * tokens / 1000 - parse_penalty * sum(s.parse_error is not None for s in steps)
             - unused_penalty * sum(s.index in unused for s in steps))

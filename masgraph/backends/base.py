@@ -39,6 +39,20 @@ class Completion:
     policy_version: int = 0
     batch_size: int = 1
     """Rows decoded together with this one, itself included (1 for backends that do not batch)."""
+    prompt_tokens: int | None = None
+    """Prompt length as the server reported it, from a backend that returns text only (None: count `prompt_ids`)."""
+    completion_tokens: int | None = None
+    """Output length as the server reported it, like `prompt_tokens`."""
+
+    @property
+    def n_prompt(self) -> int:
+        """Prompt tokens: the reported count, else the ids'."""
+        return len(self.prompt_ids) if self.prompt_tokens is None else self.prompt_tokens
+
+    @property
+    def n_completion(self) -> int:
+        """Completion tokens: the reported count, else the ids'."""
+        return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
 
 
 class BackendError(MasgraphError, RuntimeError):

@@ -1,5 +1,6 @@
 """litellm backend: any hosted API or local OpenAI-compatible server. Text only: no token ids or logprobs,
-so its policies cannot be trainable (checked at compile)."""
+so its policies cannot be trainable (checked at compile); the token counts the server reports (`usage`) are
+recorded instead, so summaries, cost rewards and the TUI count its tokens."""
 
 from __future__ import annotations
 
@@ -37,8 +38,19 @@ class LiteLLMBackend:
         except Exception as exc:
             raise BackendError(f"litellm {self.model}: {type(exc).__name__}: {exc}") from None
         choice = resp.choices[0]
+        prompt, completion = _usage(getattr(resp, "usage", None))
         return Completion(text=choice.message.content or "", prompt_ids=[], completion_ids=[], logprobs=[],
-                          finish_reason="length" if choice.finish_reason == "length" else "stop")
+                          finish_reason="length" if choice.finish_reason == "length" else "stop",
+                          prompt_tokens=prompt, completion_tokens=completion)
 
     async def aclose(self) -> None:
         return None
+
+
+def _usage(usage: object) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens as the server counted them: the only counts a text-only backend has. (None, None)
+    when it reported none: litellm then fills in zeros, and no real prompt has zero tokens."""
+    counts = tuple(getattr(usage, f, None) for f in ("prompt_tokens", "completion_tokens"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or not counts[0]:
+        return None, None
+    return counts  # type: ignore[return-value]

@@ -383,7 +383,8 @@ def _done_within(lines: list[tuple[int, bytes]]) -> tuple[set[bytes], set[int]]:
 
 def _digest(step: dict[str, Any]) -> list[Any]:
     """A step's digest from its JSON (as store.index_line writes it from a Step)."""
-    tokens = sum(len(c.get("completion_ids", ())) for c in step.get("llm") or ())
+    tokens = sum(len(c.get("completion_ids") or ()) if c.get("completion_tokens") is None else c["completion_tokens"]
+                 for c in step.get("llm") or ())  # as LLMCall.n_completion counts
     return [step["node"], step.get("route"), step_flag(step.get("error"), step.get("parse_error")), tokens,
             round(float(step.get("duration_s") or 0.0), 4), list(step.get("sources") or ())]
 

@@ -234,16 +234,19 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
     text.append("\n")
     for call in step.llm:
         text.append("  prompt ", style="dim")
-        if show_prompt and decode is not None:
-            text.append(f"({len(call.prompt_ids)} tokens)\n", style="dim")
+        if not call.prompt_ids:  # a text-only backend (litellm): no ids to show, only the server's counts
+            text.append(f"{call.n_prompt} tokens (as the server counted; a text-only backend keeps no ids)\n",
+                        style="dim")
+        elif show_prompt and decode is not None:
+            text.append(f"({call.n_prompt} tokens)\n", style="dim")
             text.append(_indent(decode(call.prompt_ids)) + "\n", style="grey62")
         else:
             note = "" if decode is not None or not show_prompt else " (no tokenizer to show it)"
-            text.append(f"▸ {len(call.prompt_ids)} tokens{note}, p to unfold\n" if not show_prompt else
-                        f"{len(call.prompt_ids)} tokens{note}\n", style="dim")
+            text.append(f"▸ {call.n_prompt} tokens{note}, p to unfold\n" if not show_prompt else
+                        f"{call.n_prompt} tokens{note}\n", style="dim")
         text.append("  output ", style="dim")
-        mean = sum(call.logprobs) / len(call.logprobs) if call.logprobs else 0.0
-        text.append(f"({len(call.completion_ids)} tokens, mean log-prob {mean:.2f}, "
+        mean = f"mean log-prob {sum(call.logprobs) / len(call.logprobs):.2f}, " if call.logprobs else ""
+        text.append(f"({call.n_completion} tokens, {mean}"
                     f"{call.policy}{'/' + call.adapter if call.adapter else ''} v{call.policy_version})\n", style="dim")
         if logprob_colours and decode is not None and call.logprobs:
             text.append("  ")

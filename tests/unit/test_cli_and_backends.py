@@ -13,6 +13,7 @@ import pytest
 
 from masgraph.backends.base import Request
 from masgraph.cli import main
+from masgraph.events import ListSink, LLMCallFinished
 from masgraph.graph import GraphBuilder
 from masgraph.tasks import get_task, load_task_file
 
@@ -116,13 +117,18 @@ def test_every_llm_call_records_its_sampling_params(scripted, runner_for, run):
     assert type(tr).model_validate_json(tr.model_dump_json()) == tr  # stored and read back
 
 class _OpenAIStub(BaseHTTPRequestHandler):
+    """Answers "Answer: <last message>" and reports usage: prompt = characters of all messages, completion = 2
+    (no usage at all for model "openai/quiet")."""
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                  "choices": [{"index": 0, "finish_reason": "stop",
                               "message": {"role": "assistant",
-                                          "content": "Answer: " + body["messages"][-1]["content"]}}],
-                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                                          "content": "Answer: " + body["messages"][-1]["content"][:20]}}]}
+        if body["model"] != "quiet":
+            n = sum(len(m["content"]) for m in body["messages"])
+            reply["usage"] = {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -132,6 +138,59 @@ class _OpenAIStub(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+@pytest.fixture
+def openai_stub():
+    """URL of a local OpenAI-compatible stub server (`_OpenAIStub`) over a real socket."""
+    server = HTTPServer(("127.0.0.1", 0), _OpenAIStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/v1"
+    server.shutdown()
+
+
+def test_litellm_records_the_token_usage_the_server_reports(openai_stub, runner_for, run, tmp_path):
+    """A text-only backend has no ids to count: the server's usage goes into every call, the trace totals, the
+    call events, the episode index (the TUI's token column) and the usage an OpenAI endpoint reports."""
+    from masgraph.backends.litellm import LiteLLMBackend
+    from masgraph.openai_api import usage
+
+    out = run(LiteLLMBackend("openai/stub", api_base=openai_stub).complete(
+        [Request([{"role": "user", "content": "hi"}]), Request([{"role": "user", "content": "hello"}])]))
+    assert [(c.prompt_tokens, c.completion_tokens, c.n_prompt, c.n_completion) for c in out] == [
+        (2, 2, 2, 2), (5, 2, 5, 2)]
+    [quiet] = run(LiteLLMBackend("openai/quiet", api_base=openai_stub).complete([Request([{"role": "user",
+                                                                                          "content": "hi"}])]))
+    assert (quiet.prompt_tokens, quiet.completion_tokens, quiet.n_completion) == (None, None, 0)
+
+    graph = (GraphBuilder("api").add_policy("p", backend="litellm", model="openai/stub", api_base=openai_stub)
+             .add_node("a", role="generator", policy="p").add_node("b", role="generator", policy="p")
+             .add_edge("a", "b").set(entry="a", exit="b").compile())
+    backend = LiteLLMBackend("openai/stub", api_base=openai_stub)
+    sink = ListSink()
+    result = run(runner_for(graph, backend, n=3).run_task(get_task("basic_arithmetic"), sinks=[sink]))
+    for tr in result.traces:
+        calls = tr.llm_calls
+        assert len(calls) == 2 and all(c.completion_tokens == 2 and c.prompt_tokens > 10 for c in calls)
+        assert tr.completion_tokens == 4 and tr.prompt_tokens == sum(c.prompt_tokens for c in calls)
+        assert usage(tr)["total_tokens"] == tr.prompt_tokens + 4
+        assert type(tr).model_validate_json(tr.model_dump_json()) == tr
+    assert result.summary["completion_tokens_mean"] == 4
+    run_dir = next((tmp_path / "runs").iterdir())
+    index = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
+    assert [e["tokens"] for e in index] == [4, 4, 4] and all(s[3] == 2 for e in index for s in e["steps"])
+    calls = [e for e in sink.events if isinstance(e, LLMCallFinished)]  # what a live TUI counts
+    assert len(calls) == 6 and all(e.completion_tokens == 2 and e.prompt_tokens > 10 for e in calls)
+
+
+def test_calls_with_ids_store_no_usage_fields(scripted, runner_for, run):
+    """The reported counts are for text-only calls: a call with ids stores none (no `null`s in every line)."""
+    graph = (GraphBuilder("s").add_policy("p", backend="scripted").add_node("a", role="generator", policy="p")
+             .set(entry="a", exit="a").compile())
+    [tr] = run(runner_for(graph, scripted({"a": "Answer: 1"}), n=1).run_task(get_task("basic_arithmetic"))).traces
+    [call] = tr.llm_calls
+    assert call.completion_ids and call.n_completion == len(call.completion_ids) == tr.completion_tokens
+    assert "completion_tokens" not in call.model_dump_json() and "prompt_tokens" not in call.model_dump_json()
 
 
 def test_litellm_backend_against_a_local_openai_compatible_server(run):
