@@ -112,3 +112,26 @@ def wait_healthy():
                 pytest.fail(f"the server at {url} did not start:\n{log()}")
             time.sleep(0.1)
     return wait
+
+
+@pytest.fixture(scope="session")
+def rollout_versions():
+    """rollout_versions(run_dir, adapter) -> (seen, expected): per training step, the versions of `adapter` its
+    rollouts recorded, and the one they should have run on (how many steps before it updated the adapter:
+    metrics.jsonl has the adapter's grad norm for each step that did)."""
+    import json
+    import re
+
+    def versions(run, adapter: str) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+        step, seen = 1, {}
+        for line in (run / "events.jsonl").read_text().splitlines():
+            d = json.loads(line)
+            if d["kind"] == "train_step" and d["step"] >= 1:
+                step += 1
+            elif d["kind"] == "step":  # a finished node step, with its LLM calls
+                for v in re.findall(rf'"adapter":"{adapter}","policy_version":(\d+)', line):
+                    seen.setdefault(step, set()).add(int(v))
+        metrics = (run / "metrics.jsonl").read_text().splitlines()
+        updated = [f"grad_norm/{adapter}" in json.loads(line) for line in metrics]
+        return seen, {k: {sum(updated[:k - 1])} for k in seen}
+    return versions

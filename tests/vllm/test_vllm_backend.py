@@ -36,22 +36,6 @@ def served_models(backend) -> list[str]:
     return [m["id"] for m in httpx.get(f"{backend.api_base}/models").json()["data"]]
 
 
-def rollout_versions(run: Path, adapter: str) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
-    """The adapter versions the rollouts of each step ran on, and what they should be: the number of updates of
-    the adapter in the steps before (metrics.jsonl has its grad norm for each step that updated it)."""
-    step, seen = 1, {}
-    for line in (run / "events.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if d["kind"] == "train_step" and d["step"] >= 1:
-            step += 1
-        elif d["kind"] == "step":  # a finished node step, with its LLM calls
-            for v in re.findall(rf'"adapter":"{adapter}","policy_version":(\d+)', line):
-                seen.setdefault(step, set()).add(int(v))
-    updated = [f"grad_norm/{adapter}" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    expected = {k: {sum(updated[:k - 1])} for k in seen}
-    return seen, expected
-
-
 def test_logprobs_match_the_learner_and_each_published_version_is_served(vllm_fp32):
     learner = HFLearner("smollm2-135m", dtype="float32")
     learner.add_adapter("planner", LoraConfigSpec(rank=16))
@@ -132,7 +116,7 @@ def test_a_graph_runs_on_an_attached_server(vllm_fp32, tmp_path):
     assert vllm_fp32.server.alive()  # attached: the run did not stop the server it did not start
 
 
-def test_train_end_to_end_with_rollouts_on_vllm(tmp_path, vllm_py):
+def test_train_end_to_end_with_rollouts_on_vllm(tmp_path, vllm_py, rollout_versions):
     """`masgraph train --backend vllm`: a server is started (log in the run dir), the planner's and verifier's
     adapters are published after each step, and each rollout records the version that produced it."""
     env = {**os.environ, "MASGRAPH_VLLM_PYTHON": vllm_py}
