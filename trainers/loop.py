@@ -109,34 +109,8 @@ class TrainLoop:
         # training rollouts sample the trained policies; evaluation uses the graph as written (greedy), and the
         # topology policy's most likely topology
         train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature) if self.trains_nodes else graph
-        self._owned: list[Any] = []  # what this loop started (a vLLM server, Ray workers): closed by aclose()
-        self.ray_engine = None
-        if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
-            from masgraph.engine import BackendOptions
-            from masgraph.ray_rollouts import RayEngine
-
-            self.ray_engine = RayEngine(train_graph, ray, BackendOptions(self.cfg.deterministic, seed=self.cfg.seed))
-            self._owned.append(self.ray_engine)
-            backend = self.ray_engine.pool  # what the weight sync publishes to (through the object store)
-            if eval_backend is None and isinstance(self.learner, HFLearner):
-                eval_backend = HFBackend(self.learner.weights, deterministic=True, seed=self.cfg.seed)
-        if backend is None:
-            if not isinstance(self.learner, HFLearner):
-                raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
-                                    "learner's adapters to rollouts), or leave both out for the in-process hf pair")
-            if kind == "vllm":  # rollouts on a vLLM server (started here unless attached), the learner in process
-                policy = next(p for p in spec.policies.values() if p.trainable and p.backend == kind)
-                from masgraph.backends.vllm import VLLMBackend
-
-                backend = VLLMBackend(policy.model, policy.api_base, dtype=self.learner.dtype, seed=self.cfg.seed,
-                                      log_dir=self.run_dir, deterministic=self.cfg.deterministic,
-                                      max_lora_rank=max(16, self.cfg.lora_rank))
-                self._owned.append(backend)
-            else:
-                backend = HFBackend(self.learner.weights, deterministic=self.cfg.deterministic, seed=self.cfg.seed)
-            # evaluation decodes deterministically in process: a second serving view over the learner's weights
-            eval_backend = eval_backend or HFBackend(self.learner.weights, deterministic=True, seed=self.cfg.seed)
-        self.backend, self.eval_backend = backend, eval_backend or backend
+        self.backend, self.eval_backend, self.ray_engine, self._owned = _serving(
+            spec, self.cfg, self.learner, train_graph, self.run_dir, ray, backend, eval_backend)
         lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.learner.adapters():
@@ -358,6 +332,41 @@ class TrainLoop:
             raise MasgraphError(
                 f"adapter {name!r} in {path} has LoRA rank, alpha, targets {got} but the graph trains {want}; "
                 "resume with the `train:` lora_rank / lora_alpha / lora_targets the run was started with")
+
+
+def _serving(spec: GraphSpec, cfg: TrainSpec, learner: Learner, train_graph: Graph, run_dir: Path,
+             ray: RayConfig | None, backend: SyncedBackend | None, eval_backend: SyncedBackend | None
+             ) -> tuple[SyncedBackend, SyncedBackend, Any, list[Any]]:
+    """What serves the training rollouts and the evaluation, given what the caller passed (None: the defaults), and
+    what of it was started here (a vLLM server, Ray workers: closed by `TrainLoop.aclose`). Defaults: rollouts in
+    process on the learner's weights, on a vLLM server for a `backend: vllm` graph, or on Ray workers with `ray`;
+    evaluation decodes deterministically in process, a second serving view over the learner's weights."""
+    owned: list[Any] = []
+    ray_engine = None
+    if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
+        from masgraph.engine import BackendOptions
+        from masgraph.ray_rollouts import RayEngine
+
+        ray_engine = RayEngine(train_graph, ray, BackendOptions(cfg.deterministic, seed=cfg.seed))
+        owned.append(ray_engine)
+        backend = ray_engine.pool  # what the weight sync publishes to (through the object store)
+        if eval_backend is None and isinstance(learner, HFLearner):
+            eval_backend = HFBackend(learner.weights, deterministic=True, seed=cfg.seed)
+    if backend is None:
+        if not isinstance(learner, HFLearner):
+            raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
+                                "learner's adapters to rollouts), or leave both out for the in-process hf pair")
+        if rollout_kind(spec) == "vllm":  # rollouts on a vLLM server (started here unless attached)
+            policy = next(p for p in spec.policies.values() if p.trainable and p.backend == "vllm")
+            from masgraph.backends.vllm import VLLMBackend
+
+            backend = VLLMBackend(policy.model, policy.api_base, dtype=learner.dtype, seed=cfg.seed, log_dir=run_dir,
+                                  deterministic=cfg.deterministic, max_lora_rank=max(16, cfg.lora_rank))
+            owned.append(backend)
+        else:
+            backend = HFBackend(learner.weights, deterministic=cfg.deterministic, seed=cfg.seed)
+        eval_backend = eval_backend or HFBackend(learner.weights, deterministic=True, seed=cfg.seed)
+    return backend, eval_backend or backend, ray_engine, owned
 
 
 def _topology_trainer(graph: Graph, cfg: Any) -> tuple[TopologyPolicy | None, HRPO | None]:

@@ -102,6 +102,34 @@ def test_an_episode_id_with_quotes_and_non_ascii_reads_back(tmp_path):
     assert [index.trace(r).steps[0].text for r in index.rows] == ["4", "4"]  # type: ignore[union-attr]
 
 
+def test_text_only_calls_count_the_servers_tokens_in_every_view(tmp_path):
+    """A litellm call has no ids: the row's tokens (from the index, and from events.jsonl alone for a run without
+    one) and the step view show the counts the server reported, and no log-probs that are not there."""
+    from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
+    from masgraph.trace import LLMCall, Step, Trace
+    from masgraph.watch.render import step_text
+
+    call = LLMCall(policy="api", prompt_ids=[], completion_ids=[], logprobs=[], text="4", prompt_tokens=31,
+                   completion_tokens=7)
+    step = Step(episode_id="e0", index=0, node="solo", role="generator", turn=1, text="4", llm=[call])
+    store = RunStore(tmp_path / "r", spec=None, config={})
+    store.emit(EpisodeStarted(episode_id="e0", item_id="i", query="q"))
+    store.emit(StepFinished(step=step))
+    store.emit(EpisodeFinished(trace=Trace(episode_id="e0", item_id="i", query="q", steps=[step])))
+    store.close({})
+    index = RunIndex(tmp_path / "r")
+    index.poll()
+    assert [r.tokens for r in index.rows] == [7] and index.trace(index.rows[0]).llm_calls == [call]
+    (tmp_path / "r" / INDEX).unlink()  # as a run from before the index (schema v2)
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    (tmp_path / "r" / "config.json").write_text(json.dumps(cfg | {"event_schema_version": 2}))
+    old = RunIndex(tmp_path / "r")
+    old.poll()
+    assert not old.indexed and [r.tokens for r in old.rows] == [7]
+    text = step_text(step, decode=lambda ids: "", show_prompt=True).plain
+    assert "31 tokens (as the server counted" in text and "(7 tokens, api v0)" in text and "log-prob" not in text
+
+
 def test_a_run_dir_from_before_the_index_reads_the_same(run_dir):
     """Schema v2 wrote no episodes.jsonl: rows, counts and edges then come from events.jsonl alone."""
     new = RunIndex(run_dir)
