@@ -108,19 +108,22 @@ def main() -> int:
                 agree = greedy_agreement(backend, learner, msgs, args.max_tokens)
             finally:
                 asyncio.run(backend.aclose())
-        # the peer: the in-process hf backend's rollouts (batched, as in training) against the same learner
-        hf = HFBackend(learner.weights, seed=0)
-        hf_gap = logprob_gap(hf, learner, msgs, args.max_tokens)
-        asyncio.run(hf.aclose())
         print(f"{dtype:9s} server start {started:.0f} s")
         print(f"  logprobs (T=1, adapter v{learner.version('planner')}), {gap['tokens']} tokens: mean |Δ| "
               f"{gap['mean_abs']:.2e}  p99 {gap['p99_abs']:.2e}  max {gap['max_abs']:.2e}  clip fraction at ratio≈1 "
               f"{gap['clip_fraction']:.4f}")
-        print(f"  peer, hf backend batched rollouts, {hf_gap['tokens']} tokens: mean |Δ| {hf_gap['mean_abs']:.2e}  "
-              f"p99 {hf_gap['p99_abs']:.2e}  max {hf_gap['max_abs']:.2e}  clip fraction {hf_gap['clip_fraction']:.4f}")
         print(f"  greedy vs hf (base): identical ids {agree['same_ids']}/{agree['prompts']}, identical text "
               f"{agree['same_text']}/{agree['prompts']}, median first divergence at token "
-              f"{agree['first_divergence_median']}")
+              f"{agree['first_divergence_median']}", flush=True)
+        # the peer: the in-process hf backend's rollouts (batched, as in training) against the same learner, the
+        # adapter served as the weight-sync step serves it in training
+        hf = HFBackend(learner.weights, seed=0)
+        hf.publish("planner", learner.version("planner"), learner.source("planner"))
+        hf_gap = logprob_gap(hf, learner, msgs, args.max_tokens)
+        asyncio.run(hf.aclose())
+        print(f"  peer, hf backend batched rollouts, {hf_gap['tokens']} tokens: mean |Δ| {hf_gap['mean_abs']:.2e}  "
+              f"p99 {hf_gap['p99_abs']:.2e}  max {hf_gap['max_abs']:.2e}  clip fraction {hf_gap['clip_fraction']:.4f}",
+              flush=True)
     return 0
 
 
