@@ -10,7 +10,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -183,13 +184,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     run_dir = new_run_dir(config.runs_dir, graph.spec.name)  # now: a server a backend starts logs into it
-    runner = Runner(graph, config, topology=topology, log_dir=run_dir, engine=_ray_engine(ray, graph, config))
-    if checkpoint is not None:
-        print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
-    if bundle is not None:
-        runner.engine.load_adapters(bundle.adapters)
-        print(f"bundle {bundle.path}: adapters {sorted(bundle.adapters) or 'none'}", file=sys.stderr)
+    with _removed_if_left_empty(run_dir):
+        runner = Runner(graph, config, topology=topology, log_dir=run_dir, engine=_ray_engine(ray, graph, config))
+        if checkpoint is not None:
+            print(f"serving adapters of {runner.load_checkpoint(checkpoint)}", file=sys.stderr)
+        if bundle is not None:
+            runner.engine.load_adapters(bundle.adapters)
+            print(f"bundle {bundle.path}: adapters {sorted(bundle.adapters) or 'none'}", file=sys.stderr)
     return run_with_progress(runner, task, items, watch=args.watch, run_dir=run_dir)
+
+
+@contextmanager
+def _removed_if_left_empty(run_dir: Path) -> Iterator[None]:
+    """Set-up of a run in a run dir just made: if it fails with nothing written there, the dir goes too (a failed
+    start leaves no empty run dirs behind; one holding a server's log, which the error names, stays)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            run_dir.rmdir()  # only ever removes an empty directory
+        except OSError:
+            pass
+        raise
 
 
 def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool = False,
@@ -365,8 +381,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
-    loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)],
-                   ray=ray)
+    with nullcontext() if args.resume else _removed_if_left_empty(run_dir):
+        loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)],
+                       ray=ray)
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
@@ -442,7 +459,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, timeout_s=args.timeout, store=store)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
-    agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
+    with nullcontext() if store is None else _removed_if_left_empty(store):
+        agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
     if agent.topology is not None:
         _print_topology(agent.topology, agent.mode)
     if store is not None:
@@ -505,12 +523,14 @@ def _ray_config(args: argparse.Namespace) -> Any:
         if args.workers is not None or args.address is not None:
             raise MasgraphError("--workers and --address need --ray")
         return None
-    from masgraph.ray_rollouts import RayConfig, require_ray
+    from masgraph.ray_rollouts import RayConfig, check_address, cluster_address, require_ray
 
     require_ray()  # before anything loads
-    config = RayConfig(workers=args.workers or 2, address=args.address)
-    print(f"starting {config.workers} Ray rollout workers{f' on {config.address}' if config.address else ''} ...",
-          file=sys.stderr)
+    address, source = cluster_address(args.address)
+    check_address(address, source)  # an address nothing answers at: seconds, not minutes of Ray's retries
+    config = RayConfig(workers=args.workers or 2, address=address)
+    where = f" on the cluster at {address} ({source})" if address else " on a local Ray started for this run"
+    print(f"starting {config.workers} Ray rollout workers{where} ...", file=sys.stderr)
     return config
 
 
@@ -530,7 +550,7 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
                    "replica; the learner stays here)")
     p.add_argument("--workers", type=positive_int, help="with --ray: rollout workers (default 2)")
     p.add_argument("--address", help="with --ray: a running Ray cluster (`ray start --head` prints it; `auto` finds "
-                   "the one on this machine); default: a local Ray for this run")
+                   "the one on this machine); default: $RAY_ADDRESS if set, else a local Ray for this run")
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ Ray is imported only here, and only when `--ray` asks for it: local runs need it
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -51,6 +52,78 @@ def require_ray() -> Any:
         raise MasgraphError("--ray needs Ray: pip install 'ray==2.60.0' (local runs need nothing: drop --ray)"
                             ) from None
     return ray
+
+
+def cluster_address(flag: str | None) -> tuple[str | None, str]:
+    """The cluster to join and where that came from: `--address`, else $RAY_ADDRESS (Ray's convention on a cluster
+    node), else None: a local Ray started for the run (never one that merely happens to run on this machine)."""
+    if flag:
+        return flag, "--address"
+    env = os.environ.get("RAY_ADDRESS") or None
+    return env, "$RAY_ADDRESS" if env else ""
+
+
+def check_address(address: str | None, source: str = "--address", timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with the fix, on an address no Ray cluster answers at: `ray.init` would wait for it for
+    minutes, printing only its own retry warnings. `auto` (the cluster on this machine) is left to `connect`."""
+    if address is None or address == "auto":
+        return
+    expected = ("pass the GCS address `ray start --head` prints (HOST:6379), or `auto` for the cluster on this "
+                "machine; without one a local Ray is started for the run")
+    if "://" in address:
+        kind = "Ray Client addresses (ray://)" if address.startswith("ray://") else "URLs"
+        raise MasgraphError(f"{source} {address}: {kind} are not supported; {expected}")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MasgraphError(f"{source} {address}: expected HOST:PORT; {expected}")
+    try:
+        grpc = _speaks_grpc(host, int(port), timeout_s)
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise MasgraphError(f"{source} {address}: no Ray cluster answers there ({reason}); start one on that host "
+                            f"with `ray start --head --port {port}`, or drop {source} to start a local Ray for "
+                            "the run") from None
+    if not grpc:
+        raise MasgraphError(f"{source} {address}: something answers there, but not a Ray cluster's GCS (a "
+                            f"dashboard or job-API port?); {expected}")
+
+
+def _speaks_grpc(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the server at host:port answers the HTTP/2 client preface with a SETTINGS frame, as Ray's GCS (a
+    gRPC server) does; an HTTP/1 server (the dashboard) answers otherwise or hangs up."""
+    with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        head = b""
+        while len(head) < 9:
+            try:
+                chunk = conn.recv(9 - len(head))
+            except TimeoutError:
+                return False
+            if not chunk:
+                return False
+            head += chunk
+    return head[3] == 0x04  # frame type SETTINGS
+
+
+def connect(ray: Any, config: RayConfig) -> None:
+    """Join the cluster at `config.address`, or start a local Ray sized for the workers; Ray's errors (no cluster
+    found for `auto`, a bad address) become one MasgraphError."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        if config.address:
+            ray.init(address=config.address, log_to_driver=False)
+        else:  # "local": a new instance even when a `ray start` cluster runs here (plain ray.init() joins it)
+            cpus = max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        where = f"the Ray cluster at {config.address}" if config.address else "a local Ray"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MasgraphError(f"cannot start {where}: {first}"
+                            + ("; start one with `ray start --head`, or drop --address" if config.address else "")
+                            ) from None
 
 
 class _Files:
@@ -127,13 +200,7 @@ class WorkerPool:
         ray = require_ray()
         self.ray, self.graph, self.config = ray, graph, config
         self.options = asdict(options) | {"log_dir": None}  # a worker's server logs stay on its node
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            if config.address:
-                ray.init(address=config.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999)),
-                         include_dashboard=False, log_to_driver=False)
+        connect(ray, config)
         self._actor = ray.remote(RolloutWorker).options(num_cpus=config.cpus_per_worker, max_concurrency=1000)
         self._graph_ref = ray.put(graph)
         local = not config.address

@@ -199,19 +199,28 @@ class VLLMBackend:
         return self._client[1]
 
     def _failure(self, exc: Exception) -> BackendError:
+        import httpx
+
         if self.server is not None and not self.server.alive():
             return self.server.died()
-        return BackendError(f"vllm {self.api_base}: {type(exc).__name__}: {exc}")
+        hint = ("; is a vLLM server running there? (without --api-base / `api_base:` masgraph starts one)"
+                if self.server is None and isinstance(exc, httpx.ConnectError) else "")
+        return BackendError(f"vllm {self.api_base}: {type(exc).__name__}: {exc}{hint}")
 
     def _get_json(self, path: str) -> Any:
         import httpx
 
         try:
             resp = self._sync.get(path)
-            resp.raise_for_status()
-            return resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             raise self._failure(exc) from None
+        try:
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}")
+            return resp.json()
+        except ValueError as exc:
+            raise BackendError(f"vllm {self.api_base}{path}: {exc}; is it a vLLM server's OpenAI API (http://host:port/v1)?"
+                               ) from None
 
     def _post(self, path: str, body: dict[str, Any], what: str, missing_ok: bool = False, ok_if: str = "") -> None:
         import httpx

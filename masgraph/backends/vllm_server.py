@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from masgraph.backends.base import BackendError
 from masgraph.model import cache_dir
@@ -57,6 +58,18 @@ def server_command(python: str, model_dir: str, served_name: str, port: int, dty
             "--disable-uvicorn-access-log", *extra]
 
 
+def spawn_reaped(command: Sequence[str], log: Any, env: dict[str, str] | None = None,
+                 grace_s: float = 15.0) -> subprocess.Popen:
+    """Start `command` (output to `log`) under `reaper.py`, the leader of a new process group: `stop` signals the
+    group, and if this process dies without stopping it (even by SIGKILL), the reaper takes the group down. The
+    returned process is the reaper; its exit status is the command's."""
+    return subprocess.Popen([command[0], str(REAPER), str(grace_s), "--", *command], stdin=subprocess.PIPE,
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+REAPER = Path(__file__).with_name("reaper.py")
+
+
 class VLLMServer:
     """One vLLM server process on 127.0.0.1.
 
@@ -95,8 +108,7 @@ class VLLMServer:
             log.write(f"$ {shlex.join(self.command)}\n".encode())
             log.flush()
             try:
-                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)  # its own group: stop() reaps its workers
+                self.proc = spawn_reaped(self.command, log, env)
             except OSError as exc:
                 raise BackendError(f"cannot start the vLLM server ({self.command[0]}): {exc}; fix: `make vllm`, or "
                                    f"point ${PYTHON_ENV} at a python with vLLM installed") from None
@@ -134,14 +146,18 @@ class VLLMServer:
         return "\n".join("  | " + line for line in text[-lines:])
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; then let go of the reaper's pipe."""
+        if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace_s)
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         except ProcessLookupError:
             pass
+        finally:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                self.proc.stdin.close()

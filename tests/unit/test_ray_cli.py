@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,57 @@ def test_worker_flags_need_ray(tmp_path):
         assert proc.returncode == 2 and "error: --workers and --address need --ray" in proc.stderr
     proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--ray", "--workers", "0"])
     assert proc.returncode == 2 and "--workers" in proc.stderr
+
+
+def test_an_address_no_ray_cluster_answers_at_fails_in_seconds_with_the_fix(tmp_path):
+    """`ray.init` waits minutes for an address nothing (or no GCS) answers at; these fail before any run dir."""
+    import http.server
+    import threading
+    import time
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # a dashboard, say
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    cases = [(["--address", "127.0.0.1:1"], {}, "error: --address 127.0.0.1:1: no Ray cluster answers there"),
+             (["--address", f"127.0.0.1:{web.server_port}"], {}, "something answers there, but not a Ray cluster's"),
+             (["--address", "http://127.0.0.1:8265"], {}, "URLs are not supported"),
+             (["--address", "ray://127.0.0.1:10001"], {}, "Ray Client addresses (ray://) are not supported"),
+             (["--address", "headnode"], {}, "error: --address headnode: expected HOST:PORT"),
+             ([], {"RAY_ADDRESS": "127.0.0.1:1"}, "error: $RAY_ADDRESS 127.0.0.1:1: no Ray cluster answers there")]
+    try:
+        for extra, env, message in cases:
+            t0 = time.monotonic()
+            proc = subprocess.run([sys.executable, "-m", "masgraph.cli", "run", GRAPH, "--task", "basic_arithmetic",
+                                   "--n", "1", "--ray", "--runs-dir", str(tmp_path), *extra], capture_output=True,
+                                  text=True, timeout=120, env={**os.environ, **env})
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert message in proc.stderr, proc.stderr
+            assert time.monotonic() - t0 < 30
+    finally:
+        web.shutdown()
+    assert not list(tmp_path.iterdir())
+
+
+def test_ray_start_errors_become_one_error_line():
+    import pytest
+
+    from masgraph.errors import MasgraphError
+    from masgraph.ray_rollouts import RayConfig, connect
+
+    class NoCluster:  # what ray.init does for `auto` with no cluster on the machine
+        calls: list[dict] = []
+
+        @staticmethod
+        def is_initialized() -> bool:
+            return False
+
+        @classmethod
+        def init(cls, **kwargs) -> None:
+            cls.calls.append(kwargs)
+            if kwargs["address"] != "local":
+                raise ConnectionError("Could not find any running Ray instance. Please specify the one\nto connect")
+
+    with pytest.raises(MasgraphError, match=r"^cannot start the Ray cluster at auto: Could not find any running Ray "
+                                            r"instance\. Please specify the one; start one with `ray start --head`"):
+        connect(NoCluster, RayConfig(address="auto"))
+    connect(NoCluster, RayConfig(workers=2))  # a local run asks for a new instance, never one found on the machine
+    assert NoCluster.calls[-1]["address"] == "local"

@@ -49,3 +49,85 @@ def test_unknown_backend_flag_is_an_error_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "masgraph.cli", "run", str(ROOT / "graphs/agentflow.yaml"), "--task",
                            "basic_arithmetic", "--backend", "vlm"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "error: --backend vlm: not a registered backend" in proc.stderr
+
+
+def test_an_attached_server_that_is_not_there_or_not_vllm_is_an_error_line_and_leaves_no_run_dir(tmp_path):
+    import http.server
+    import threading
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # answers 404
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    cases = [("http://127.0.0.1:1/v1", "is a vLLM server running there?"),
+             (f"http://127.0.0.1:{other.server_port}/v1", "/v1/models: HTTP 404; is it a vLLM server's OpenAI API")]
+    try:
+        for url, message in cases:
+            proc = subprocess.run([sys.executable, "-m", "masgraph.cli", "run", str(ROOT / "graphs/agentflow.yaml"),
+                                   "--task", "basic_arithmetic", "--n", "1", "--backend", "vllm", "--api-base", url,
+                                   "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert f"error: vllm {url}" in proc.stderr and message in proc.stderr
+    finally:
+        other.shutdown()
+    assert list(tmp_path.iterdir()) == []  # the run dirs made for them are gone: nothing was written there
+
+
+SLEEPER = """
+import os, subprocess, sys, time
+grandchild = subprocess.Popen(["sleep", "300"])
+print(os.getpid(), grandchild.pid, flush=True)
+time.sleep(300)
+"""
+
+STARTER = """
+import sys
+from masgraph.backends.vllm_server import spawn_reaped
+spawn_reaped([sys.executable, "-c", sys.argv[1]], sys.stdout)
+input()  # until killed
+"""
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie counts as gone: its parent (the reaped command) is dead or reaping it
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_server_started_by_a_process_that_is_sigkilled_goes_down_with_everything_it_started():
+    """A vLLM server (here a sleeper with a child of its own) must not outlive masgraph, even after kill -9: the
+    reaper sees its pipe close and takes the server's process group down."""
+    import os
+    import signal
+
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, SLEEPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        server, grandchild = map(int, starter.stdout.readline().split())
+        assert not _gone(server, 0.5) and not _gone(grandchild, 0.1)  # running while the starter lives
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait()
+        assert _gone(server, 10) and _gone(grandchild, 10)
+    finally:
+        starter.kill()
+
+
+def test_the_reaper_passes_the_commands_exit_status_on():
+    from masgraph.backends.vllm_server import spawn_reaped
+
+    for code, expected in (("sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9)):
+        proc = spawn_reaped([sys.executable, "-c", f"import sys; {code}"], subprocess.DEVNULL)
+        assert proc.wait(30) == expected
+        proc.stdin.close()
