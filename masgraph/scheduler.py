@@ -25,6 +25,7 @@ from masgraph.events import (
     ToolCallFinished,
     fast,
 )
+from masgraph.gc_scope import fewer_collections
 from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
@@ -67,14 +68,15 @@ async def run_bounded(run_episode: Callable[..., Awaitable[Trace]], episodes: It
         async with gate:
             return await run_episode(ep, index=i)
 
-    tasks = [asyncio.ensure_future(guarded(i, ep)) for i, ep in enumerate(episodes)]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    with fewer_collections():  # the finished traces pile up; default GC thresholds rescan them (masgraph/gc_scope.py)
+        tasks = [asyncio.ensure_future(guarded(i, ep)) for i, ep in enumerate(episodes)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
 
 def apply_score(score: Callable[[EpisodeInput, Trace], float] | None, ep: EpisodeInput, trace: Trace) -> None:

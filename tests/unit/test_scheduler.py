@@ -518,3 +518,42 @@ def test_a_memory_entry_shown_to_a_later_prompt_counts_as_used(join, unused, run
              .add_edge("src", "a").add_edge("src", "w").add_edge("a", "join").add_edge("w", "join").compile())
     tr = run_one(graph, run)  # the merge keeps a's output; w's reaches the join only through memory, if rendered
     assert tr.status == "ok" and [tr.steps[i].node for i in tr.unused_steps] == unused
+
+
+def test_a_batch_of_episodes_runs_with_fewer_gc_passes_and_puts_the_callers_thresholds_back(run):
+    """The finished traces pile up during a run; the default gen-0 threshold (700) rescans them ever more often
+    (~10-25 % of a no-op run, masgraph/gc_scope.py). Inside a batch it is raised; after it, the caller's settings
+    are back, also when batches overlap or one fails."""
+    import gc
+
+    from masgraph.gc_scope import GEN0
+    from masgraph.scheduler import run_bounded
+
+    seen: list[int] = []
+
+    async def episode(ep, index=0):
+        seen.append(gc.get_threshold()[0])
+        await asyncio.sleep(0.01 * (index % 3))  # overlapping batches finish in mixed order
+        if ep == "boom":
+            raise RuntimeError("boom")
+        return ep
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 11, 12)
+
+        async def batches():
+            return await asyncio.gather(run_bounded(episode, ["a", "b", "c"], 2),
+                                        run_bounded(episode, ["d", "e"], 1))
+        assert run(batches()) == [["a", "b", "c"], ["d", "e"]]
+        assert seen and all(t >= GEN0 for t in seen)
+        assert gc.get_threshold() == (700, 11, 12)
+        with pytest.raises(RuntimeError):
+            run(run_bounded(episode, ["x", "boom"], 2))
+        assert gc.get_threshold() == (700, 11, 12)
+        gc.set_threshold(0, 11, 12)  # automatic collection off: the caller's choice stays
+        seen.clear()
+        run(run_bounded(episode, ["a"], 1))
+        assert seen == [0] and gc.get_threshold() == (0, 11, 12)
+    finally:
+        gc.set_threshold(*before)
