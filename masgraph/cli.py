@@ -550,7 +550,8 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
                    "replica; the learner stays here)")
     p.add_argument("--workers", type=positive_int, help="with --ray: rollout workers (default 2)")
     p.add_argument("--address", help="with --ray: a running Ray cluster (`ray start --head` prints it; `auto` finds "
-                   "the one on this machine); default: $RAY_ADDRESS if set, else a local Ray for this run")
+                   "the one on this machine; `local`: a Ray started for this run); default: $RAY_ADDRESS if set, "
+                   "else local")
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:

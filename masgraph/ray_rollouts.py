@@ -55,51 +55,60 @@ def require_ray() -> Any:
 
 
 def cluster_address(flag: str | None) -> tuple[str | None, str]:
-    """The cluster to join and where that came from: `--address`, else $RAY_ADDRESS (Ray's convention on a cluster
-    node), else None: a local Ray started for the run (never one that merely happens to run on this machine)."""
+    """The cluster to join and where that came from: `--address` (`local`: none), else $RAY_ADDRESS (Ray's
+    convention on a cluster node), else None: a local Ray started for the run (never one that merely happens to
+    run on this machine)."""
     if flag:
-        return flag, "--address"
+        return (None, "--address local") if flag == "local" else (flag, "--address")
     env = os.environ.get("RAY_ADDRESS") or None
     return env, "$RAY_ADDRESS" if env else ""
 
 
 def check_address(address: str | None, source: str = "--address", timeout_s: float = 5.0) -> None:
-    """Fail in seconds, with the fix, on an address no Ray cluster answers at: `ray.init` would wait for it for
-    minutes, printing only its own retry warnings. `auto` (the cluster on this machine) is left to `connect`."""
+    """Fail in seconds, with the fix, on an address no Ray cluster can be at: `ray.init` would wait for it for
+    minutes, printing only its own retry warnings. Checked: the form HOST:PORT, that the host resolves, that
+    something listens, and (without TLS) that it speaks gRPC as Ray's GCS does; a gRPC port that is not the GCS
+    (the Ray Client's 10001, a raylet's) passes and is left to `ray.init`. `auto` is left to `connect`."""
     if address is None or address == "auto":
         return
-    expected = ("pass the GCS address `ray start --head` prints (HOST:6379), or `auto` for the cluster on this "
-                "machine; without one a local Ray is started for the run")
+    fix = ("pass the GCS address `ray start --head` prints (HOST:6379), `auto` for the cluster on this machine, or "
+           "`local` for a local Ray started for the run")
+    if source == "$RAY_ADDRESS":
+        fix = "unset RAY_ADDRESS, or pass --address: " + fix.removeprefix("pass ")
     if "://" in address:
-        kind = "Ray Client addresses (ray://)" if address.startswith("ray://") else "URLs"
-        raise MasgraphError(f"{source} {address}: {kind} are not supported; {expected}")
+        kind = "Ray Client addresses (ray://)" if address.startswith("ray://") else "URLs (the Jobs API's)"
+        raise MasgraphError(f"{source} {address}: {kind} are not supported; {fix}")
     host, _, port = address.rpartition(":")
-    host = host.strip("[]")  # [::1]:6379
+    if ":" in host and not host.startswith("["):
+        raise MasgraphError(f"{source} {address}: an IPv6 address needs brackets, e.g. [{host}]:{port}")
+    host = host.removeprefix("[").removesuffix("]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise MasgraphError(f"{source} {address}: expected HOST:PORT; {expected}")
+        raise MasgraphError(f"{source} {address}: expected HOST:PORT; {fix}")
+    tls = os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true")
     try:
-        grpc = _speaks_grpc(host, int(port), timeout_s)
+        if tls:  # the GCS wants a TLS handshake first: check that the port is open, no more
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        grpc = tls or _speaks_grpc(host, int(port), timeout_s)
+    except socket.gaierror:
+        raise MasgraphError(f"{source} {address}: cannot resolve the host {host!r}") from None
     except OSError as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        reason = (f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError)
+                  else exc.strerror or type(exc).__name__)
         raise MasgraphError(f"{source} {address}: no Ray cluster answers there ({reason}); start one on that host "
-                            f"with `ray start --head --port {port}`, or drop {source} to start a local Ray for "
-                            "the run") from None
+                            f"with `ray start --head --port {port}`, or {fix}") from None
     if not grpc:
-        raise MasgraphError(f"{source} {address}: something answers there, but not a Ray cluster's GCS (a "
-                            f"dashboard or job-API port?); {expected}")
+        raise MasgraphError(f"{source} {address}: something answers there, but not a gRPC server as Ray's GCS is "
+                            f"(a dashboard or Jobs API port?); {fix}")
 
 
 def _speaks_grpc(host: str, port: int, timeout_s: float) -> bool:
-    """Whether the server at host:port answers the HTTP/2 client preface with a SETTINGS frame, as Ray's GCS (a
-    gRPC server) does; an HTTP/1 server (the dashboard) answers otherwise or hangs up."""
+    """Whether the server at host:port answers the HTTP/2 client preface with a SETTINGS frame, as a gRPC server
+    (Ray's GCS) does; an HTTP/1 server (the dashboard) answers otherwise or hangs up. No answer: TimeoutError."""
     with socket.create_connection((host, port), timeout=timeout_s) as conn:
         conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         head = b""
         while len(head) < 9:
-            try:
-                chunk = conn.recv(9 - len(head))
-            except TimeoutError:
-                return False
+            chunk = conn.recv(9 - len(head))
             if not chunk:
                 return False
             head += chunk
@@ -119,11 +128,11 @@ def connect(ray: Any, config: RayConfig) -> None:
             cpus = max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        where = f"the Ray cluster at {config.address}" if config.address else "a local Ray"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MasgraphError(f"cannot start {where}: {first}"
-                            + ("; start one with `ray start --head`, or drop --address" if config.address else "")
-                            ) from None
+        if config.address:
+            raise MasgraphError(f"cannot join the Ray cluster at {config.address}: {first}; start one with `ray start "
+                                "--head`, or run without an address (`--address local`) for a local Ray") from None
+        raise MasgraphError(f"cannot start a local Ray: {first}") from None
 
 
 class _Files:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,41 @@ def rollout_versions():
         updated = [f"grad_norm/{adapter}" in json.loads(line) for line in metrics]
         return seen, {k: {sum(updated[:k - 1])} for k in seen}
     return versions
+
+
+class Processes:
+    """Linux process checks from /proc, for tests that something left no process behind."""
+
+    @staticmethod
+    def state(pid: int) -> tuple[str, int] | None:
+        """(state letter, process group) of a process, or None when there is none."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            return state, int(pgrp)
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def alive(self, pid: int) -> bool:
+        """Running (a zombie is dead: only not yet reaped)."""
+        s = self.state(pid)
+        return s is not None and s[0] != "Z"
+
+    def group(self, pgid: int) -> list[int]:
+        """The live members of a process group."""
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := self.state(int(p))) is not None
+                and s[1] == pgid and s[0] != "Z"]
+
+    def gone(self, pids, within_s: float) -> bool:
+        """Whether every one of `pids` is gone within `within_s` seconds."""
+        deadline = time.monotonic() + within_s
+        while any(self.alive(p) for p in pids):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+
+@pytest.fixture(scope="session")
+def procs() -> Processes:
+    return Processes()

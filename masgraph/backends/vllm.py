@@ -83,7 +83,7 @@ class VLLMBackend:
         """The server's name for the base model: `model` if it serves that name, else the one it serves."""
         try:
             ids = [m["id"] for m in self._get_json("/models")["data"] if m.get("parent") is None]
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError):
             raise BackendError(f"{self.api_base}/models did not list models; is it a vLLM server?") from None
         if model in ids or not ids:
             return model
@@ -214,6 +214,9 @@ class VLLMBackend:
             resp = self._sync.get(path)
         except httpx.HTTPError as exc:
             raise self._failure(exc) from None
+        if resp.status_code in (401, 403):
+            raise BackendError(f"vllm {self.api_base}{path}: HTTP {resp.status_code}: the server wants an API key "
+                               "(started with --api-key?); masgraph sends none: start it without one")
         try:
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}")

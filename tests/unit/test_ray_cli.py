@@ -50,11 +50,14 @@ def test_an_address_no_ray_cluster_answers_at_fails_in_seconds_with_the_fix(tmp_
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # a dashboard, say
     threading.Thread(target=web.serve_forever, daemon=True).start()
     cases = [(["--address", "127.0.0.1:1"], {}, "error: --address 127.0.0.1:1: no Ray cluster answers there"),
-             (["--address", f"127.0.0.1:{web.server_port}"], {}, "something answers there, but not a Ray cluster's"),
-             (["--address", "http://127.0.0.1:8265"], {}, "URLs are not supported"),
+             (["--address", f"127.0.0.1:{web.server_port}"], {}, "something answers there, but not a gRPC server"),
+             (["--address", "http://127.0.0.1:8265"], {}, "URLs (the Jobs API's) are not supported"),
              (["--address", "ray://127.0.0.1:10001"], {}, "Ray Client addresses (ray://) are not supported"),
              (["--address", "headnode"], {}, "error: --address headnode: expected HOST:PORT"),
-             ([], {"RAY_ADDRESS": "127.0.0.1:1"}, "error: $RAY_ADDRESS 127.0.0.1:1: no Ray cluster answers there")]
+             (["--address", "no-such-host.invalid:6379"], {}, "cannot resolve the host 'no-such-host.invalid'"),
+             (["--address", "::1:6379"], {}, "an IPv6 address needs brackets, e.g. [::1]:6379"),
+             ([], {"RAY_ADDRESS": "127.0.0.1:1"}, "error: $RAY_ADDRESS 127.0.0.1:1: no Ray cluster answers there"),
+             ([], {"RAY_ADDRESS": "http://127.0.0.1:8265"}, "(the Jobs API's) are not supported; unset RAY_ADDRESS")]
     try:
         for extra, env, message in cases:
             t0 = time.monotonic()
@@ -88,8 +91,20 @@ def test_ray_start_errors_become_one_error_line():
             if kwargs["address"] != "local":
                 raise ConnectionError("Could not find any running Ray instance. Please specify the one\nto connect")
 
-    with pytest.raises(MasgraphError, match=r"^cannot start the Ray cluster at auto: Could not find any running Ray "
+    with pytest.raises(MasgraphError, match=r"^cannot join the Ray cluster at auto: Could not find any running Ray "
                                             r"instance\. Please specify the one; start one with `ray start --head`"):
         connect(NoCluster, RayConfig(address="auto"))
     connect(NoCluster, RayConfig(workers=2))  # a local run asks for a new instance, never one found on the machine
     assert NoCluster.calls[-1]["address"] == "local"
+
+
+def test_where_the_cluster_comes_from(monkeypatch):
+    from masgraph.ray_rollouts import cluster_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_address(None) == (None, "")  # a local Ray for the run
+    assert cluster_address("local") == (None, "--address local")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert cluster_address(None) == ("10.0.0.5:6379", "$RAY_ADDRESS")  # Ray's convention on a cluster node
+    assert cluster_address("10.0.0.9:6379") == ("10.0.0.9:6379", "--address")
+    assert cluster_address("local") == (None, "--address local")

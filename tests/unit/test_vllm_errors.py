@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,61 +74,56 @@ def test_an_attached_server_that_is_not_there_or_not_vllm_is_an_error_line_and_l
 
 SLEEPER = """
 import os, subprocess, sys, time
-grandchild = subprocess.Popen(["sleep", "300"])
-print(os.getpid(), grandchild.pid, flush=True)
-time.sleep(300)
+stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 300"])  # a stuck engine core: ignores SIGTERM
+print(os.getpid(), stubborn.pid, flush=True)
+time.sleep(float(sys.argv[1]))
 """
 
 STARTER = """
 import sys
 from masgraph.backends.vllm_server import spawn_reaped
-spawn_reaped([sys.executable, "-c", sys.argv[1]], sys.stdout)
+server = spawn_reaped([sys.executable, "-c", sys.argv[1], "300"], sys.stdout, grace_s=1)  # held: its pipe stays open
 input()  # until killed
 """
 
 
-def _gone(pid: int, within_s: float) -> bool:
-    import os
-    import time
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        # a zombie counts as gone: its parent (the reaped command) is dead or reaping it
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                return True
-        except OSError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def test_a_server_started_by_a_process_that_is_sigkilled_goes_down_with_everything_it_started():
-    """A vLLM server (here a sleeper with a child of its own) must not outlive masgraph, even after kill -9: the
-    reaper sees its pipe close and takes the server's process group down."""
+def test_a_server_started_by_a_process_that_is_sigkilled_goes_down_with_everything_it_started(procs):
+    """A vLLM server (here a sleeper with a child that ignores SIGTERM) must not outlive masgraph, even after
+    kill -9: the reaper sees its pipe close and takes the server's whole process group down."""
     import os
     import signal
 
     starter = subprocess.Popen([sys.executable, "-c", STARTER, SLEEPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True)
     try:
-        server, grandchild = map(int, starter.stdout.readline().split())
-        assert not _gone(server, 0.5) and not _gone(grandchild, 0.1)  # running while the starter lives
+        server, stubborn = map(int, starter.stdout.readline().split())
+        assert procs.alive(server) and procs.alive(stubborn)  # running while the starter lives
+        time.sleep(0.5)
+        assert procs.alive(server) and procs.alive(stubborn)
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait()
-        assert _gone(server, 10) and _gone(grandchild, 10)
+        assert procs.gone([server, stubborn], 10)
     finally:
         starter.kill()
+
+
+def test_what_a_server_leaves_behind_when_it_ends_on_its_own_is_taken_down(procs):
+    """The command exits (crashed, or stopped) with a stuck child still in its group: the reaper clears it."""
+    from masgraph.backends.vllm_server import spawn_reaped
+
+    proc = spawn_reaped([sys.executable, "-c", SLEEPER, "0"], subprocess.PIPE, grace_s=1)
+    _, stubborn = map(int, proc.stdout.readline().split())
+    assert proc.wait(30) == 0
+    assert procs.gone([stubborn], 10)
+    proc.stdin.close()
+    proc.stdout.close()
 
 
 def test_the_reaper_passes_the_commands_exit_status_on():
     from masgraph.backends.vllm_server import spawn_reaped
 
-    for code, expected in (("sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9)):
+    for code, expected in (("sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9),
+                           ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -15)):
         proc = spawn_reaped([sys.executable, "-c", f"import sys; {code}"], subprocess.DEVNULL)
         assert proc.wait(30) == expected
         proc.stdin.close()

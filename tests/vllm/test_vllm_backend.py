@@ -165,7 +165,7 @@ def test_a_server_that_dies_fails_its_episodes_with_the_log_and_the_run_goes_on(
     assert (result.run_dir / "summary.json").exists()
 
 
-def test_a_sigkilled_masgraph_leaves_no_vllm_server_behind(tmp_path, vllm_py):
+def test_a_sigkilled_masgraph_leaves_no_vllm_server_behind(tmp_path, vllm_py, procs):
     """kill -9 of `masgraph run --backend vllm` mid-run (no atexit, no finally runs): the server it started, its
     engine core and workers (one process group) are gone within seconds."""
     env = {**os.environ, "MASGRAPH_VLLM_PYTHON": vllm_py}
@@ -180,49 +180,25 @@ def test_a_sigkilled_masgraph_leaves_no_vllm_server_behind(tmp_path, vllm_py):
             time.sleep(0.5)
         [run] = [p for p in tmp_path.iterdir() if p.is_dir()]
         port = re.search(r"--port (\d+)", (run / "vllm-server.log").read_text()).group(1)
-        [group] = {os.getpgid(int(pid.name)) for pid in Path("/proc").iterdir() if pid.name.isdigit()
-                   and f"--port\0{port}\0" in _cmdline(pid)}
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+        [group] = {s[1] for pid in Path("/proc").iterdir() if pid.name.isdigit()
+                   and f"--port\0{port}\0".encode() in _cmdline(pid) and (s := procs.state(int(pid.name)))}
+        members = procs.group(group)
+        assert len(members) >= 3  # the reaper, the API server, its engine core
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 30
-        while _group_alive(group):
-            assert time.monotonic() < deadline, "the vLLM server outlived the masgraph that started it"
-            time.sleep(0.2)
+        assert procs.gone(members, 30), "the vLLM server outlived the masgraph that started it"
     finally:
         proc.kill()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
-def _cmdline(proc_dir: Path) -> str:
+def _cmdline(proc_dir: Path) -> bytes:
     try:
-        return (proc_dir / "cmdline").read_text(errors="replace")
+        return (proc_dir / "cmdline").read_bytes()
     except OSError:
-        return ""
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # members that are zombies are dead, only not yet reaped
-    return any(_in_group(pid, pgid) and _state(pid) != "Z" for pid in Path("/proc").iterdir() if pid.name.isdigit())
-
-
-def _in_group(proc_dir: Path, pgid: int) -> bool:
-    try:
-        return os.getpgid(int(proc_dir.name)) == pgid
-    except OSError:
-        return False
-
-
-def _state(proc_dir: Path) -> str:
-    try:
-        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
+        return b""
 
 
 def test_ray_workers_as_clients_of_one_shared_server(vllm_fp32, tmp_path):
