@@ -71,10 +71,9 @@ def check_address(address: str | None, source: str = "--address", timeout_s: flo
     (the Ray Client's 10001, a raylet's) passes and is left to `ray.init`. `auto` is left to `connect`."""
     if address is None or address == "auto":
         return
-    fix = ("pass the GCS address `ray start --head` prints (HOST:6379), `auto` for the cluster on this machine, or "
-           "`local` for a local Ray started for the run")
-    if source == "$RAY_ADDRESS":
-        fix = "unset RAY_ADDRESS, or pass --address: " + fix.removeprefix("pass ")
+    choices = ("the GCS address `ray start --head` prints (HOST:6379), `auto` for the cluster on this machine, or "
+               "`local` for a local Ray started for the run")
+    fix = f"unset RAY_ADDRESS, or pass --address: {choices}" if source == "$RAY_ADDRESS" else f"pass {choices}"
     if "://" in address:
         kind = "Ray Client addresses (ray://)" if address.startswith("ray://") else "URLs (the Jobs API's)"
         raise MasgraphError(f"{source} {address}: {kind} are not supported; {fix}")

@@ -161,6 +161,19 @@ class Processes:
         return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := self.state(int(p))) is not None
                 and s[1] == pgid and s[0] != "Z"]
 
+    @staticmethod
+    def with_cmdline(marker: str) -> list[int]:
+        """The processes whose command line (argv joined by NULs) contains `marker`."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
     def gone(self, pids, within_s: float) -> bool:
         """Whether every one of `pids` is gone within `within_s` seconds."""
         deadline = time.monotonic() + within_s

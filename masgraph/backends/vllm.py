@@ -214,16 +214,17 @@ class VLLMBackend:
             resp = self._sync.get(path)
         except httpx.HTTPError as exc:
             raise self._failure(exc) from None
+        where = f"vllm {self.api_base}{path}"
         if resp.status_code in (401, 403):
-            raise BackendError(f"vllm {self.api_base}{path}: HTTP {resp.status_code}: the server wants an API key "
-                               "(started with --api-key?); masgraph sends none: start it without one")
+            raise BackendError(f"{where}: HTTP {resp.status_code}: the server wants an API key (started with "
+                               "--api-key?); masgraph sends none: start it without one")
+        hint = "is it a vLLM server's OpenAI API (http://host:port/v1)?"
+        if resp.status_code != 200:
+            raise BackendError(f"{where}: HTTP {resp.status_code}; {hint}")
         try:
-            if resp.status_code != 200:
-                raise ValueError(f"HTTP {resp.status_code}")
             return resp.json()
         except ValueError as exc:
-            raise BackendError(f"vllm {self.api_base}{path}: {exc}; is it a vLLM server's OpenAI API (http://host:port/v1)?"
-                               ) from None
+            raise BackendError(f"{where}: {exc}; {hint}") from None
 
     def _post(self, path: str, body: dict[str, Any], what: str, missing_ok: bool = False, ok_if: str = "") -> None:
         import httpx

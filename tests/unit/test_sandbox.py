@@ -29,18 +29,6 @@ def token() -> str:
     return f"masgraph-hostile-{uuid.uuid4().hex}"
 
 
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 def hostile(run, code: str, limits: SandboxLimits = LIMITS) -> str:
     """Run a snippet; its output or the ToolError message (either is fine: the checks are on the host)."""
     try:
@@ -84,7 +72,7 @@ for pid in (os.getppid(), 1, {os.getpid()}, {os.getppid()}):
     assert run(run_python("print('still here')")) == "still here"
 
 
-def test_setsid_and_double_forked_children_do_not_survive(run, token):
+def test_setsid_and_double_forked_children_do_not_survive(run, token, procs):
     hostile(run, f"""
 import os, subprocess, sys
 subprocess.Popen({sleeper(token)}, start_new_session=True)
@@ -95,10 +83,10 @@ if os.fork() == 0:
     os._exit(0)
 print('spawned')
 """)
-    assert processes_with(token) == []
+    assert procs.with_cmdline(token) == []
 
 
-def test_process_cap_holds(run, token):
+def test_process_cap_holds(run, token, procs):
     out = hostile(run, f"""
 import os, sys
 started = 0
@@ -113,16 +101,16 @@ for _ in range(200):
 print(started)
 """)
     assert int(out) < LIMITS.max_procs
-    assert processes_with(token) == []
+    assert procs.with_cmdline(token) == []
 
 
-def test_fork_bomb_is_contained_and_killed(run, token):
+def test_fork_bomb_is_contained_and_killed(run, token, procs):
     code = f"import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass  # {token}"
     start = time.monotonic()
     with pytest.raises(ToolError, match="exceeded 1.0s"):
         run(run_python(code, limits=SandboxLimits(wall_s=1.0, max_procs=16)))
     assert time.monotonic() - start < 5
-    assert processes_with("snippet.py") == []  # the runner's argv: no forked interpreter is left
+    assert procs.with_cmdline("snippet.py") == []  # the runner's argv: no forked interpreter is left
 
 
 def test_huge_allocation_fails_inside(run):
@@ -182,7 +170,7 @@ except OSError as exc:
     assert "unreachable" in out
 
 
-def test_ptrace_of_the_parent_leaks_no_environment(run, monkeypatch):
+def test_ptrace_of_the_parent_leaks_no_environment(run, monkeypatch, procs):
     monkeypatch.setenv("MASGRAPH_TEST_SECRET", "hunter2")
     out = hostile(run, f"""
 import ctypes, os
@@ -198,7 +186,7 @@ print(os.getppid(), libc.ptrace(16, os.getppid(), None, None), ctypes.get_errno(
     assert "hunter2" not in out
     assert f"{os.getpid()} -1 1" in out  # EPERM: ptrace is denied outright
     assert f"{os.getpid()} ProcessLookupError" in out  # and the host is not even visible
-    assert processes_with("snippet.py") == []
+    assert procs.with_cmdline("snippet.py") == []
 
 
 def test_ptrace_of_the_sandbox_init_and_the_parent_fails_fast(run):
@@ -280,7 +268,7 @@ def test_output_flood_is_cut_off_without_buffering_it(run):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
 
 
-def test_cancellation_kills_the_sandbox_and_propagates(run, token):
+def test_cancellation_kills_the_sandbox_and_propagates(run, token, procs):
     async def cancel_midway():
         task = asyncio.create_task(run_python(
             f"import subprocess, sys, time\nsubprocess.Popen({sleeper(token)})\ntime.sleep(30)", limits=LIMITS))
@@ -290,14 +278,14 @@ def test_cancellation_kills_the_sandbox_and_propagates(run, token):
 
     with pytest.raises(asyncio.CancelledError):
         run(cancel_midway())
-    assert processes_with(token) == []
+    assert procs.with_cmdline(token) == []
 
 
-def test_episode_timeout_around_a_tool_is_a_timeout_not_a_tool_error(run, token):
+def test_episode_timeout_around_a_tool_is_a_timeout_not_a_tool_error(run, token, procs):
     tool = build_tools({"py": ToolSpec(kind="python", timeout_s=30)})["py"]
     with pytest.raises(TimeoutError):
         run(asyncio.wait_for(tool(f"import time\ntime.sleep(30)  # {token}"), 0.5))
-    assert processes_with("snippet.py") == []
+    assert procs.with_cmdline("snippet.py") == []
 
 
 def test_missing_bubblewrap_fails_closed(run, monkeypatch):

@@ -181,8 +181,7 @@ def test_a_sigkilled_masgraph_leaves_no_vllm_server_behind(tmp_path, vllm_py, pr
         [run] = [p for p in tmp_path.iterdir() if p.is_dir()]
         port = re.search(r"--port (\d+)", (run / "vllm-server.log").read_text()).group(1)
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
-        [group] = {s[1] for pid in Path("/proc").iterdir() if pid.name.isdigit()
-                   and f"--port\0{port}\0".encode() in _cmdline(pid) and (s := procs.state(int(pid.name)))}
+        [group] = {s[1] for pid in procs.with_cmdline(f"--port\0{port}\0") if (s := procs.state(pid))}
         members = procs.group(group)
         assert len(members) >= 3  # the reaper, the API server, its engine core
         proc.kill()
@@ -192,13 +191,6 @@ def test_a_sigkilled_masgraph_leaves_no_vllm_server_behind(tmp_path, vllm_py, pr
         proc.kill()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-
-
-def _cmdline(proc_dir: Path) -> bytes:
-    try:
-        return (proc_dir / "cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_ray_workers_as_clients_of_one_shared_server(vllm_fp32, tmp_path):
