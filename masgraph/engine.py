@@ -38,7 +38,7 @@ class BackendOptions:
 class Engine:
     """Graph + backends + agents + tools (+ a checkpoint's adapters), built once.
 
-    Backends are shared per (backend, model, api_base): every policy on the same model shares one instance
+    Backends are shared per (backend, model, api_base, device): every policy on the same model shares one instance
     (and, for hf, one set of weights with an adapter per trainable policy). `backends` passes instances in by
     kind name (e.g. a training run's backend, or a ScriptedBackend in tests).
 
@@ -61,7 +61,7 @@ class Engine:
         self._started = 0
         given = backends or {}
         for name, pol in spec.policies.items():
-            key = (pol.backend, pol.model, pol.api_base)
+            key = (pol.backend, pol.model, pol.api_base, pol.device)
             if key not in self.backends:
                 self.backends[key] = given.get(pol.backend) or self.registry.backend(pol, vars(self.options))
             backend = self.backends[key]

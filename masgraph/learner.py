@@ -22,6 +22,9 @@ class LoraConfigSpec:
     rank: int = 16
     alpha: int = 32
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    """Modules that get LoRA, fitted to the architecture when the adapter is attached
+    (`masgraph.backends.lora_targets.resolve_targets`: Phi3's fused `qkv_proj` for q_proj/v_proj, ...);
+    `("all-linear",)` for every linear layer but the output head."""
     dropout: float = 0.0
 
 

@@ -44,6 +44,9 @@ class PolicySpec(_Strict):
     backend; without it masgraph starts one)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling parameters."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where an in-process (hf) model runs: `auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda`,
+    `cuda:N`. `--device` on run/train/serve overrides it for every hf policy."""
 
 
 class ToolSpec(_Strict):

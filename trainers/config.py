@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class FlowGRPOConfig(BaseModel):
@@ -53,6 +53,9 @@ class FlowGRPOConfig(BaseModel):
     micro_batch: int = Field(16, ge=1)
     """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per
     pass)."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Also cap a forward/backward pass at this many prompt + completion tokens (the GPU memory knob: activations
+    and logits grow with tokens, not rows); None = rows only."""
 
 
 class HRPOConfig(BaseModel):
@@ -129,10 +132,22 @@ class TrainSpec(TrainBase):
     """LoRA rank of every trainable adapter."""
     lora_alpha: int = Field(32, ge=1)
     """LoRA alpha."""
-    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Module names that get LoRA."""
+    lora_targets: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names that get LoRA (a module whose name is, or ends in `.` + one of them), or `all-linear`: every
+    linear layer but the output head (peft's shorthand; kept here as the list `[all-linear]`). A name the model
+    lacks is an error that lists the ones it has, except on a fused layer: q_proj/k_proj/v_proj mean Phi3's
+    `qkv_proj` (GPT-NeoX's `query_key_value`, GPT-2's `c_attn`, ...), gate_proj/up_proj Phi3's `gate_up_proj`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less GPU memory for ~30 % more compute (the logprob pass
+    then runs whole sequences instead of sharing the prompt prefix's KV)."""
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     """Algorithm knobs."""
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets_as_list(cls, targets: list[str] | str) -> list[str]:
+        """`all-linear` as `[all-linear]`: one type for every reader (the trainer takes `tuple(lora_targets)`)."""
+        return [targets] if isinstance(targets, str) else targets
 
 
 DEFAULT_ALGORITHM = "flow_grpo"

@@ -23,16 +23,19 @@ import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.learner import Learner
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.config import FlowGRPOConfig
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "group_advantages", "informative_queries",
-           "kl_k3", "logprob_temperature", "mini_batches", "ppo_clip_loss", "row_weights", "trajectory_rewards"]
+           "kl_k3", "logprob_temperature", "micro_batches", "mini_batches", "ppo_clip_loss", "row_weights",
+           "trajectory_rewards"]
 
 
 @dataclass
@@ -103,6 +106,21 @@ def mini_batches(n: int, k: int, rng: random.Random) -> list[list[int]]:
     return [sorted(c) for c in cuts if c]
 
 
+def micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Positions 0..n-1 cut, in order, into forward passes of at most `max_rows` rows and (when given) at most
+    `max_tokens` prompt + completion tokens; a row longer than the budget goes alone."""
+    out: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if out and len(out[-1]) < max_rows and (max_tokens is None or tokens + n <= max_tokens):
+            out[-1].append(i)
+            tokens += n
+        else:
+            out.append([i])
+            tokens = n
+    return out
+
+
 def logprob_temperature(call: LLMCall, config: FlowGRPOConfig) -> float:
     """The softmax temperature a call's recorded logprobs are under: its sampling temperature, or 1 (the raw
     logits) for a greedy call. Traces recorded before calls carried a temperature assume `config.temperature`."""
@@ -146,7 +164,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             groups[key].append(i)
     adv: dict[tuple[int, tuple], float] = {}
     for key, members in groups.items():
-        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
+        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64, device="cpu")  # host scalars
         if config.zero_variance != "keep" and (len(members) < 2 or bool((r == r[0]).all())):
             continue
         for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
@@ -207,17 +225,25 @@ class FlowGRPO:
         metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
         if not rows:
             return metrics | {"loss/total": 0.0}
-        ref = self._reference_logprobs(rows)
         rng = random.Random(seed)
-        totals: dict[str, float] = defaultdict(float)
-        grad_norms: dict[str, list[float]] = defaultdict(list)
+        totals: dict[str, Any] = defaultdict(float)
+        norms: dict[str, list[Any]] = defaultdict(list)
         losses = []
-        for _ in range(cfg.ppo_epochs):
-            for batch in mini_batches(len(rows), cfg.num_mini_batches, rng):
-                losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
-                                                   totals, grad_norms))
-        for adapter in grad_norms:
+        try:
+            ref = self._reference_logprobs(rows)
+            for _ in range(cfg.ppo_epochs):
+                for batch in mini_batches(len(rows), cfg.num_mini_batches, rng):
+                    losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
+                                                       totals, norms))
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise _out_of_memory(exc, cfg, rows) from exc
+            raise
+        for adapter in norms:
             self.learner.new_version(adapter)
+        totals = {k: float(v) for k, v in totals.items()}  # the update's host syncs, after its last step
+        grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
+        losses = [float(x) for x in losses]
         n_tok = cfg.ppo_epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
             "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
@@ -226,12 +252,11 @@ class FlowGRPO:
 
     def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
         """Each row's logprobs under the base model (adapters off); fixed for the whole update."""
-        out = [torch.empty(0)] * len(rows)
+        out: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for adapter in sorted({r.adapter for r in rows}):
             mine = [i for i, r in enumerate(rows) if r.adapter == adapter]
-            for start in range(0, len(mine), self.config.micro_batch):
-                chunk = mine[start:start + self.config.micro_batch]
-                with torch.no_grad():
+            for chunk in self._passes([rows[i] for i in mine], mine):
+                with torch.no_grad():  # no graph kept: only the values are needed
                     for i, lp in zip(chunk, self.learner.sequence_logprobs([rows[i] for i in chunk], None)):
                         out[i] = lp
         return out
@@ -245,39 +270,59 @@ class FlowGRPO:
         adapters = sorted({r.adapter for r in rows})
         for a in adapters:
             self.optimizers[a].zero_grad(set_to_none=True)
-        total = 0.0
+        total: torch.Tensor | float = 0.0  # on the model's device: one host sync per update, not per pass
         self.learner.train()
         try:
             for adapter in adapters:
                 mine = [k for k, r in enumerate(rows) if r.adapter == adapter]
-                for start in range(0, len(mine), cfg.micro_batch):
-                    chunk = mine[start:start + cfg.micro_batch]
+                for chunk in self._passes([rows[k] for k in mine], mine):
                     new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
-                    loss = torch.zeros(())
-                    for k, lp in zip(chunk, new):
-                        loss = loss + weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
+                    loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
+                               for k, lp in zip(chunk, new))
                     loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
-                    total += float(loss.detach())
+                    total = total + loss.detach()
         finally:
             self.learner.train(False)
         for a in adapters:
-            grad_norms[a].append(float(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.max_grad_norm)))
+            grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.max_grad_norm))
             self.optimizers[a].step()
         return total
+
+    def _passes(self, rows: list[Row], positions: list[int]) -> list[list[int]]:
+        """`positions` (of `rows`, in order) cut into forward passes by `micro_batch` and `micro_batch_tokens`."""
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+        return [[positions[j] for j in chunk]
+                for chunk in micro_batches(lengths, self.config.micro_batch, self.config.micro_batch_tokens)]
 
     def _token_loss(self, row: Row, logp: torch.Tensor, ref: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
         """Per-token PPO-clip + beta * k3 KL of one row; adds its clip count, KLs and policy loss to `totals`."""
         cfg = self.config
-        old = torch.tensor(row.old_logprobs)
-        pg = ppo_clip_loss(logp, old, torch.tensor(row.advantage), cfg.clip_eps_low, cfg.clip_eps_high)
+        old = torch.tensor(row.old_logprobs, device=logp.device)
+        adv = torch.tensor(row.advantage, device=logp.device)
+        pg = ppo_clip_loss(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
         kl = kl_k3(logp, ref)
         log_ratio = logp.detach() - old
         ratio = torch.exp(log_ratio)
-        totals["clip"] += float(((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum())
-        totals["approx_kl"] += float((ratio - 1 - log_ratio).sum())  # k3 of KL(old || new), as CleanRL logs it
-        totals["kl"] += float(kl.detach().sum())
-        totals["pg"] += float(pg.detach().sum())
+        # device tensors until the update ends: no host sync per row
+        totals["clip"] += ((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum()
+        totals["approx_kl"] += (ratio - 1 - log_ratio).sum()  # k3 of KL(old || new), as CleanRL logs it
+        totals["kl"] += kl.detach().sum()
+        totals["pg"] += pg.detach().sum()
         return pg + cfg.kl_coef * kl
+
+
+def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> MasgraphError:
+    """The update ran out of device memory: say which knobs shrink a forward pass (nothing is checkpointed
+    from the half-done update; the run's last checkpoint stays as it was)."""
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    budget = cfg.micro_batch_tokens or cfg.micro_batch * longest
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return MasgraphError(
+        f"out of device memory in the Flow-GRPO update ({type(exc).__name__}; {len(rows)} rows, longest "
+        f"{longest} tokens, micro_batch {cfg.micro_batch}); fix: set `train.flow_grpo.micro_batch_tokens` below "
+        f"{budget} (tokens per forward pass) or lower `micro_batch`, and/or `train.gradient_checkpointing: true`; "
+        "then resume (--resume RUN): the last checkpoint is intact")
 
 
 def _mean(xs: list[float]) -> float:

@@ -116,7 +116,7 @@ class HRPO:
                     advs.append(adv["*"])
             if not logps:
                 return None, {}
-            loss = reinforce_loss(torch.stack(logps), torch.tensor(advs))
+            loss = reinforce_loss(torch.stack(logps), torch.tensor(advs, device=self.policy.device))
             return loss, {"loss": float(loss.detach()), "baseline": float(self.baseline or 0.0)}
         new, old, adv, ent = [], [], [], []
         for t, a in rows:
@@ -128,8 +128,9 @@ class HRPO:
                 adv.append(a[name])
         if not new:
             return None, {}
-        return hrpo_loss(torch.stack(new), torch.tensor(old), torch.tensor(adv), torch.stack(ent), cfg.clip,
-                         cfg.entropy_coef)
+        device = self.policy.device
+        return hrpo_loss(torch.stack(new), torch.tensor(old, device=device), torch.tensor(adv, device=device),
+                         torch.stack(ent), cfg.clip, cfg.entropy_coef)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs for an exact resume: parameters, optimizer moments, baseline, version."""

@@ -37,7 +37,7 @@ def _normalise(values: Sequence[float], eps: float) -> list[float]:
     """(v - mean) / (std + eps) with unbiased std; all 0.0 when fewer than 2 values or no variance."""
     if len(values) < 2 or all(v == values[0] for v in values):
         return [0.0] * len(values)
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cpu")  # host scalars in and out
     return ((t - t.mean()) / (t.std() + eps)).tolist()
 
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import SyncedBackend
-from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf_learner import HFLearner
 from masgraph.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError, Problem, SpecError
@@ -25,6 +24,7 @@ from masgraph.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.metrics import MetricsSink
 from masgraph.ray_rollouts import RayConfig
 from masgraph.runner import RunConfig, Runner, mean, summarize
+from masgraph.serving import rollout_kind, serve_learner
 from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
@@ -71,10 +71,18 @@ def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
     return model
 
 
-def rollout_kind(spec: GraphSpec) -> str:
-    """The backend kind that serves the trained policies' rollouts (hf unless they say vllm)."""
-    kinds = [p.backend for p in spec.policies.values() if p.trainable and p.backend in LEARNABLE_BACKENDS]
-    return kinds[0] if kinds else "hf"
+def base_device(spec: GraphSpec) -> str:
+    """The device the learner's weights live on: the one the hf policies name (they are all served from those
+    weights, so they must agree; `--device` sets them all)."""
+    hf = {n: p for n, p in spec.policies.items() if p.backend == "hf"}
+    devices = sorted({p.device for p in hf.values()})
+    if len(devices) > 1:
+        raise SpecError([Problem(f"policies.{n}.device", f"{p.device!r}: training serves every hf policy from one "
+                                 f"set of weights, but the hf policies name devices {devices}",
+                                 "give every hf policy the same `device:` (or pass --device)")
+                         for n, p in hf.items() if p.device != devices[0]])
+    return devices[0] if devices else "auto"
+
 
 
 class TrainLoop:
@@ -104,13 +112,21 @@ class TrainLoop:
         algorithm = self.cfg.algorithm
         self.trains_nodes, self.trains_topology = algorithm in ("flow_grpo", "joint"), algorithm in ("hrpo", "joint")
         model = base_model(spec, needs_trainable=self.trains_nodes)
-        self.learner: Learner = learner or HFLearner(model, dtype=dtype)
+        self.learner: Learner = learner or HFLearner(model, dtype=dtype, device=base_device(spec))
+        if self.cfg.gradient_checkpointing:
+            if not hasattr(self.learner, "gradient_checkpointing"):
+                raise MasgraphError(f"train.gradient_checkpointing: the learner {type(self.learner).__name__} "
+                                    "cannot recompute activations; drop the setting")
+            self.learner.gradient_checkpointing(True)
         kind = rollout_kind(spec)
         # training rollouts sample the trained policies; evaluation uses the graph as written (greedy), and the
         # topology policy's most likely topology
         train_graph = sampling_graph(spec, self.cfg.flow_grpo.temperature) if self.trains_nodes else graph
-        self.backend, self.eval_backend, self.ray_engine, self._owned = _serving(
-            spec, self.cfg, self.learner, train_graph, self.run_dir, ray, backend, eval_backend)
+        self.serving = serve_learner(spec, self.learner, train_graph, seed=self.cfg.seed,
+                                     deterministic=self.cfg.deterministic, run_dir=self.run_dir,
+                                     max_lora_rank=self.cfg.lora_rank, ray=ray, rollouts=backend,
+                                     evaluation=eval_backend)
+        self.backend, self.eval_backend = self.serving.rollouts, self.serving.evaluation
         lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.learner.adapters():
@@ -124,7 +140,7 @@ class TrainLoop:
         self.group_size = self.cfg.hrpo.group_size if algorithm == "hrpo" else self.cfg.flow_grpo.group_size
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.group_size, **common),
-                               backends={kind: self.backend}, topology=self.topology, engine=self.ray_engine)
+                               backends={kind: self.backend}, topology=self.topology, engine=self.serving.ray_engine)
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
                                 backends={kind: self.eval_backend}, topology=self.topology)
         fg = self.cfg.flow_grpo
@@ -175,9 +191,7 @@ class TrainLoop:
 
     async def aclose(self) -> None:
         """Stop what this loop started (a vLLM server, Ray workers); the in-process hf backends need nothing."""
-        for part in self._owned:
-            await part.aclose()
-        self._owned.clear()
+        await self.serving.aclose()
 
     @property
     def sink_errors(self) -> int:
@@ -321,52 +335,25 @@ class TrainLoop:
 
     def _check_lora_shape(self, name: str, path: Path) -> None:
         """The saved adapter has the LoRA shape the graph trains: loading another shape would replace the
-        parameters the optimizers hold, and training would silently stop."""
+        parameters the optimizers hold, and training would silently stop. Its targets are compared with what the
+        graph's `lora_targets` resolved to on this model, as the adapter attached for them records them (Phi3's
+        `qkv_proj` for q_proj/v_proj; `all-linear` expanded to module names), which is what a checkpoint saves."""
+        def sort(targets: Any) -> Any:  # peft keeps a list of names, or one regex string
+            return sorted(targets) if isinstance(targets, (list, tuple, set)) else targets
+
         try:
             saved = json.loads((path / "adapter_config.json").read_text())
-            got = (saved["r"], saved["lora_alpha"], sorted(saved["target_modules"]))
+            got = (saved["r"], saved["lora_alpha"], sort(saved["target_modules"]))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise MasgraphError(f"cannot read {path / 'adapter_config.json'} ({exc}); {_EARLIER}") from exc
-        want = (self.cfg.lora_rank, self.cfg.lora_alpha, sorted(self.cfg.lora_targets))
+        targets = self.cfg.lora_targets
+        if isinstance(self.learner, HFLearner) and name in self.learner.weights.adapters():
+            targets = self.learner.weights.lora_targets(name)  # resolved on this architecture
+        want = (self.cfg.lora_rank, self.cfg.lora_alpha, sort(targets))
         if got != want:
             raise MasgraphError(
                 f"adapter {name!r} in {path} has LoRA rank, alpha, targets {got} but the graph trains {want}; "
                 "resume with the `train:` lora_rank / lora_alpha / lora_targets the run was started with")
-
-
-def _serving(spec: GraphSpec, cfg: TrainSpec, learner: Learner, train_graph: Graph, run_dir: Path,
-             ray: RayConfig | None, backend: SyncedBackend | None, eval_backend: SyncedBackend | None
-             ) -> tuple[SyncedBackend, SyncedBackend, Any, list[Any]]:
-    """What serves the training rollouts and the evaluation, given what the caller passed (None: the defaults), and
-    what of it was started here (a vLLM server, Ray workers: closed by `TrainLoop.aclose`). Defaults: rollouts in
-    process on the learner's weights, on a vLLM server for a `backend: vllm` graph, or on Ray workers with `ray`;
-    evaluation decodes deterministically in process, a second serving view over the learner's weights."""
-    owned: list[Any] = []
-    ray_engine = None
-    if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
-        from masgraph.engine import BackendOptions
-        from masgraph.ray_rollouts import RayEngine
-
-        ray_engine = RayEngine(train_graph, ray, BackendOptions(cfg.deterministic, seed=cfg.seed))
-        owned.append(ray_engine)
-        backend = ray_engine.pool  # what the weight sync publishes to (through the object store)
-        if eval_backend is None and isinstance(learner, HFLearner):
-            eval_backend = HFBackend(learner.weights, deterministic=True, seed=cfg.seed)
-    if backend is None:
-        if not isinstance(learner, HFLearner):
-            raise MasgraphError("TrainLoop got a learner but no backend; fix: pass `backend=` (what serves the "
-                                "learner's adapters to rollouts), or leave both out for the in-process hf pair")
-        if rollout_kind(spec) == "vllm":  # rollouts on a vLLM server (started here unless attached)
-            policy = next(p for p in spec.policies.values() if p.trainable and p.backend == "vllm")
-            from masgraph.backends.vllm import VLLMBackend
-
-            backend = VLLMBackend(policy.model, policy.api_base, dtype=learner.dtype, seed=cfg.seed, log_dir=run_dir,
-                                  deterministic=cfg.deterministic, max_lora_rank=max(16, cfg.lora_rank))
-            owned.append(backend)
-        else:
-            backend = HFBackend(learner.weights, deterministic=cfg.deterministic, seed=cfg.seed)
-        eval_backend = eval_backend or HFBackend(learner.weights, deterministic=True, seed=cfg.seed)
-    return backend, eval_backend or backend, ray_engine, owned
 
 
 def _topology_trainer(graph: Graph, cfg: Any) -> tuple[TopologyPolicy | None, HRPO | None]:
@@ -412,7 +399,8 @@ def _read_state(checkpoint: Path) -> dict[str, Any]:
 
 def _load_torch(path: Path) -> Any:
     try:
-        return torch.load(path, weights_only=False)
+        # onto the CPU whatever device saved it: optimizer states follow their parameters when loaded
+        return torch.load(path, weights_only=False, map_location="cpu")
     except Exception as exc:  # missing, truncated or not a torch file: torch raises several kinds
         raise MasgraphError(f"cannot load {path} ({type(exc).__name__}: {exc}); {_EARLIER}") from exc
 

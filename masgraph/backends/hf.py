@@ -52,17 +52,19 @@ class HFBackend:
 
     def __init__(self, model: str | HFModel = "smollm2-135m", dtype: str = "auto", max_batch_size: int = 32,
                  batch_wait_ms: float = 3.0, deterministic: bool = False, max_context: int = 2048,
-                 seed: int = 0, threads: int | None = None):
-        self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads)
-        self.layout = TokenLayout(self.weights.tokenizer, max_context)
+                 seed: int = 0, threads: int | None = None, device: str = "auto"):
+        self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
+        limit = self.weights.max_positions  # a model built for a shorter context keeps to it
+        self.layout = TokenLayout(self.weights.tokenizer, min(max_context, limit) if limit else max_context)
         self.deterministic = deterministic
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
-        self._rng = torch.Generator().manual_seed(seed)  # seedless requests only; the scheduler seeds every one
+        # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
+        self._rng = torch.Generator(device=self.weights.device).manual_seed(seed)
         self._prefix_kv: dict[tuple, Any] = {}
         self._batcher: Batcher[Request, Completion] = Batcher(
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
-            error=lambda exc: BackendError(f"hf generate failed: {type(exc).__name__}: {exc}"))
+            error=_generate_error)
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
                       "prefix_hits": 0, "prefix_misses": 0}
 
@@ -70,6 +72,7 @@ class HFBackend:
     model_name = property(lambda self: self.weights.name)
     tokenizer = property(lambda self: self.weights.tokenizer)
     dtype = property(lambda self: self.weights.dtype)
+    device = property(lambda self: self.weights.device)
     model = property(lambda self: self.weights.model)
     base_model = property(lambda self: self.weights.base_model)
     pad_id = property(lambda self: self.layout.pad_id)
@@ -211,5 +214,22 @@ class HFBackend:
                 cache.batch_repeat_interleave(len(suffixes))
         else:
             cache = DynamicCache()
-        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self._rng for r in requests]
+        device = self.weights.device
+        gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
+                for r in requests]
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids)
+
+
+def _generate_error(exc: Exception) -> BackendError:
+    """What a failed batch tells each of its calls; out of device memory names the knobs that shrink a batch."""
+    from masgraph.device import is_out_of_memory
+
+    if is_out_of_memory(exc):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed batch held goes back for the next one
+        return BackendError(f"hf generate ran out of device memory ({type(exc).__name__}); fix: fewer episodes in "
+                            "flight (--concurrency / train.concurrency), a smaller `max_tokens`, or a smaller "
+                            "batch (BackendOptions.max_batch_size)")
+    return BackendError(f"hf generate failed: {type(exc).__name__}: {exc}")

@@ -14,49 +14,60 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int]
            ) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
-    broadcast to the batch) or being empty; each row samples from its own generator and stops at EOS or at its
-    `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row."""
+    broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
+    stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
+
+    Every tensor lives on the model's device; each step copies its picks to the host once, the only
+    device-to-host sync of the step."""
+    device = model.device
     B = len(suffixes)
-    ids, mask, pos = left_pad(prefix_len, suffixes, pad_id)
+    ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
     limits = [r.sampling.max_tokens for r in requests]
+    temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=device)[:, None]  # (B, 1)
+    ones = torch.ones((B, 1), dtype=torch.long, device=device)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     out_lp: list[list[float]] = [[] for _ in range(B)]
     done, finish = [False] * B, ["length"] * B
     for _ in range(max(limits)):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (B, V)
-        picked = sample(logits.float(), requests, generators, done)
-        for i, pick in enumerate(picked):
-            if pick is None:
+        toks, lps = sample(logits.float(), requests, generators, done, temps)
+        # the step's one device-to-host copy (float64 holds every token id and float32 logprob exactly)
+        picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()
+        for i, (tok, lp) in enumerate(zip(picked_ids, picked_lps)):
+            if done[i]:
                 continue
-            out_ids[i].append(pick[0])
-            out_lp[i].append(pick[1])
-            if pick[0] in eos_ids:
+            tok = int(tok)
+            out_ids[i].append(tok)
+            out_lp[i].append(lp)
+            if tok in eos_ids:
                 done[i], finish[i] = True, "stop"
             elif len(out_ids[i]) >= limits[i]:
                 done[i] = True
         if all(done):
             break
-        ids = torch.tensor([[p[0] if p else pad_id] for p in picked])  # (B, 1)
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        ids = toks[:, None]  # (B, 1); a finished row's next input is never read back
+        mask = torch.cat([mask, ones], dim=1)
         pos = pos[:, -1:] + 1
     return list(zip(out_ids, out_lp, finish))
 
 
-def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator],
-           done: list[bool]) -> list[tuple[int, float] | None]:
-    """Pick one token per live row; logprob under the temperature-scaled distribution (raw if greedy)."""
-    temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests])[:, None]
+def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator], done: list[bool],
+           temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row (argmax for greedy and finished rows) and its logprob under the temperature-scaled
+    distribution (raw if greedy), both (B,) tensors on the logits' device; nothing is copied to the host."""
     logp = torch.log_softmax(logits / temps, -1)  # (B, V)
-    toks = torch.argmax(logits, -1).tolist()
+    greedy = torch.argmax(logits, -1)  # (B,)
+    picks = []
     for i, r in enumerate(requests):
         if done[i] or r.sampling.temperature == 0:
+            picks.append(greedy[i:i + 1])
             continue
         probs = logp[i].exp()
         if r.sampling.top_p < 1.0:
             sp, si = torch.sort(probs, descending=True)
             keep = (sp.cumsum(0) - sp) < r.sampling.top_p
-            probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-        toks[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
-    picked = logp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
-    return [None if done[i] else (toks[i], picked[i]) for i in range(len(requests))]
+            probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)  # no boolean indexing: it would sync
+        picks.append(torch.multinomial(probs, 1, generator=generators[i]))
+    toks = torch.cat(picks)
+    return toks, logp.gather(1, toks[:, None])[:, 0]

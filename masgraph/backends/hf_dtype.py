@@ -1,4 +1,4 @@
-"""The hf weights' dtype: bf16 or fp32, whichever is measured faster on this CPU (once per machine)."""
+"""The hf weights' dtype: bf16 or fp32, whichever is measured faster on the device (once per machine)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,23 @@ import torch
 from masgraph.model import cache_dir
 
 
-def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
-    """bf16 if it is clearly (`margin`x) faster than fp32 for a decode-shaped matmul on this CPU, else fp32.
+def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None = None) -> torch.dtype:
+    """bf16 if it is clearly (`margin`x) faster than fp32 for a decode-shaped matmul on `device` (default the
+    CPU), else fp32. A GPU without bf16 support gets fp32 unmeasured (fp16 would need loss scaling).
 
     bf16 won 1.5-2x on the machine DESIGN.md measured; on AMX-advertising VMs capped to AVX512-BF16 fp32
     wins (254 vs 150 GFLOP/s), so the choice is measured rather than assumed. It is measured once per
     machine and torch version and kept in the cache, so every process (a resumed training run too)
     uses the same dtype even when the machine is busy."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-               platform.processor())
-    key = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            return torch.float32
+        key = f"{torch.cuda.get_device_name(device)}|{torch.__version__}|cuda"
+    else:
+        cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+                   platform.processor())
+        key = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
     path = cache_dir() / "dtype-choice.json"
     try:
         known = json.loads(path.read_text())
@@ -31,13 +38,18 @@ def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
         return getattr(torch, known[key])
     times = {}
     for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(32, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        # a decode step's matmul on a CPU; on a GPU a batch's (a small one is launch-bound and ties)
+        m, k, n = (32, 576, 1536) if device.type == "cpu" else (512, 2048, 2048)
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        w = torch.randn(k, n, dtype=dtype, device=device)
         x @ w  # warm-up
         best = float("inf")
         for _ in range(5):  # best of 5 trials: robust to a busy machine
+            _sync(device)
             t0 = time.perf_counter()
             for _ in range(reps // 5):
                 x @ w
+            _sync(device)
             best = min(best, time.perf_counter() - t0)
         times[dtype] = best
     choice = torch.bfloat16 if times[torch.bfloat16] * margin < times[torch.float32] else torch.float32
@@ -50,6 +62,11 @@ def pick_dtype(reps: int = 50, margin: float = 1.3) -> torch.dtype:
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
     return choice
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _cpuinfo() -> list[str]:

@@ -3,6 +3,8 @@ prefix | pad gap | suffix layout that generation and the trainer's logprob pass 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,8 +23,12 @@ class TokenLayout:
     def __init__(self, tokenizer: Any, max_context: int = 2048):
         self.tokenizer, self.max_context = tokenizer, max_context
         self.pad_id = pad_token_id(tokenizer)
-        self.eos_ids = {tokenizer.eos_token_id, *(
+        # decoding stops at the tokenizer's EOS and at the model's own end-of-turn tokens (its generation config:
+        # Gemma's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eot_id|> are not always the tokenizer's EOS)
+        self.eos_ids = {tokenizer.eos_token_id, *generation_eos_ids(tokenizer), *(
             [tokenizer.convert_tokens_to_ids("<|endoftext|>")] if "<|endoftext|>" in tokenizer.get_vocab() else [])}
+        self.fold_system = rejects_system_role(tokenizer)
+        """The chat template refuses a system message (Gemma, Mistral v0.1/v0.2): it goes into the first user turn."""
         self._marker = tokenizer.encode("\n[...]\n", add_special_tokens=False)
         self._prefix_ids: dict[tuple[str, ...], tuple[int, ...]] = {}
 
@@ -32,6 +38,8 @@ class TokenLayout:
         return truncate_middle(self.template(messages, True), budget, self._marker)
 
     def template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        if self.fold_system:
+            messages = fold_system(messages)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -50,22 +58,62 @@ class TokenLayout:
         return prefix if 16 <= n < len(ids) and tuple(ids[:n]) == prefix else ()
 
 
+def generation_eos_ids(tokenizer: Any) -> set[int]:
+    """The `eos_token_id`s of the generation_config.json beside the tokenizer (a model directory), if any: the
+    tokens `generate` stops at, which include the chat turn's end where that is not the tokenizer's EOS."""
+    where = getattr(tokenizer, "name_or_path", None)
+    if not isinstance(where, str) or not where:
+        return set()
+    try:
+        ids = json.loads((Path(where) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # no file (a hub id, a bare tokenizer), bad JSON, not a mapping
+        return set()
+    return {i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int)}
+
+
+def rejects_system_role(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template raises on a system message but renders it folded into the user turn
+    (Gemma's "System role not supported", Mistral v0.1/v0.2's "roles must alternate")."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return False
+    probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    try:
+        tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        return False
+    except Exception:  # the template's raise_exception (a jinja2 TemplateError), or any other refusal
+        pass
+    try:
+        tokenizer.apply_chat_template(fold_system(probe), add_generation_prompt=True, tokenize=False)
+        return True
+    except Exception:
+        return False  # refused either way: the error shows at the first call, as the template words it
+
+
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The system message (if first) prepended to the first user turn, for templates without a system role."""
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0]["content"], messages[1:]
+    if rest and rest[0]["role"] == "user":
+        return [{**rest[0], "content": f"{system}\n\n{rest[0]['content']}"}, *rest[1:]]
+    return [{"role": "user", "content": system}, *rest]
+
+
 def pad_token_id(tokenizer: Any) -> int:
     """The id that fills padding positions (masked out, so any id works; the tokenizer's pad, else its EOS)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def left_pad(prefix_len: int, suffixes: list[list[int]], pad_id: int
+def left_pad(prefix_len: int, suffixes: list[list[int]], pad_id: int, device: torch.device | str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids, attention mask and position ids of `suffixes` after a shared prefix of `prefix_len` tokens
-    (whose KV is cached): prefix | pad gap | suffix, each suffix left-padded to the longest."""
-    B, P, S = len(suffixes), prefix_len, max(len(x) for x in suffixes)
-    ids = torch.full((B, S), pad_id, dtype=torch.long)  # (B, S): suffixes, left-padded
-    mask = torch.zeros((B, P + S), dtype=torch.long)  # (B, P+S): prefix | pad gap | suffix
-    mask[:, :P] = 1
-    for i, x in enumerate(suffixes):
-        ids[i, S - len(x):] = torch.tensor(x)
-        mask[i, P + S - len(x):] = 1
+    (whose KV is cached): prefix | pad gap | suffix, each suffix left-padded to the longest. Built as lists and
+    copied to `device` once (one host-to-device copy per tensor, not one per row)."""
+    P, S = prefix_len, max(len(x) for x in suffixes)
+    ids = torch.tensor([[pad_id] * (S - len(x)) + list(x) for x in suffixes], dtype=torch.long,
+                       device=device)  # (B, S): suffixes, left-padded
+    mask = torch.tensor([[1] * P + [0] * (S - len(x)) + [1] * len(x) for x in suffixes], dtype=torch.long,
+                        device=device)  # (B, P+S): prefix | pad gap | suffix
     pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)  # (B, S)
     return ids, mask, pos
 
@@ -75,5 +123,6 @@ def prefill(model: Any, prefix: list[int] | tuple[int, ...]) -> Any:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=torch.tensor([prefix], device=model.device), past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
     return cache

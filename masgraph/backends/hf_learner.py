@@ -28,14 +28,24 @@ class HFLearner:
         >>> WeightSync(learner, [backend])()      # backend now serves planner v0
     """
 
-    def __init__(self, model: str | HFModel = "smollm2-135m", dtype: str = "auto", threads: int | None = None):
-        self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads)
+    def __init__(self, model: str | HFModel = "smollm2-135m", dtype: str = "auto", threads: int | None = None,
+                 device: str = "auto"):
+        self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
         self._pad_id = pad_token_id(self.weights.tokenizer)
         self._versions: dict[str, int] = {a: 0 for a in self.weights.adapters()}
 
     @property
     def dtype(self) -> str:
         return str(self.weights.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights, the adapters, their gradients and optimizer states live."""
+        return self.weights.device
+
+    def gradient_checkpointing(self, on: bool) -> None:
+        """Trade compute for memory in the logprob pass (see `HFModel.set_gradient_checkpointing`)."""
+        self.weights.set_gradient_checkpointing(on)
 
     def adapters(self) -> list[str]:
         return list(self._versions)
@@ -54,7 +64,8 @@ class HFLearner:
         if adapter is not None:
             self._check(adapter)
         with self.weights.use(adapter):
-            return sequence_logprobs(self.weights.model, rows, self._pad_id)
+            return sequence_logprobs(self.weights.model, rows, self._pad_id,
+                                     share_prefix=not self.weights.gradient_checkpointing)
 
     def train(self, mode: bool = True) -> None:
         self.weights.model.train(mode)
@@ -87,14 +98,21 @@ class HFLearner:
         self._versions[name] = version if version is not None else self._versions.get(name, -1) + 1
 
     def rng_state(self) -> dict[str, Any]:
-        """The global torch RNG (LoRA init, dropout) and Python's `random`. Rollout sampling is seeded per
-        request, so no backend generator is part of it."""
-        return {"torch": torch.get_rng_state(), "python": random.getstate()}
+        """The global torch RNGs (LoRA init, dropout: the CPU one, and every GPU's when the model is on one) and
+        Python's `random`. Rollout sampling is seeded per request, so no backend generator is part of it."""
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        """Restore `rng_state()`; other keys (a "backend" generator in older checkpoints) are ignored."""
+        """Restore `rng_state()`; other keys (a "backend" generator in older checkpoints) are ignored, and so are
+        GPU states when resuming on another machine shape (the CPU one decides LoRA init; dropout is off)."""
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
+        cuda = state.get("cuda")
+        if cuda is not None and self.device.type == "cuda" and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
 
     def _check(self, adapter: str) -> None:
         if adapter not in self._versions:
@@ -130,30 +148,31 @@ def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
     return n
 
 
-def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int) -> list[torch.Tensor]:
+def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True
+                      ) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced;
-    only the completion positions' logits are computed).
+    only the completion positions' logits are computed), on the model's device.
 
     Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
     once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
     same layout as generation (`left_pad`): prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper
-    per row."""
+    per row. `share_prefix=False` runs whole sequences (gradient checkpointing cannot recompute a cache)."""
+    device = model.device
     seqs = [r.prompt_ids + r.completion_ids for r in rows]
     # keep at least the last prompt token in every suffix: it predicts the first completion token
-    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 else 0
+    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 and share_prefix else 0
     B, K = len(seqs), max(len(r.completion_ids) for r in rows)
-    ids, mask, pos = left_pad(P, [s[P:] for s in seqs], pad_id)
+    ids, mask, pos = left_pad(P, [s[P:] for s in seqs], pad_id, device)
     cache = None
     if P:
         cache = prefill(model, seqs[0][:P])
         cache.batch_repeat_interleave(B)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
-    temps = torch.tensor([r.temperature for r in rows])[:, None, None]  # (B, 1, 1)
+    temps = torch.tensor([r.temperature for r in rows], device=device)[:, None, None]  # (B, 1, 1)
     logp = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # position t predicts token t+1
-    out = []
-    for i, r in enumerate(rows):
-        n = len(r.completion_ids)
-        targets = torch.tensor(r.completion_ids)
-        out.append(logp[i, K - n:].gather(-1, targets[:, None])[:, 0])
-    return out
+    # each row's completion is right-aligned in the K positions; targets are padded on the left (never read)
+    targets = torch.tensor([[0] * (K - len(r.completion_ids)) + list(r.completion_ids) for r in rows],
+                           dtype=torch.long, device=device)  # (B, K)
+    picked = logp.gather(-1, targets[:, :, None])[:, :, 0]  # (B, K)
+    return [picked[i, K - len(r.completion_ids):] for i, r in enumerate(rows)]

@@ -12,6 +12,7 @@ import torch
 
 from masgraph.backends.base import BackendError
 from masgraph.backends.hf_dtype import pick_dtype
+from masgraph.device import describe, is_out_of_memory, resolve_device
 from masgraph.learner import LoraConfigSpec
 from masgraph.model import resolve_model
 
@@ -23,10 +24,11 @@ class HFModel:
         >>> weights = HFModel("smollm2-135m", dtype="float32")
         >>> weights.add_adapter("planner", LoraConfigSpec(rank=8))
         >>> with weights.use("planner"):
-        ...     logits = weights.model(input_ids=torch.tensor([[1, 2, 3]])).logits
+        ...     logits = weights.model(input_ids=torch.tensor([[1, 2, 3]], device=weights.device)).logits
     """
 
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", threads: int | None = None):
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", threads: int | None = None,
+                 device: str = "auto"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -37,21 +39,76 @@ class HFModel:
             torch.set_num_threads(threads)
         path = resolve_model(model)
         self.name = model
+        self.device: torch.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.dtype: torch.dtype = pick_dtype() if dtype == "auto" else getattr(torch, dtype)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+        self.dtype: torch.dtype = pick_dtype(device=self.device) if dtype == "auto" else getattr(torch, dtype)
+        try:  # SDPA (transformers' default where the architecture has it) runs FlashAttention kernels on a GPU
+            self.model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise BackendError(f"{model} does not fit on {describe(self.device)} in {self.dtype} ({exc}); fix: "
+                                   "a smaller model, `dtype: bfloat16`, or another device (`--device`)") from None
+            raise
         self.base_model = self.model
+        self.gradient_checkpointing = False
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model was built for (its config's max_position_embeddings), if it says."""
+        n = getattr(self.base_model.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def set_gradient_checkpointing(self, on: bool) -> None:
+        """Recompute activations in the backward pass (less memory, ~30 % more compute); the learner's logprob
+        pass then runs whole sequences, without the shared-prefix KV (a cache cannot be recomputed)."""
+        if on == self.gradient_checkpointing:
+            return
+        if on:
+            self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.base_model.gradient_checkpointing_disable()
+        self.gradient_checkpointing = on
 
     def adapters(self) -> list[str]:
         return [] if self.model is self.base_model else list(self.model.peft_config)
 
     def add_adapter(self, name: str, lora: LoraConfigSpec | None = None) -> None:
-        """Attach a fresh (zero-effect) LoRA adapter named `name` to the base model."""
+        """Attach a fresh (zero-effect) LoRA adapter named `name` to the base model, on the modules
+        `lora.target_modules` resolves to on this architecture (`resolve_targets`: e.g. Phi3's fused `qkv_proj` for
+        q_proj/v_proj; `all-linear` as peft expands it); BackendError when the model has no such modules."""
         from peft import LoraConfig
 
+        from masgraph.backends.lora_targets import resolve_targets
+
         lora = lora or LoraConfigSpec()
-        self._attach(name, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+        targets = resolve_targets(self._linear_module_names(), lora.target_modules)
+        self._attach(name, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
                                       lora_dropout=lora.dropout, task_type="CAUSAL_LM"))
+
+    def _linear_module_names(self) -> list[str]:
+        """Full names of the base model's linear layers (what LoRA can target), also of those adapters wrap."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from transformers.pytorch_utils import Conv1D
+
+        linear = (torch.nn.Linear, Conv1D)
+        names: list[str] = []
+        inside = None  # the adapter-wrapped layer whose own modules (base_layer, lora_A, ...) come next (depth first)
+        for module_name, module in self.base_model.named_modules():
+            if inside is not None and module_name.startswith(inside):
+                continue
+            if isinstance(module, BaseTunerLayer):
+                inside = module_name + "."
+                if isinstance(module.get_base_layer(), linear):
+                    names.append(module_name)
+            elif isinstance(module, linear):
+                names.append(module_name)
+        return names
+
+    def lora_targets(self, name: str) -> list[str] | str:
+        """The modules adapter `name` targets as its adapter_config.json records them (sorted): what its
+        `target_modules` resolved to on this model, `all-linear` expanded by peft."""
+        targets = self.model.peft_config[name].target_modules
+        return sorted(targets) if isinstance(targets, (list, set, tuple, frozenset)) else targets
 
     def _attach(self, name: str, cfg: Any) -> None:
         from peft import PeftModel, get_peft_model

@@ -21,7 +21,10 @@ from masgraph.model import cache_dir
 PYTHON_ENV = "MASGRAPH_VLLM_PYTHON"
 """The python that has vLLM installed (default: .venv-vllm/bin/python here, made by `make vllm`)."""
 ARGS_ENV = "MASGRAPH_VLLM_ARGS"
-"""Extra arguments for the server's command line (shell words), e.g. "--max-num-seqs 64"."""
+"""Extra arguments for the server's command line (shell words), e.g. "--max-num-seqs 64", or on a GPU the learner
+shares "--gpu-memory-utilization 0.4" (vLLM takes 0.9 of the GPU otherwise, leaving the learner too little)."""
+DEVICES_ENV = "MASGRAPH_VLLM_DEVICES"
+"""The GPUs the server may use (its CUDA_VISIBLE_DEVICES), e.g. "1" to keep it off the learner's GPU 0."""
 
 
 def vllm_python() -> str:
@@ -104,6 +107,8 @@ class VLLMServer:
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU build (default 4)
         env.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
+        if os.environ.get(DEVICES_ENV):
+            env["CUDA_VISIBLE_DEVICES"] = os.environ[DEVICES_ENV]
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(self.command)}\n".encode())
             log.flush()

@@ -43,13 +43,15 @@ class TopologyPolicy(torch.nn.Module):
         >>> s.choice.decisions, s.choice.logprob
     """
 
-    def __init__(self, space: DecisionSpace, condition: str = "none", init: dict[str, dict[str, float]] | None = None):
+    def __init__(self, space: DecisionSpace, condition: str = "none", init: dict[str, dict[str, float]] | None = None,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         self.space = space
         self.conditioned = condition == "query"
         sizes = [len(d.options) for d in space.decisions]
-        self.logits = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(k)) for k in sizes])
-        self.head = torch.nn.Linear(HASHED_DIM, sum(sizes), bias=False) if self.conditioned else None
+        # a few hundred numbers: the CPU by default, whatever device the LLM is on
+        self.logits = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(k, device=device)) for k in sizes])
+        self.head = torch.nn.Linear(HASHED_DIM, sum(sizes), bias=False, device=device) if self.conditioned else None
         if self.head is not None:
             torch.nn.init.zeros_(self.head.weight)
         self._splits = sizes
@@ -57,13 +59,19 @@ class TopologyPolicy(torch.nn.Module):
         """Update count (set by the trainer); stamped on every sample."""
         for name, probs in (init or {}).items():  # a prior: initial option probabilities of some decisions
             k = [d.name for d in space.decisions].index(name)
-            p = torch.tensor([probs.get(o, 0.0) for o in space.decisions[k].options]).clamp_min(1e-6)
+            p = torch.tensor([probs.get(o, 0.0) for o in space.decisions[k].options],
+                             device=self.device).clamp_min(1e-6)
             with torch.no_grad():
                 self.logits[k].copy_(torch.log(p / p.sum()))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (the CPU unless moved: the policy is a few hundred numbers)."""
+        return self.logits[0].device if len(self.logits) else torch.device("cpu")  # no decisions: nothing runs
+
     def features(self, query: str) -> torch.Tensor | None:
         """φ(q) when conditioned, else None."""
-        return hashed_features(query) if self.conditioned else None
+        return hashed_features(query, device=self.device) if self.conditioned else None
 
     def decision_logits(self, features: torch.Tensor | None) -> list[torch.Tensor]:
         """Unmasked logits of every decision (with gradient)."""
@@ -77,7 +85,7 @@ class TopologyPolicy(torch.nn.Module):
     def sample(self, query: str, seed: int | None = None, greedy: bool = False) -> Sampled:
         """One valid topology for `query`: each decision sampled (or its most likely allowed option when
         `greedy`) from its masked distribution; skipped decisions take their first allowed option."""
-        gen = torch.Generator().manual_seed(seed if seed is not None
+        gen = torch.Generator(device=self.device).manual_seed(seed if seed is not None
                                             else zlib.crc32(query.encode("utf-8", "surrogatepass")))
         logits = self.decision_logits(self.features(query))
         if not all(bool(torch.isfinite(lg).all()) for lg in logits):
@@ -122,7 +130,7 @@ class TopologyPolicy(torch.nn.Module):
             p = logp.exp()
             ents.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum())
         if not names:
-            return [], torch.zeros(0), torch.zeros(0)
+            return [], torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
         return names, torch.stack(lps), torch.stack(ents)
 
     def signature(self) -> list[list]:
@@ -140,7 +148,7 @@ class TopologyPolicy(torch.nn.Module):
 
 def _masked_log_softmax(logits: torch.Tensor, mask: list[bool]) -> torch.Tensor:
     """log softmax over the allowed options; −inf for the others."""
-    allowed = torch.tensor(mask)
+    allowed = torch.tensor(mask, device=logits.device)
     return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
 
 
@@ -154,7 +162,8 @@ def load_policy(graph: Graph, checkpoint: Path | None = None) -> TopologyPolicy 
     if path is not None and path.exists():
         fix = "it must come from training this graph (pass another RUN/checkpoints/step-N)"
         try:
-            state = torch.load(path, weights_only=True)  # plain tensors and numbers: no pickled code runs
+            # plain tensors and numbers: no pickled code runs; read onto the CPU whatever device saved it
+            state = torch.load(path, weights_only=True, map_location="cpu")
             check_signature(state, policy, path)
             policy.load_state_dict(state["policy"])
             policy.version = state["version"]

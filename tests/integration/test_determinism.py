@@ -14,7 +14,7 @@ from masgraph.loader import load_spec
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import get_task
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 
 class Jittery:

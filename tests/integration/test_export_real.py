@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 N = 4
 

@@ -14,7 +14,7 @@ from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, Row, build_rows
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 
 class AlternatingReward(BasicArithmetic):

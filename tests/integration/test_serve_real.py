@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 QUESTIONS = [f"What is {a} + {b}?" for a, b in [(2, 3), (12, 7), (40, 2), (9, 9)]]
 

@@ -23,7 +23,7 @@ from masgraph.loader import load_spec
 from masgraph.tasks import load_task_file
 from masgraph.trainers.loop import TrainLoop
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 PLUGIN = """\
 from masgraph.agents import register_agent

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 GRAPH = """\
 name: tiny

@@ -33,6 +33,18 @@ def test_a_python_without_vllm_is_a_clear_error_with_the_fix(tmp_path):
     assert "No module named" in (tmp_path / "vllm-server.log").read_text()
 
 
+def test_the_server_gets_the_gpus_named_by_masgraph_vllm_devices(tmp_path, monkeypatch):
+    """A server kept off the learner's GPU: $MASGRAPH_VLLM_DEVICES becomes its CUDA_VISIBLE_DEVICES (and only its)."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nenv > {tmp_path / 'env.txt'}\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("MASGRAPH_VLLM_DEVICES", "1,2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(BackendError):  # no vLLM in this python: it exits while starting
+        VLLMServer(ROOT / ".cache", "smol", tmp_path / "vllm-server.log", python=str(python)).start()
+    assert "CUDA_VISIBLE_DEVICES=1,2" in (tmp_path / "env.txt").read_text().splitlines()
+
+
 def test_masgraph_run_with_backend_vllm_and_no_vllm_prints_an_error_line(tmp_path):
     env = {"MASGRAPH_VLLM_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
            "XDG_CACHE_HOME": str(ROOT / ".cache")}

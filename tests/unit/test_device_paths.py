@@ -1,0 +1,169 @@
+"""Device discipline of the decode, learner and topology code: every tensor they create names its device (derived
+from the model it serves), and the decode loop copies to the host once per step, not once per row or token.
+
+A CPU-only machine cannot catch a stray CPU tensor by running on a GPU, so the check is structural: torch's
+factory functions (and `torch.Generator`) are wrapped for the test, and any call made *from masgraph's own code*
+without a `device=` fails it. The whole path runs: batched and deterministic decoding with a cached prefix and
+top-p sampling, a Flow-GRPO update that changes the adapter, and a joint (topology + nodes) step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from masgraph.backends.base import Request
+from masgraph.backends.hf import HFBackend
+from masgraph.graph import compile_spec
+from masgraph.loader import parse_spec
+from masgraph.spec import SamplingSpec
+from masgraph.tasks import BasicArithmetic
+from masgraph.trainers.loop import TrainLoop
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = tuple(str(ROOT / d) for d in ("masgraph", "trainers", "agents"))
+FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "eye",
+             "linspace", "zeros_like", "ones_like", "full_like", "empty_like")
+_LIKE_OK = {"zeros_like", "ones_like", "full_like", "empty_like"}  # these inherit the device of their input
+
+
+class DeviceRecorder:
+    """Wraps torch's factories; records (function, file:line) of calls from our code without `device=`."""
+
+    def __init__(self):
+        self.stray: list[str] = []
+        self.ok = Counter()
+
+    def wrap(self, name, original, depth=1):
+        def factory(*args, **kwargs):
+            frame = sys._getframe(depth)
+            path = frame.f_code.co_filename
+            if path.startswith(OURS):
+                where = f"{name} at {Path(path).relative_to(ROOT)}:{frame.f_lineno}"
+                if "device" in kwargs or name in _LIKE_OK:
+                    self.ok[where] += 1
+                else:
+                    self.stray.append(where)
+            return original(*args, **kwargs)
+
+        return factory
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Patched across threads (the hf batcher decodes on its own thread, where a TorchFunctionMode is not seen)."""
+    rec = DeviceRecorder()
+    for name in FACTORIES:
+        monkeypatch.setattr(torch, name, rec.wrap(name, getattr(torch, name)))
+    real = torch.Generator
+    record = rec.wrap("Generator", lambda *a, **k: None, depth=2)  # called from __new__ below
+
+    class Generator(real):  # a subclass, not a function: torch's own annotations use `torch.Generator | None`
+        def __new__(cls, *args, **kwargs):
+            record(*args, **kwargs)
+            return real.__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "Generator", Generator)
+    return rec
+
+
+class Alternating(BasicArithmetic):
+    """Reward by sample parity: every group has variance, so the update has rows and changes the adapter."""
+
+    name = "alternating"
+
+    def reward(self, item, trace):
+        return float(trace.meta["sample"] % 2)
+
+
+TRAIN = """\
+name: tiny
+policies:
+  main: {{model: {model}, adapter: answer, trainable: true, sampling: {{max_tokens: 5}}}}
+nodes:
+  answer: {{role: generator, policy: main}}
+entry: answer
+exit: answer
+train:
+  steps: 1
+  queries_per_step: 2
+  eval_every: 0
+  eval_n: 1
+  concurrency: 4
+  flow_grpo: {{group_size: 2, micro_batch: 2}}
+"""
+
+
+def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(recorder, tiny_model, tmp_path):
+    model = str(tiny_model("qwen2"))
+    system = {"role": "system", "content": "You are a careful assistant. " * 8}  # a cached static prefix
+    reqs = [Request([system, {"role": "user", "content": f"What is {i} + {i}?"}],
+                    sampling=SamplingSpec(temperature=0.9, top_p=0.8 if i % 2 else 1.0, max_tokens=4), seed=i)
+            for i in range(4)]
+    for deterministic in (False, True):
+        backend = HFBackend(model, dtype="float32", deterministic=deterministic)
+        done = backend.generate(reqs)
+        assert all(len(c.completion_ids) == len(c.logprobs) > 0 for c in done)
+        assert backend.stats["prefix_hits"] + backend.stats["prefix_misses"] > 0  # the cached-prefix path ran
+
+    loop = TrainLoop(compile_spec(parse_spec(TRAIN.format(model=model), "tiny.yaml")), Alternating(),
+                     tmp_path / "flow", dtype="float32")
+    before = [p.detach().clone() for p in loop.learner.parameters("answer")]
+    last = asyncio.run(loop.run())
+    assert last["rows"] > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, loop.learner.parameters("answer")))
+
+    router = (ROOT / "graphs" / "router.yaml").read_text().replace("smollm2-135m", model).replace(
+        "steps: 20", "steps: 1").replace("queries_per_step: 4", "queries_per_step: 1").replace(
+        "eval_n: 32", "eval_n: 1").replace("group_size: 8", "group_size: 2")
+    joint = compile_spec(parse_spec(router.replace("max_tokens: 32", "max_tokens: 6"), "router.yaml"))
+    loop = TrainLoop(joint, Alternating(), tmp_path / "joint", dtype="float32")
+    asyncio.run(loop.run())
+    assert loop.hrpo is not None and loop.topology.version == 1  # the topology update ran
+
+    assert not recorder.stray, "tensors created without a device:\n" + "\n".join(sorted(set(recorder.stray)))
+    seen = {w.split(" at ")[1].split(":")[0] for w in recorder.ok}
+    # the check saw the code it guards (so it cannot pass by watching nothing)
+    for part in ("hf_decode.py", "hf_learner.py", "hf_layout.py", "flow_grpo.py", "policy.py", "hrpo.py", "hf.py"):
+        assert any(s.endswith(part) for s in seen), (part, seen)
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts device-to-host copies (tolist, item, int/float/bool of a tensor) made from hf_decode.py."""
+
+    SYNCS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SYNCS and sys._getframe(1).f_code.co_filename.endswith(
+                "hf_decode.py"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_decode_loop_syncs_with_the_host_once_per_step_whatever_the_batch(tiny_model):
+    from transformers import DynamicCache
+
+    from masgraph.backends.hf_decode import decode
+
+    backend = HFBackend(str(tiny_model("llama")), dtype="float32")
+    steps = 6
+    for rows in (1, 8):
+        sampling = SamplingSpec(temperature=1.0, top_p=0.9, max_tokens=steps)
+        reqs = [Request([{"role": "user", "content": f"Count to {i}"}], sampling=sampling, seed=i)
+                for i in range(rows)]
+        suffixes = [backend.layout.encode(r.messages, steps)[0] for r in reqs]
+        gens = [torch.Generator(device=backend.device).manual_seed(i) for i in range(rows)]
+        with HostSyncs() as syncs, torch.inference_mode():
+            out = decode(backend.model, DynamicCache(), 0, suffixes, reqs, gens, backend.pad_id, set())
+        assert all(len(ids) == steps for ids, _, _ in out)  # no EOS in the set: every row runs every step
+        assert syncs.count == steps, (rows, syncs.count)  # one copy of the step's picks, whatever the batch
