@@ -537,15 +537,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def _ray_config(args: argparse.Namespace) -> Any:
     """`--ray [--workers N] [--address A]` as a RayConfig (None without --ray)."""
     if not args.ray:
-        if args.workers is not None or args.address is not None:
-            raise MasgraphError("--workers and --address need --ray")
+        if args.workers is not None or args.address is not None or args.gpus_per_worker is not None:
+            raise MasgraphError("--workers, --address and --gpus-per-worker need --ray")
         return None
     from masgraph.ray_rollouts import RayConfig, check_address, cluster_address, require_ray
 
     require_ray()  # before anything loads
     address, source = cluster_address(args.address)
     check_address(address, source)  # an address nothing answers at: seconds, not minutes of Ray's retries
-    config = RayConfig(workers=args.workers or 2, address=address)
+    config = RayConfig(workers=args.workers or 2, address=address, gpus_per_worker=args.gpus_per_worker or 0.0)
     where = f" on the cluster at {address} ({source})" if address else " on a local Ray started for this run"
     print(f"starting {config.workers} Ray rollout workers{where} ...", file=sys.stderr)
     return config
@@ -569,6 +569,8 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="with --ray: a running Ray cluster (`ray start --head` prints it; `auto` finds "
                    "the one on this machine; `local`: a Ray started for this run); default: $RAY_ADDRESS if set, "
                    "else local")
+    p.add_argument("--gpus-per-worker", type=positive_float, help="with --ray: GPUs each rollout worker reserves "
+                   "(e.g. 1, or 0.5 for two per GPU; default 0: Ray hides the GPUs from a worker that reserves none)")
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:

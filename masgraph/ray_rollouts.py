@@ -42,6 +42,9 @@ class RayConfig:
     local Ray for this process."""
     cpus_per_worker: float = 1.0
     """Ray CPUs each worker reserves."""
+    gpus_per_worker: float = 0.0
+    """Ray GPUs each worker reserves (0.5: two workers share a GPU). Ray hides the GPUs from an actor that reserves
+    none, so a worker's `device: auto` is its CPU unless this is set."""
 
 
 def require_ray() -> Any:
@@ -209,7 +212,13 @@ class WorkerPool:
         self.ray, self.graph, self.config = ray, graph, config
         self.options = asdict(options) | {"log_dir": None}  # a worker's server logs stay on its node
         connect(ray, config)
-        self._actor = ray.remote(RolloutWorker).options(num_cpus=config.cpus_per_worker, max_concurrency=1000)
+        need, have = config.workers * config.gpus_per_worker, ray.cluster_resources().get("GPU", 0.0)
+        if need > have:  # Ray would leave the workers pending forever
+            raise MasgraphError(f"{config.workers} workers x --gpus-per-worker {config.gpus_per_worker:g} need "
+                                f"{need:g} GPUs, and the Ray cluster has {have:g}; fix: fewer workers, a smaller "
+                                "--gpus-per-worker, or drop it to run the workers on CPUs")
+        self._actor = ray.remote(RolloutWorker).options(num_cpus=config.cpus_per_worker,
+                                                        num_gpus=config.gpus_per_worker, max_concurrency=1000)
         self._graph_ref = ray.put(graph)
         local = not config.address
         self._threads = max(1, (os.cpu_count() or 1) // config.workers) if local else None

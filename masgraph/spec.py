@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from masgraph.device import DEVICE_PATTERN
 from masgraph.errors import one_of, shorten
 
 SCHEMA_VERSION = 1
@@ -44,9 +46,16 @@ class PolicySpec(_Strict):
     backend; without it masgraph starts one)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling parameters."""
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    device: str = Field("auto", json_schema_extra={"pattern": DEVICE_PATTERN})
     """Where an in-process (hf) model runs: `auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda`,
     `cuda:N`. `--device` on run/train/serve overrides it for every hf policy."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not re.fullmatch(DEVICE_PATTERN, v):
+            raise ValueError(f"device {shorten(v)!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
+        return v
 
 
 class ToolSpec(_Strict):

@@ -75,13 +75,17 @@ def base_device(spec: GraphSpec) -> str:
     """The device the learner's weights live on: the one the hf policies name (they are all served from those
     weights, so they must agree; `--device` sets them all)."""
     hf = {n: p for n, p in spec.policies.items() if p.backend == "hf"}
-    devices = sorted({p.device for p in hf.values()})
-    if len(devices) > 1:
-        raise SpecError([Problem(f"policies.{n}.device", f"{p.device!r}: training serves every hf policy from one "
-                                 f"set of weights, but the hf policies name devices {devices}",
-                                 "give every hf policy the same `device:` (or pass --device)")
-                         for n, p in hf.items() if p.device != devices[0]])
-    return devices[0] if devices else "auto"
+    if not hf:
+        return "auto"
+    first = next((n for n, p in hf.items() if p.trainable), next(iter(hf)))
+    device = hf[first].device
+    problems = [Problem(f"policies.{n}.device", f"{p.device!r} differs from {device!r} of policy {first!r}; training "
+                        "serves every hf policy from one set of weights on one device",
+                        f"set `device: {device}` here (or pass --device to set them all)")
+                for n, p in hf.items() if p.device != device]
+    if problems:
+        raise SpecError(problems)
+    return device
 
 
 

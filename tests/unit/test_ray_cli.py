@@ -34,11 +34,20 @@ def test_ray_flag_without_ray_installed_is_an_error_line(tmp_path):
 
 
 def test_worker_flags_need_ray(tmp_path):
-    for extra in (["--workers", "3"], ["--address", "auto"]):
+    for extra in (["--workers", "3"], ["--address", "auto"], ["--gpus-per-worker", "1"]):
         proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--n", "1", "--runs-dir", str(tmp_path), *extra])
-        assert proc.returncode == 2 and "error: --workers and --address need --ray" in proc.stderr
+        assert proc.returncode == 2 and "error: --workers, --address and --gpus-per-worker need --ray" in proc.stderr
     proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--ray", "--workers", "0"])
     assert proc.returncode == 2 and "--workers" in proc.stderr
+
+
+def test_asking_for_more_gpus_than_the_ray_cluster_has_is_an_error_line_not_a_hang(tmp_path):
+    """An actor that reserves a GPU the cluster lacks stays pending for ever; this is found before any waits."""
+    proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--n", "1", "--ray", "--workers", "2",
+                    "--gpus-per-worker", "0.5", "--runs-dir", str(tmp_path)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: 2 workers x --gpus-per-worker 0.5 need 1 GPUs, and the Ray cluster has 0" in proc.stderr
+    assert not list(tmp_path.iterdir())  # and no run dir is left behind
 
 
 def test_an_address_no_ray_cluster_answers_at_fails_in_seconds_with_the_fix(tmp_path):
