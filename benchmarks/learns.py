@@ -11,7 +11,12 @@ only the LoRA adapters differ.
 `--compare GRAPH` spends the same budget training a second graph (e.g. the single-node monolithic
 policy, `graphs/single.yaml`) on the first seed, so "is the graph worth it" is answered in the same run.
 
+`--steps N` stops each run after N steps (or its minutes, whichever comes first); `--device cuda` puts every
+hf policy on the GPU (default: as the graph says, `auto`); `--model` replaces every hf policy's model (a name, a
+directory, or random:SHAPE from benchmarks/models.py: only to smoke-test this script, nothing is learned).
+
     .venv/bin/python benchmarks/learns.py --seeds 0 1 --compare graphs/single.yaml
+    .venv/bin/python benchmarks/learns.py --seeds 0 1 --steps 10 --device cuda --passk-n 0   # on a GPU
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from models import resolve
+
 from masgraph.backends.hf import HFBackend
 from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
+from masgraph.spec import GraphSpec
 from masgraph.tasks import get_task
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.loop import TrainLoop, sampling_graph
@@ -71,11 +79,22 @@ class Progress:
                   + (f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""), flush=True)
 
 
-def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int) -> tuple[float, float]:
+def place(spec: GraphSpec, model: str | None, device: str | None) -> GraphSpec:
+    """The graph with every hf policy on `model` and `device` (None: as the graph says)."""
+    update = {k: v for k, v in (("model", model), ("device", device)) if v is not None}
+    if not update:
+        return spec
+    return spec.model_copy(update={"policies": {n: p.model_copy(update=update) if p.backend == "hf" else p
+                                                for n, p in spec.policies.items()}})
+
+
+def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int, model: str | None = None,
+              device: str | None = None) -> tuple[float, float]:
     """pass@k and mean sampled accuracy with the trainable policies at the training temperature."""
-    spec = load_spec(graph_path)
+    spec = place(load_spec(graph_path), model, device)
     graph = sampling_graph(spec, spec.train.flow_grpo.temperature)
-    backend = HFBackend(seed=seed)
+    hf = next(p for p in spec.policies.values() if p.backend == "hf")
+    backend = HFBackend(hf.model, seed=seed, device=hf.device)
     with tempfile.TemporaryDirectory() as runs:
         runner = Runner(graph, RunConfig(split="test", n=n, samples=k, seed=seed, concurrency=32, runs_dir=runs),
                         backends={"hf": backend})
@@ -99,22 +118,25 @@ async def _run(loop: TrainLoop, progress: Progress) -> None:
 
 
 def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
-          flow_grpo: dict | None = None) -> dict:
-    """One training run (baseline eval, `minutes` of training, final eval); returns its metrics.
-    `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML)."""
-    spec = load_spec(graph_path)
+          flow_grpo: dict | None = None, steps: int | None = None, model: str | None = None,
+          device: str | None = None, runs_dir: Path = ROOT / "runs") -> dict:
+    """One training run (baseline eval, `minutes` of training or `steps` steps, whichever ends first, final eval);
+    returns its metrics. `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML)."""
+    spec = place(load_spec(graph_path), model, device)
     fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | (flow_grpo or {}))
-    cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "steps": 10_000,
-                                        "eval_every": 10_000, "eval_n": eval_n, "checkpoint_every": 10_000})
+    cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes,
+                                        "steps": steps or 10_000, "eval_every": 10_000, "eval_n": eval_n,
+                                        "checkpoint_every": 10_000})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), graph_path)
-    run_dir = ROOT / "runs" / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = runs_dir / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress = Progress(spec.name, seed, check_rule)
     loop = TrainLoop(graph, get_task(task_name), run_dir, sinks=[progress])
     asyncio.run(_run(loop, progress))
     del loop
     gc.collect()
     base, last = progress.rows[0], progress.rows[-1]
-    return {"graph": spec.name, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT)), "steps": last["step"],
+    shown = run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir
+    return {"graph": spec.name, "seed": seed, "run_dir": str(shown), "steps": last["step"],
             "train_min": last["time/train_s"] / 60, "base": base["accuracy/test"], "trained": last["accuracy/test"],
             "base_parse_fail": base["parse_failed_episodes/test"],
             "trained_parse_fail": last["parse_failed_episodes/test"]}
@@ -132,13 +154,25 @@ def main() -> int:
     p.add_argument("--compare", help="also train this graph (same task, budget, first seed)")
     p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE",
                    help="override train.flow_grpo knobs of every trained graph, e.g. parse_penalty=0.5")
+    p.add_argument("--steps", type=int, default=None, help="stop each run after this many steps (and --minutes)")
+    p.add_argument("--device", default=None,
+                   help="every hf policy's device: auto, cpu, cuda, cuda:N (default: as the graph says)")
+    p.add_argument("--model", default=None, help="every hf policy's model (default: as the graph says); "
+                   "random:SHAPE (benchmarks/models.py) only smoke-tests this script")
+    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md",
+                   help="markdown file the results section is appended to (default benchmarks/RESULTS.md)")
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs",
+                   help="where the run directories and bench-learns-last.json go (default runs/)")
     args = p.parse_args()
+    model = resolve(args.model, args.device or "auto") if args.model else None
+    where = {"steps": args.steps, "model": model, "device": args.device, "runs_dir": args.runs_dir}
     overrides = dict(kv.split("=", 1) for kv in args.set)
     task = args.task or load_spec(args.graph).train.task
     print(f"rule: greedy ≤ {GREEDY_MAX:.0%} (n={args.eval_n}) and pass@{K} ≥ {PASSK_MIN:.0%} (n={args.passk_n})",
           flush=True)
     t0 = time.perf_counter()
-    passk, sampled = pass_at_k(args.graph, task, args.passk_n, K, args.seeds[0]) if args.passk_n else (None, None)
+    passk, sampled = (pass_at_k(args.graph, task, args.passk_n, K, args.seeds[0], model, args.device)
+                      if args.passk_n else (None, None))
     if passk is None:
         print(f"pass@{K} not measured in this run (--passk-n 0)", flush=True)
     else:
@@ -151,10 +185,10 @@ def main() -> int:
     try:
         for i, seed in enumerate(args.seeds):
             results.append(train(args.graph, task, seed, args.minutes, args.eval_n, check_rule=i == 0,
-                                 flow_grpo=overrides))
+                                 flow_grpo=overrides, **where))
         if args.compare:
             results.append(train(args.compare, task, args.seeds[0], args.minutes, args.eval_n, check_rule=False,
-                                 flow_grpo=overrides))
+                                 flow_grpo=overrides, **where))
     except RuleFailed as e:
         print(e, flush=True)
         return 1
@@ -166,17 +200,20 @@ def main() -> int:
                      f"{r['base_parse_fail']:.1%} → {r['trained_parse_fail']:.1%} | `{r['run_dir']}` |")
     table = "\n".join(lines)
     print(table)
-    with open(HERE / "RESULTS.md", "a") as f:
+    with open(args.record, "a") as f:
         f.write(f"\n### It learns: Flow-GRPO on `{task}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — rule (stated before training): greedy ≤ "
                 f"{GREEDY_MAX:.0%} and pass@{K} ≥ {PASSK_MIN:.0%}; "
                 + (f"measured pass@{K} **{passk:.1%}** (n={args.passk_n}, mean sampled accuracy {sampled:.1%})"
                    if passk is not None else f"pass@{K} not re-measured in this run (see the earlier entry)")
                 + ", greedy = the untrained row below "
-                f"(n={args.eval_n} held-out items). Budget {args.minutes:g} min of training wall-clock per run.\n\n"
+                f"(n={args.eval_n} held-out items). Budget {args.minutes:g} min of training wall-clock per run"
+                + (f" or {args.steps} steps, whichever ends first" if args.steps else "")
+                + (f"; hf policies on `{args.device}`" if args.device else "")
+                + (f"; model `{args.model}`" if args.model else "") + ".\n\n"
                 f"{table}\n")
-    (ROOT / "runs").mkdir(exist_ok=True)
-    (ROOT / "runs" / "bench-learns-last.json").write_text(json.dumps({"passk": passk, "results": results}, indent=1))
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    (args.runs_dir / "bench-learns-last.json").write_text(json.dumps({"passk": passk, "results": results}, indent=1))
     return 0
 
 

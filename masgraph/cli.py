@@ -400,6 +400,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     with nullcontext() if args.resume else _removed_if_left_empty(run_dir):
         loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)],
                        ray=ray)
+    learner = loop.learner
+    if hasattr(learner, "device"):
+        from masgraph.device import describe
+
+        print(f"learner on {describe(learner.device)}, {learner.dtype}", file=sys.stderr)
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)

@@ -220,6 +220,10 @@ class TrainLoop:
         RNG states move together), so a step interrupted in its rollouts leaves no trace in a checkpoint."""
         q, fg = self.cfg.queries_per_step, self.cfg.flow_grpo
         t0, c0 = time.perf_counter(), self._budget_clock()
+        device = getattr(self.learner, "device", None)
+        on_gpu = device is not None and device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
         cursor = self.cursor + q
         traces = (await self.rollouts.run_items(self.task, self.items[self.cursor:cursor], sinks=[store],
                                                 store=False)).traces
@@ -251,7 +255,8 @@ class TrainLoop:
         return {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
                 "informative_groups": float(len(informative_queries(traces, fg))), "resample_rounds": rounds,
                 "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
-                "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
+                "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
+                **({"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if on_gpu else {})}
 
     async def evaluate(self) -> dict[str, float]:
         """Held-out accuracy with the graph's own (greedy) sampling, and how often its outputs failed to parse.
