@@ -5,6 +5,9 @@ import os as _os
 # Some VMs advertise AMX but trap on its instructions (SIGILL inside oneDNN bf16 matmuls, seen on
 # this project's machines); capping oneDNN at AVX512-BF16 keeps bf16 working everywhere.
 _os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+# cuBLAS gives repeatable results only with a fixed workspace, which must be chosen before CUDA starts; the
+# deterministic mode on a GPU needs it (masgraph.device.deterministic_kernels). No effect without a GPU.
+_os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 __version__ = "0.1.0"
 

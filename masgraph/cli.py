@@ -103,8 +103,8 @@ def _load_task(name: str):
 
 
 def with_device(graph: Graph, device: str | None, file: str) -> Graph:
-    """The graph with every hf policy on `device` (`--device cuda:1`); checked first, so a GPU that is not there
-    is an error line before any run dir is made or model loaded."""
+    """The graph with every local-model policy (hf; vllm, whose weights a learner trains) on `device`
+    (`--device cuda:1`); checked first, so a GPU that is not there is an error line before anything loads."""
     if device is None:
         return graph
     from masgraph.device import resolve_device
@@ -112,7 +112,7 @@ def with_device(graph: Graph, device: str | None, file: str) -> Graph:
 
     resolve_device(device)
     spec = graph.spec
-    policies = {n: p.model_copy(update={"device": device}) if p.backend == "hf" else p
+    policies = {n: p.model_copy(update={"device": device}) if p.backend in ("hf", "vllm") else p
                 for n, p in spec.policies.items()}
     return compile_spec(spec.model_copy(update={"policies": policies}), file)
 
@@ -550,7 +550,11 @@ def _ray_config(args: argparse.Namespace) -> Any:
     require_ray()  # before anything loads
     address, source = cluster_address(args.address)
     check_address(address, source)  # an address nothing answers at: seconds, not minutes of Ray's retries
-    config = RayConfig(workers=args.workers or 2, address=address, gpus_per_worker=args.gpus_per_worker or 0.0)
+    gpus = args.gpus_per_worker or 0.0
+    if gpus > 1 and not float(gpus).is_integer():
+        raise MasgraphError(f"--gpus-per-worker {gpus:g}: Ray shares a GPU between workers (at most 1) or gives each "
+                            "whole GPUs; use e.g. 0.5, 1 or 2")
+    config = RayConfig(workers=args.workers or 2, address=address, gpus_per_worker=gpus)
     where = f" on the cluster at {address} ({source})" if address else " on a local Ray started for this run"
     print(f"starting {config.workers} Ray rollout workers{where} ...", file=sys.stderr)
     return config

@@ -34,16 +34,30 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        build = "a CPU build" if (torch.version.cuda is None) else f"built for CUDA {torch.version.cuda}"
-        raise MasgraphError(f"device {name!r}: torch {torch.__version__} ({build}) sees no GPU; fix: use "
-                            "`device: cpu` (or `--device cpu`), or on a GPU machine install the CUDA build "
-                            "(rm -rf .venv && make setup TORCH=cuda)")
+        if torch.version.cuda is None:
+            raise MasgraphError(f"device {name!r}: torch {torch.__version__} is a CPU build and sees no GPU; fix: "
+                                "`device: cpu` (or `--device cpu`), or on a GPU machine install the CUDA build "
+                                "(rm -rf .venv && make setup)")
+        raise MasgraphError(f"device {name!r}: torch {torch.__version__} (built for CUDA {torch.version.cuda}) sees "
+                            "no GPU; check that CUDA_VISIBLE_DEVICES does not hide them, that `nvidia-smi` lists "
+                            "one (a driver for this build), and on Ray workers pass --gpus-per-worker (Ray hides "
+                            "the GPUs from a worker that reserves none); or use `device: cpu`")
     index = int(name.split(":")[1]) if ":" in name else 0
     count = torch.cuda.device_count()
     if index >= count:
         raise MasgraphError(f"device {name!r}: this machine has {count} visible GPU(s) (cuda:0..cuda:{count - 1}); "
                             "fix: pick one of those, or check CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", index)
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """On a GPU, make torch pick repeatable kernels (the deterministic mode's bit-exactness; a kernel that has no
+    deterministic version warns instead of failing). Nothing to do on a CPU, whose kernels repeat already."""
+    import torch
+
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
 
 
 def describe(device: torch.device) -> str:

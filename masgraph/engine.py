@@ -68,6 +68,12 @@ class Engine:
             if pol.adapter and serves_adapters(backend) and not backend.has_adapter(pol.adapter):
                 backend.add_adapter(pol.adapter)
             self.policies[name] = Policy(name, pol, backend)
+        if self.options.deterministic:  # bit-exact runs on a GPU need its repeatable kernels too
+            from masgraph.device import deterministic_kernels
+
+            for backend in self.backends.values():
+                if getattr(backend, "device", None) is not None:
+                    deterministic_kernels(backend.device)
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""

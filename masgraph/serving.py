@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from masgraph.errors import MasgraphError
 from masgraph.registry import Registry, default_registry
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     learner's weights for hf, a vLLM server for vllm); evaluation decodes deterministically in process on the
     learner's own weights when the learner has them, else on the rollout backend."""
     registry = registry or default_registry()
+    if rollouts is not None and ray is not None:
+        raise MasgraphError("pass either `ray` (rollouts on Ray workers) or a rollout backend, not both")
     if rollouts is not None:
         return Serving(rollouts, evaluation or rollouts)
     in_process = registry.backends["hf"].for_learner

@@ -45,26 +45,10 @@ def _run_nvidia_smi(args: Sequence[str], timeout: float) -> str:
     return done.stdout if done.returncode == 0 else ""
 
 
-def proc_gpus(root: Path = Path("/proc/driver/nvidia/gpus")) -> list[str]:
-    """GPU names from the driver's /proc entries (the `Model:` line, else the PCI address)."""
-    try:
-        entries = sorted(p for p in root.iterdir() if p.is_dir())
-    except OSError:
-        return []
-    names = []
-    for entry in entries:
-        try:
-            info = (entry / "information").read_text()
-        except OSError:
-            info = ""
-        model = re.search(r"^Model:\s*(.+?)\s*$", info, re.MULTILINE)
-        names.append(model.group(1) if model else entry.name)
-    return names
-
-
 def detect_gpus(timeout: float = 10.0) -> list[str]:
-    """The NVIDIA GPUs visible on this machine (empty: none): `nvidia-smi -L`, else /proc/driver/nvidia."""
-    return parse_nvidia_smi_list(_run_nvidia_smi(["-L"], timeout)) or proc_gpus()
+    """The NVIDIA GPUs usable here (empty: none), as `nvidia-smi -L` lists them. Only nvidia-smi counts: a container
+    started without its GPUs still shows the host's in /proc/driver/nvidia, and cannot use them."""
+    return parse_nvidia_smi_list(_run_nvidia_smi(["-L"], timeout))
 
 
 def driver_cuda(timeout: float = 10.0) -> str | None:
@@ -101,14 +85,14 @@ def tag_cuda(tag: str) -> str:
 def pip_commands(choice: str, platform: str = sys.platform) -> list[list[str]]:
     """The `pip install` arguments for a choice, tried in order until one succeeds. cpu: the normal pip config
     first (a local wheel, an index that has it), then PyTorch's CPU index; off Linux PyPI's default is the CPU
-    build. cuda: PyPI's default Linux build. cuXYZ: PyTorch's index for that CUDA version."""
+    build. cuda: PyPI's default Linux build (a +cpu wheel excluded). cuXYZ: PyTorch's index for that CUDA version."""
     if choice == "cpu":
         if not platform.startswith("linux"):
             return [["install", f"torch=={TORCH_VERSION}"]]
         spec = f"torch=={TORCH_VERSION}+cpu"
         return [["install", spec], ["install", spec, "--extra-index-url", f"{PYTORCH_INDEX}/cpu"]]
-    if choice == "cuda":
-        return [["install", f"torch=={TORCH_VERSION}"]]
+    if choice == "cuda":  # PyPI's build, never a +cpu wheel another source offers (== would match it, and win)
+        return [["install", f"torch=={TORCH_VERSION},!={TORCH_VERSION}+cpu"]]
     return [["install", f"torch=={TORCH_VERSION}+{choice}", "--extra-index-url", f"{PYTORCH_INDEX}/{choice}"]]
 
 
@@ -224,7 +208,9 @@ def _install(want: str) -> int:
     why = f"NVIDIA GPU: {', '.join(gpus)}" if gpus else "no NVIDIA GPU visible"
     print(f"torch_build: TORCH={want} -> {choice} ({why})")
     version, cuda_version = installed_torch()
-    if satisfies(choice, version, cuda_version):
+    # auto on a machine with no GPU keeps a CUDA build already there (it runs on the CPU; the check accepts it)
+    kept_cuda = want.strip().lower() == "auto" and choice == "cpu" and satisfies("cuda", version, cuda_version)
+    if satisfies(choice, version, cuda_version) or kept_cuda:
         print(f"torch_build: torch {version} already installed; left as it is")
         return 0
     attempts = pip_commands(choice)

@@ -280,7 +280,7 @@ class FlowGRPO:
                     loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
                                for k, lp in zip(chunk, new))
                     loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
-                    total = total + loss.detach()
+                    total = total + loss.detach().double()
         finally:
             self.learner.train(False)
         for a in adapters:
@@ -304,10 +304,11 @@ class FlowGRPO:
         log_ratio = logp.detach() - old
         ratio = torch.exp(log_ratio)
         # device tensors until the update ends: no host sync per row
+        # (each row's sum in its own dtype, the running totals in float64, as Python floats summed them before)
         totals["clip"] += ((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum()
-        totals["approx_kl"] += (ratio - 1 - log_ratio).sum()  # k3 of KL(old || new), as CleanRL logs it
-        totals["kl"] += kl.detach().sum()
-        totals["pg"] += pg.detach().sum()
+        totals["approx_kl"] += (ratio - 1 - log_ratio).sum().double()  # k3 of KL(old || new), as CleanRL logs it
+        totals["kl"] += kl.detach().sum().double()
+        totals["pg"] += pg.detach().sum().double()
         return pg + cfg.kl_coef * kl
 
 

@@ -17,6 +17,7 @@ import torch
 from masgraph.backends.base import SyncedBackend
 from masgraph.backends.hf_learner import HFLearner
 from masgraph.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state
+from masgraph.device import deterministic_kernels, resolve_device
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import CheckpointSaved, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
@@ -72,19 +73,28 @@ def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
 
 
 def base_device(spec: GraphSpec) -> str:
-    """The device the learner's weights live on: the one the hf policies name (they are all served from those
-    weights, so they must agree; `--device` sets them all)."""
-    hf = {n: p for n, p in spec.policies.items() if p.backend == "hf"}
-    if not hf:
+    """The device the learner's weights live on: the one the local (hf, vllm) policies name (the learner serves
+    them all from its weights, so they must agree; `--device` sets them all)."""
+    served = {n: p for n, p in spec.policies.items() if p.backend in LEARNABLE_BACKENDS}
+    if not served:
         return "auto"
-    first = next((n for n, p in hf.items() if p.trainable), next(iter(hf)))
-    device = hf[first].device
+    first = next((n for n, p in served.items() if p.trainable), next(iter(served)))
+    device = served[first].device
+    where = _same_device(device)
     problems = [Problem(f"policies.{n}.device", f"{p.device!r} differs from {device!r} of policy {first!r}; training "
-                        "serves every hf policy from one set of weights on one device",
+                        "serves every local policy from the learner's one set of weights on one device",
                         f"set `device: {device}` here (or pass --device to set them all)")
-                for n, p in hf.items() if p.device != device]
+                for n, p in served.items() if p.device != device and _same_device(p.device) != where]
     if problems:
         raise SpecError(problems)
+    return device
+
+
+def _same_device(name: str) -> torch.device:
+    """A device setting resolved, `cuda` as the GPU it means (so `auto`, `cuda` and `cuda:0` compare equal there)."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -117,6 +127,8 @@ class TrainLoop:
         self.trains_nodes, self.trains_topology = algorithm in ("flow_grpo", "joint"), algorithm in ("hrpo", "joint")
         model = base_model(spec, needs_trainable=self.trains_nodes)
         self.learner: Learner = learner or HFLearner(model, dtype=dtype, device=base_device(spec))
+        if self.cfg.deterministic and getattr(self.learner, "device", None) is not None:
+            deterministic_kernels(self.learner.device)  # a GPU's repeatable kernels: exact runs and resumes
         if self.cfg.gradient_checkpointing:
             if not hasattr(self.learner, "gradient_checkpointing"):
                 raise MasgraphError(f"train.gradient_checkpointing: the learner {type(self.learner).__name__} "

@@ -22,7 +22,7 @@ def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None 
     uses the same dtype even when the machine is busy."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
-        if not torch.cuda.is_bf16_supported():
+        if torch.cuda.get_device_capability(device) < (8, 0):  # bf16 from Ampere on (of this GPU, not the current)
             return torch.float32
         key = f"{torch.cuda.get_device_name(device)}|{torch.__version__}|cuda"
     else:

@@ -47,7 +47,8 @@ class HFModel:
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise BackendError(f"{model} does not fit on {describe(self.device)} in {self.dtype} ({exc}); fix: "
-                                   "a smaller model, `dtype: bfloat16`, or another device (`--device`)") from None
+                                   "a smaller model, or another device (`--device cuda:N` with more free memory, "
+                                   "or `--device cpu`)") from None
             raise
         self.base_model = self.model
         self.gradient_checkpointing = False

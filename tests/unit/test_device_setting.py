@@ -42,8 +42,13 @@ def test_auto_is_the_gpu_only_when_torch_sees_one(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
-    with pytest.raises(MasgraphError, match=r"device 'cuda'.*sees no GPU.*--device cpu.*make setup TORCH=cuda"):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(MasgraphError, match=r"device 'cuda'.*a CPU build and sees no GPU.*--device cpu.*make setup"):
         resolve_device("cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build that sees nothing: not an install problem
+    with pytest.raises(MasgraphError, match=r"built for CUDA 12.8\) sees no GPU.*CUDA_VISIBLE_DEVICES.*nvidia-smi"
+                                            r".*--gpus-per-worker"):
+        resolve_device("cuda:0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == torch.device("cuda")
@@ -52,12 +57,22 @@ def test_auto_is_the_gpu_only_when_torch_sees_one(monkeypatch):
         resolve_device("cuda:2")
 
 
-def test_training_needs_the_hf_policies_on_one_device():
-    spec = parse_spec(GRAPH.format(a="cpu", b="auto"), "dev.yaml")
-    with pytest.raises(SpecError) as err:
-        base_device(spec)
+def test_training_needs_the_local_policies_on_one_device(monkeypatch):
+    # on a CPU-only machine `auto` is the CPU: the same device, so no problem
+    assert base_device(parse_spec(GRAPH.format(a="cpu", b="auto"), "dev.yaml")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(SpecError) as err:  # with a GPU, `auto` is the GPU
+        base_device(parse_spec(GRAPH.format(a="cpu", b="auto"), "dev.yaml"))
     assert [p.path for p in err.value.problems] == ["policies.b.device"]
-    assert base_device(parse_spec(GRAPH.format(a="cuda:1", b="cuda:1"), "dev.yaml")) == "cuda:1"
+    assert "'auto' differs from 'cpu' of policy 'a'" in err.value.problems[0].message
+    # the same GPU spelt three ways is one device; a vllm policy counts (the learner serves it too)
+    assert base_device(parse_spec(GRAPH.format(a="cuda", b="cuda:0"), "dev.yaml")) == "cuda"
+    spec = parse_spec(GRAPH.format(a="cuda:1", b="cuda:0"), "dev.yaml")
+    vllm = {n: p.model_copy(update={"backend": "vllm"}) for n, p in spec.policies.items()}
+    with pytest.raises(SpecError):
+        base_device(spec.model_copy(update={"policies": vllm}))
 
 
 @pytest.mark.parametrize("command", ["run", "train", "serve"])
@@ -82,3 +97,18 @@ def test_device_flag_sets_every_hf_policy_and_leaves_the_others(tmp_path):
     moved = with_device(graph, "cpu", "dev.yaml").spec.policies
     assert (moved["a"].device, moved["b"].device) == ("cpu", "cpu")
     assert moved["c"] == graph.spec.policies["c"]  # an API-served policy is not moved
+
+
+def test_deterministic_mode_asks_a_gpu_for_repeatable_kernels_and_leaves_a_cpu_alone(monkeypatch):
+    import os
+
+    from masgraph.device import deterministic_kernels
+
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms",
+                        lambda on, warn_only=False: calls.append((on, warn_only)))
+    deterministic_kernels(torch.device("cpu"))
+    assert calls == []
+    deterministic_kernels(torch.device("cuda", 0))
+    assert calls == [(True, True)]
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # set by `import masgraph`, before CUDA starts

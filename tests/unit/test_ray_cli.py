@@ -34,6 +34,8 @@ def test_ray_flag_without_ray_installed_is_an_error_line(tmp_path):
 
 
 def test_worker_flags_need_ray(tmp_path):
+    proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--ray", "--gpus-per-worker", "1.5"])
+    assert proc.returncode == 2 and "error: --gpus-per-worker 1.5: Ray shares a GPU" in proc.stderr
     for extra in (["--workers", "3"], ["--address", "auto"], ["--gpus-per-worker", "1"]):
         proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--n", "1", "--runs-dir", str(tmp_path), *extra])
         assert proc.returncode == 2 and "error: --workers, --address and --gpus-per-worker need --ray" in proc.stderr

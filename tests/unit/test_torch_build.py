@@ -48,7 +48,7 @@ def test_pip_commands_cpu_tries_the_pip_config_first_then_pytorchs_cpu_index():
 
 
 def test_pip_commands_cuda_and_cuxyz():
-    assert pip_commands("cuda", "linux") == [["install", "torch==2.13.0"]]
+    assert pip_commands("cuda", "linux") == [["install", "torch==2.13.0,!=2.13.0+cpu"]]
     assert pip_commands("cu126", "linux") == [
         ["install", "torch==2.13.0+cu126", "--extra-index-url", "https://download.pytorch.org/whl/cu126"]]
 
@@ -89,6 +89,20 @@ def _install(monkeypatch, want, gpus, installed, codes):
 
 def test_install_leaves_a_fitting_torch_alone(monkeypatch):
     assert _install(monkeypatch, "auto", [], ("2.13.0+cpu", None), []) == (0, [])
+    # auto with no GPU keeps a CUDA build (it runs on the CPU); an explicit TORCH=cpu swaps it for the CPU wheel
+    assert _install(monkeypatch, "auto", [], ("2.13.0+cu128", "12.8"), []) == (0, [])
+    assert _install(monkeypatch, "cpu", [], ("2.13.0+cu128", "12.8"), [0])[1] != []
+    # a CPU build on a GPU machine is replaced, and never by another +cpu wheel
+    rc, calls = _install(monkeypatch, "auto", [H100], ("2.13.0+cpu", None), [0])
+    assert rc == 0 and calls[0][-1] == "torch==2.13.0,!=2.13.0+cpu"
+
+
+def test_the_cuda_requirement_excludes_the_cpu_wheel():
+    from pip._vendor.packaging.specifiers import SpecifierSet
+
+    [[_, requirement]] = pip_commands("cuda", "linux")
+    spec = SpecifierSet(requirement.removeprefix("torch"))
+    assert "2.13.0" in spec and "2.13.0+cu128" in spec and "2.13.0+cpu" not in spec
 
 
 def test_install_cpu_falls_back_to_pytorchs_index_only_when_the_pip_config_fails(monkeypatch):
@@ -100,7 +114,7 @@ def test_install_cpu_falls_back_to_pytorchs_index_only_when_the_pip_config_fails
 
 def test_install_auto_with_a_gpu_asks_pypi_for_its_default_cuda_build(monkeypatch):
     rc, calls = _install(monkeypatch, "auto", [H100], (None, None), [0])
-    assert rc == 0 and calls == [["install", "-q", "--disable-pip-version-check", "torch==2.13.0"]]
+    assert rc == 0 and calls == [["install", "-q", "--disable-pip-version-check", "torch==2.13.0,!=2.13.0+cpu"]]
 
 
 def test_install_fails_when_every_source_fails(monkeypatch, capsys):
@@ -206,28 +220,18 @@ FAKE_SMI = textwrap.dedent(f"""\
 """)
 
 
-def test_detect_gpus_reads_nvidia_smi_then_proc(monkeypatch, tmp_path):
+def test_detect_gpus_reads_nvidia_smi_only(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(_fake_smi(tmp_path / "bin", FAKE_SMI)))
-    monkeypatch.setattr(tb, "proc_gpus", lambda: ["from-proc"])
     assert tb.detect_gpus() == [H100]
     assert tb.driver_cuda() == "12.8"
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert tb.detect_gpus() == ["from-proc"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: no usable GPU, whatever /proc shows
+    assert tb.detect_gpus() == []
     assert tb.driver_cuda() is None
 
 
 def test_detect_gpus_gives_up_on_a_hung_nvidia_smi(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(_fake_smi(tmp_path / "bin", "sleep 5\n")))
-    monkeypatch.setattr(tb, "proc_gpus", lambda: [])
     assert tb.detect_gpus(timeout=0.3) == []
-
-
-def test_proc_gpus_reads_the_model_line(tmp_path):
-    (tmp_path / "0000:01:00.0").mkdir()
-    (tmp_path / "0000:01:00.0" / "information").write_text(f"Model: \t\t {H100}\nIRQ:  42\n")
-    (tmp_path / "0000:02:00.0").mkdir()
-    assert tb.proc_gpus(tmp_path) == [H100, "0000:02:00.0"]
-    assert tb.proc_gpus(tmp_path / "absent") == []
 
 
 # ---- the CLI as `make setup` runs it -------------------------------------------------------------------------
