@@ -170,6 +170,11 @@ def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, 
     from masgraph.store import package_versions
 
     graph = {k: v for k, v in raw.items() if k != "train"}
+    # a deployable agent runs where it is served: the training machine's device is not the serving one's
+    # (`masgraph serve --device` pins one there)
+    if isinstance(graph.get("policies"), dict):
+        graph["policies"] = {n: {**p, "device": "auto"} if isinstance(p, dict) and "device" in p else p
+                             for n, p in graph["policies"].items()}
     adapters: dict[str, Any] = {}
     if checkpoint is not None:
         for name, adapter_dir in checkpoint_adapters(checkpoint).items():

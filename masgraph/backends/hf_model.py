@@ -64,10 +64,17 @@ class HFModel:
         pass then runs whole sequences, without the shared-prefix KV (a cache cannot be recomputed)."""
         if on == self.gradient_checkpointing:
             return
-        if on:
-            self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = self.base_model
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name for it
+            enable, disable, key = (model.activation_checkpointing_enable, model.activation_checkpointing_disable,
+                                    "activation_checkpointing_kwargs")
         else:
-            self.base_model.gradient_checkpointing_disable()
+            enable, disable, key = (model.gradient_checkpointing_enable, model.gradient_checkpointing_disable,
+                                    "gradient_checkpointing_kwargs")
+        if on:
+            enable(**{key: {"use_reentrant": False}})
+        else:
+            disable()
         self.gradient_checkpointing = on
 
     def adapters(self) -> list[str]:

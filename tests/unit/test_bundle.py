@@ -118,6 +118,15 @@ def test_a_graph_file_exports_too_and_archives_round_trip(trained, tiny, tmp_pat
     assert b is not None and set(b.adapters) == {"answer"} and g.spec.name == "tiny"
 
 
+def test_a_bundle_runs_wherever_it_is_served_not_on_the_training_device(tiny, tmp_path):
+    """A run trained with `--device cpu` (recorded in its spec) exports policies on `auto`: the serving machine's."""
+    graph = tmp_path / "pinned.yaml"
+    graph.write_text(graph_text(tiny).replace("adapter: answer,", "device: cpu, adapter: answer,"))
+    assert "device: cpu" in graph.read_text()
+    g, _ = open_source(export_bundle(graph, tmp_path / "pinned"))
+    assert {p.device for p in g.spec.policies.values()} == {"auto"}
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda b: (b / "adapters/answer/adapter_model.safetensors").write_bytes(b"x"), "does not match its sha256"),
     (lambda b: (b / "graph.yaml").unlink(), "graph.yaml is missing"),
