@@ -236,6 +236,8 @@ class FlowGRPO:
                     losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
                                                        totals, norms))
         except Exception as exc:
+            for adapter in norms:  # weights an optimizer already stepped are a new version, whatever comes next
+                self.learner.new_version(adapter)
             if is_out_of_memory(exc):
                 raise _out_of_memory(exc, cfg, rows) from exc
             raise

@@ -164,3 +164,23 @@ def test_the_cli_prints_one_error_line_for_an_update_out_of_memory(tiny_model, t
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         next(line for line in err.splitlines() if "out of device memory" in line)]
     assert "Traceback" not in err
+
+
+def test_an_update_that_fails_after_an_optimizer_step_still_counts_the_new_version(tiny_model, tmp_path,
+                                                                                   monkeypatch):
+    """Weights an optimizer stepped are a new version (served caches keyed by version must not be reused)."""
+    text = GRAPH.format(model=tiny_model("llama")).replace("{group_size: 2}", "{group_size: 2, num_mini_batches: 2}")
+    loop = TrainLoop(compile_spec(parse_spec(text, "oom.yaml")), Alternating(), tmp_path / "run", dtype="float32")
+    real, calls = HFLearner.sequence_logprobs, []
+
+    def second_pass_fails(self, rows, adapter):
+        if adapter is not None:
+            calls.append(adapter)
+            if len(calls) == 2:  # the second mini-batch, after the first one's optimizer step
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(self, rows, adapter)
+
+    monkeypatch.setattr(HFLearner, "sequence_logprobs", second_pass_fails)
+    with pytest.raises(Exception, match="out of device memory"):
+        asyncio.run(loop.run())
+    assert loop.learner.version("answer") == 1
