@@ -143,11 +143,28 @@ class TrainSpec(TrainBase):
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     """Algorithm knobs."""
 
-    @field_validator("lora_targets")
+    @field_validator("lora_targets", mode="before")
     @classmethod
-    def _targets_as_list(cls, targets: list[str] | str) -> list[str]:
-        """`all-linear` as `[all-linear]`: one type for every reader (the trainer takes `tuple(lora_targets)`)."""
-        return [targets] if isinstance(targets, str) else targets
+    def _targets_as_list(cls, targets: object) -> object:
+        """`all-linear` (any case) as `[all-linear]`: one type for every reader (the trainer takes
+        `tuple(lora_targets)`); a list must name modules, or be `all-linear` alone."""
+        if isinstance(targets, str):
+            if targets.strip().lower() != "all-linear":
+                raise ValueError(f"{targets[:60]!r} is one string: write a list of module names, e.g. "
+                                 "[q_proj, v_proj], or all-linear")
+            return ["all-linear"]
+        if isinstance(targets, list):
+            if not targets:
+                raise ValueError("an empty list targets nothing: name modules, e.g. [q_proj, v_proj], or all-linear")
+            if not all(isinstance(t, str) and t.strip() for t in targets):
+                raise ValueError(f"{targets!r}: module names are strings, e.g. [q_proj, v_proj]")
+            names = [t.strip().lower() for t in targets]
+            if "all-linear" in names:
+                if len(names) > 1:
+                    raise ValueError("all-linear already targets every linear layer: write it alone, not in a list "
+                                     "with module names")
+                return ["all-linear"]
+        return targets
 
 
 DEFAULT_ALGORITHM = "flow_grpo"

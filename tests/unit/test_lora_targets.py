@@ -74,3 +74,17 @@ def test_the_train_section_takes_a_list_or_all_linear():
     assert TrainSpec(lora_targets=["qkv_proj", "o_proj"]).lora_targets == ["qkv_proj", "o_proj"]
     with pytest.raises(ValueError):
         TrainSpec(lora_targets="q_proj")  # one name is a list of one
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("q_proj", "is one string: write a list"),
+    ([], "an empty list targets nothing"),
+    (["all-linear", "q_proj"], "write it alone"),
+    ([1], "module names are strings"),
+    (["q_proj", " "], "module names are strings"),
+])
+def test_lora_targets_a_graph_cannot_train_are_refused_when_it_is_validated(bad, says):
+    with pytest.raises(ValueError, match=says):
+        TrainSpec(lora_targets=bad)
+    assert TrainSpec(lora_targets="ALL-Linear").lora_targets == ["all-linear"]
+    assert TrainSpec(lora_targets=["All-Linear"]).lora_targets == ["all-linear"]
