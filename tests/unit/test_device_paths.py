@@ -10,11 +10,12 @@ top-p sampling, a Flow-GRPO update that changes the adapter, and a joint (topolo
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -55,22 +56,26 @@ class DeviceRecorder:
         return factory
 
 
-@pytest.fixture
-def recorder(monkeypatch):
-    """Patched across threads (the hf batcher decodes on its own thread, where a TorchFunctionMode is not seen)."""
-    rec = DeviceRecorder()
+def patch_factories(rec: DeviceRecorder) -> None:
+    """Wrap torch's factories for good: only ever in a child process (modules that import torch names while they
+    are wrapped keep the wrappers, which would leak into every later test). `torch.Generator` is checked in the
+    source instead (`test_every_generator_names_its_device`): a patched Generator class disturbed torch itself."""
     for name in FACTORIES:
-        monkeypatch.setattr(torch, name, rec.wrap(name, getattr(torch, name)))
-    real = torch.Generator
-    record = rec.wrap("Generator", lambda *a, **k: None, depth=2)  # called from __new__ below
+        setattr(torch, name, rec.wrap(name, getattr(torch, name)))
 
-    class Generator(real):  # a subclass, not a function: torch's own annotations use `torch.Generator | None`
-        def __new__(cls, *args, **kwargs):
-            record(*args, **kwargs)
-            return real.__new__(cls, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "Generator", Generator)
-    return rec
+def test_every_generator_names_its_device():
+    """A sampling generator must live where the logits do (multinomial refuses a CPU generator for CUDA probs)."""
+    import ast
+
+    calls = []
+    for root in OURS:
+        for path in Path(root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.Generator":
+                    calls.append((path.name, node.lineno, any(k.arg == "device" for k in node.keywords)))
+    assert {name for name, _, _ in calls} >= {"hf.py", "policy.py"}  # the scan sees the code it guards
+    assert [c for c in calls if not c[2]] == []
 
 
 class Alternating(BasicArithmetic):
@@ -100,8 +105,10 @@ train:
 """
 
 
-def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(recorder, tiny_model, tmp_path):
-    model = str(tiny_model("qwen2"))
+def whole_path(model: str, tmp_path: Path) -> DeviceRecorder:
+    """Decode (batched and deterministic), a Flow-GRPO update and a joint step, recorded."""
+    recorder = DeviceRecorder()
+    patch_factories(recorder)
     system = {"role": "system", "content": "You are a careful assistant. " * 8}  # a cached static prefix
     reqs = [Request([system, {"role": "user", "content": f"What is {i} + {i}?"}],
                     sampling=SamplingSpec(temperature=0.9, top_p=0.8 if i % 2 else 1.0, max_tokens=4), seed=i)
@@ -127,10 +134,19 @@ def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(recor
     asyncio.run(loop.run())
     assert loop.hrpo is not None and loop.topology.version == 1  # the topology update ran
 
-    assert not recorder.stray, "tensors created without a device:\n" + "\n".join(sorted(set(recorder.stray)))
-    seen = {w.split(" at ")[1].split(":")[0] for w in recorder.ok}
+    return recorder
+
+
+def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(tiny_model, tmp_path):
+    out = tmp_path / "record.json"
+    child = subprocess.run([sys.executable, __file__, str(tiny_model("qwen2")), str(tmp_path), str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert not record["stray"], "tensors created without a device:\n" + "\n".join(sorted(set(record["stray"])))
+    seen = {w.split(" at ")[1].split(":")[0] for w in record["ok"]}
     # the check saw the code it guards (so it cannot pass by watching nothing)
-    for part in ("hf_decode.py", "hf_learner.py", "hf_layout.py", "flow_grpo.py", "policy.py", "hrpo.py", "hf.py"):
+    for part in ("hf_decode.py", "hf_learner.py", "hf_layout.py", "flow_grpo.py", "policy.py", "hrpo.py"):
         assert any(s.endswith(part) for s in seen), (part, seen)
 
 
@@ -167,3 +183,8 @@ def test_the_decode_loop_syncs_with_the_host_once_per_step_whatever_the_batch(ti
             out = decode(backend.model, DynamicCache(), 0, suffixes, reqs, gens, backend.pad_id, set())
         assert all(len(ids) == steps for ids, _, _ in out)  # no EOS in the set: every row runs every step
         assert syncs.count == steps, (rows, syncs.count)  # one copy of the step's picks, whatever the batch
+
+
+if __name__ == "__main__":  # the child process of the device-discipline test: model dir, work dir, output file
+    rec = whole_path(sys.argv[1], Path(sys.argv[2]))
+    Path(sys.argv[3]).write_text(json.dumps({"stray": rec.stray, "ok": list(rec.ok)}))
