@@ -1,9 +1,9 @@
 """Device discipline of the decode, learner and topology code: every tensor they create names its device (derived
 from the model it serves), and the decode loop copies to the host once per step, not once per row or token.
 
-A CPU-only machine cannot catch a stray CPU tensor by running on a GPU, so the check is structural: torch's
-factory functions (and `torch.Generator`) are wrapped for the test, and any call made *from masgraph's own code*
-without a `device=` fails it. The whole path runs: batched and deterministic decoding with a cached prefix and
+A CPU-only machine cannot catch a stray CPU tensor by running on a GPU, so the check is structural: a torch-function
+mode sees every factory call (`torch.Generator` is checked in the source), and any call made *from masgraph's own
+code* without a `device=` fails it. The whole path runs: batched and deterministic decoding with a cached prefix and
 top-p sampling, a Flow-GRPO update that changes the adapter, and a joint (topology + nodes) step.
 """
 
@@ -13,6 +13,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -34,16 +35,20 @@ FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", 
 _LIKE_OK = {"zeros_like", "ones_like", "full_like", "empty_like"}  # these inherit the device of their input
 
 
-class DeviceRecorder:
-    """Wraps torch's factories; records (function, file:line) of calls from our code without `device=`."""
+class DeviceRecorder(TorchFunctionMode):
+    """Sees every torch factory call (a torch-function mode: torch itself is not patched, so libraries behave as
+    usual) and records (function, file:line) of the calls from our code made without `device=`."""
 
-    def __init__(self):
-        self.stray: list[str] = []
-        self.ok = Counter()
+    def __init__(self, stray: list[str] | None = None, ok: Counter | None = None):
+        super().__init__()
+        self.stray = [] if stray is None else stray
+        self.ok = Counter() if ok is None else ok
 
-    def wrap(self, name, original, depth=1):
-        def factory(*args, **kwargs):
-            frame = sys._getframe(depth)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in FACTORIES:
+            frame = sys._getframe(1)  # the Python caller (torch's factories are C functions: no frame of their own)
             path = frame.f_code.co_filename
             if path.startswith(OURS):
                 where = f"{name} at {Path(path).relative_to(ROOT)}:{frame.f_lineno}"
@@ -51,17 +56,22 @@ class DeviceRecorder:
                     self.ok[where] += 1
                 else:
                     self.stray.append(where)
-            return original(*args, **kwargs)
-
-        return factory
+        return func(*args, **kwargs)
 
 
-def patch_factories(rec: DeviceRecorder) -> None:
-    """Wrap torch's factories for good: only ever in a child process (modules that import torch names while they
-    are wrapped keep the wrappers, which would leak into every later test). `torch.Generator` is checked in the
-    source instead (`test_every_generator_names_its_device`): a patched Generator class disturbed torch itself."""
-    for name in FACTORIES:
-        setattr(torch, name, rec.wrap(name, getattr(torch, name)))
+def record_every_thread(rec: DeviceRecorder) -> None:
+    """A torch-function mode is per thread, and decoding runs in the batcher's worker threads: every thread started
+    from now on runs under its own mode writing to `rec`'s lists. Only ever in a child process (it is for good).
+    An earlier version replaced torch's factory functions instead: transformers then left the rotary embedding's
+    `inv_freq` uninitialised (garbage, NaN on some runs), which made this test fail at random. `torch.Generator` is
+    checked in the source (`test_every_generator_names_its_device`)."""
+    run = threading.Thread.run
+
+    def recorded_run(self):
+        with DeviceRecorder(rec.stray, rec.ok):
+            run(self)
+
+    threading.Thread.run = recorded_run
 
 
 def test_every_generator_names_its_device():
@@ -108,7 +118,8 @@ train:
 def whole_path(model: str, tmp_path: Path) -> DeviceRecorder:
     """Decode (batched and deterministic), a Flow-GRPO update and a joint step, recorded."""
     recorder = DeviceRecorder()
-    patch_factories(recorder)
+    record_every_thread(recorder)
+    recorder.__enter__()  # and the main thread
     system = {"role": "system", "content": "You are a careful assistant. " * 8}  # a cached static prefix
     reqs = [Request([system, {"role": "user", "content": f"What is {i} + {i}?"}],
                     sampling=SamplingSpec(temperature=0.9, top_p=0.8 if i % 2 else 1.0, max_tokens=4), seed=i)
