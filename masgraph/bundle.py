@@ -9,35 +9,42 @@ training run around.
       prompts/<name>.txt      the prompt templates the graph runs with
       plugins/<file>.py       the custom agents/tools modules the graph names in `plugins:` (single-file ones)
       manifest.json           format version, masgraph and package versions, each base model's id and weight
-                              sha256s, every file's sha256, tools, the held-out evaluation at export
+                              sha256s, every file's sha256 and size, tools, the held-out evaluation at export
 
-`load_bundle` checks the manifest before anything loads: a missing or altered file, other base weights or other
-prompt text than the bundle was exported with, is refused with the reason."""
+`load_bundle` checks the manifest before anything loads: a malformed manifest, a missing, altered or extra file,
+a symbolic link, other base weights or other prompt text than the bundle was exported with, is refused with the
+reason (sizes first, so a wrong file is refused before it is hashed)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
 import json
+import os
 import shutil
+import stat
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.resources import files
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any
 
 import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, NonNegativeInt, StringConstraints, ValidationError
 
 from masgraph.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state, resolve_checkpoint
-from masgraph.errors import MasgraphError
+from masgraph.errors import MasgraphError, shorten
 
 __all__ = ["FORMAT_VERSION", "Bundle", "export_bundle", "load_bundle"]
 
 FORMAT = "masgraph-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: `files` maps each path to its sha256 and size (1: to its sha256 alone)."""
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20
+"""Largest manifest.json read (an exported one is a few kB)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,8 @@ def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, 
         "tools": {name: (t or {}).get("kind", name) for name, t in (graph.get("tools") or {}).items()},
         "plugins": plugins,
         "evaluation": _evaluation(run, source_info.get("step")) if run is not None else None,
-        "files": {str(p.relative_to(dst)): sha256_file(p) for p in sorted(dst.rglob("*")) if p.is_file()},
+        "files": {p.relative_to(dst).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
+                  for p in sorted(dst.rglob("*")) if p.is_file()},
     }
 
 
@@ -235,35 +243,163 @@ def _unpack(path: Path) -> Path:
 
 
 def load_bundle(path: str | Path) -> Bundle:
-    """Check a bundle against its manifest (format, every file's sha256, base weights, prompts) and return it;
-    a mismatch is refused with the reason."""
+    """Check a bundle against its manifest (format, every file's size and sha256 and nothing else there, base
+    weights, prompts) and return it; a mismatch is refused with the reason."""
     path = Path(path)
     if path.is_file() and path.name.endswith(".tar.gz"):
         path = _unpack(path)
     where = f"bundle {path}"
-    if not (path / MANIFEST).is_file():
-        raise MasgraphError(f"{where} has no {MANIFEST}; pass a directory written by `masgraph export`")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except json.JSONDecodeError as exc:
-        raise MasgraphError(f"{where}: {MANIFEST} is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise MasgraphError(f"{where}: {MANIFEST} is not a masgraph bundle manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise MasgraphError(f"{where} has format version {manifest.get('format_version')}; this masgraph reads "
-                            f"version {FORMAT_VERSION} (export it again with this masgraph)")
-    for rel, digest in manifest.get("files", {}).items():
-        file = path / rel
-        if not file.is_file():
-            raise MasgraphError(f"{where} is incomplete: {rel} is missing")
-        if sha256_file(file) != digest:
-            raise MasgraphError(f"{where}: {rel} does not match its sha256 in the manifest (altered or corrupt)")
-    for rel in ("graph.yaml", *(f"adapters/{a}/adapter_model.safetensors" for a in manifest.get("adapters", {}))):
-        if rel not in manifest.get("files", {}):
-            raise MasgraphError(f"{where}: the manifest does not cover {rel}")
+    manifest = _read_manifest(path, where)
+    _check_files(path, manifest, where)
     _check_models(manifest, where)
     _check_prompts(path, where)
     return Bundle(path, manifest)
+
+
+def _relative(rel: str) -> str:
+    """A manifest path: relative, canonical (no '.', '..' or empty parts) and not the manifest itself, so it
+    names a file inside the bundle."""
+    pure = PurePosixPath(rel)
+    if ("\0" in rel or not pure.parts or pure.is_absolute() or str(pure) != rel or ".." in pure.parts
+            or rel == MANIFEST):
+        raise ValueError(f"{rel!r} is not a relative path inside the bundle")
+    return rel
+
+
+def _single(name: str) -> str:
+    """A name used as one path component (an adapter's directory, a weight file)."""
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a plain file or directory name")
+    return name
+
+
+_Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class _File(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    sha256: _Sha256
+    size: NonNegativeInt
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    weights: dict[Annotated[str, AfterValidator(_single)], _Sha256] | None = None
+
+
+class _Manifest(BaseModel):
+    """The parts of manifest.json that loading relies on, typed (the rest is there for people to read)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    files: dict[Annotated[str, AfterValidator(_relative)], _File]
+    adapters: dict[Annotated[str, AfterValidator(_single)], dict[str, Any]]
+    models: dict[str, _Model] = {}
+    topology: dict[str, Any] | None = None
+
+
+def _read_manifest(path: Path, where: str) -> dict[str, Any]:
+    """The bundle's manifest.json, a regular file of at most MAX_MANIFEST_BYTES, parsed and checked."""
+    file = path / MANIFEST
+    try:
+        info = file.lstat()
+    except OSError:
+        raise MasgraphError(f"{where} has no {MANIFEST}; pass a directory written by `masgraph export`") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise MasgraphError(f"{where}: {MANIFEST} is not a regular file (a symbolic link or other); export again")
+    if info.st_size > MAX_MANIFEST_BYTES:
+        raise MasgraphError(f"{where}: {MANIFEST} is {info.st_size} bytes, over the {MAX_MANIFEST_BYTES} a manifest "
+                            "may have; it is not a masgraph bundle manifest")
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise MasgraphError(f"{where}: cannot read {MANIFEST}: {exc.strerror or exc}") from None
+    return _parse_manifest(data, where)
+
+
+def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """A manifest's bytes as its dict: UTF-8 JSON of this format and version, shaped as `_Manifest`, covering the
+    graph and each adapter's weights; anything else is a MasgraphError that says what is wrong."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise MasgraphError(f"{where}: {MANIFEST} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        raise MasgraphError(f"{where}: {MANIFEST} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise MasgraphError(f"{where}: {MANIFEST} is not a masgraph bundle manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise MasgraphError(f"{where} has format version {shorten(repr(manifest.get('format_version')))}; this "
+                            f"masgraph reads version {FORMAT_VERSION} (export it again with this masgraph)")
+    try:
+        _Manifest.model_validate(manifest)
+    except ValidationError as exc:
+        raise MasgraphError(f"{where}: {MANIFEST} is malformed: {_first_problem(exc)}") from None
+    for rel in ("graph.yaml", *(f"adapters/{a}/adapter_model.safetensors" for a in manifest["adapters"])):
+        if rel not in manifest["files"]:
+            raise MasgraphError(f"{where}: the manifest does not cover {rel}")
+    return manifest
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """`files['x'].size: Input should be ...` for the first of a validation error's problems."""
+    first, *_ = exc.errors()
+    loc = [str(part) for part in first["loc"]]
+    at = loc[0] + "".join(" (the key)" if part == "[key]" else f"[{shorten(part)!r}]" for part in loc[1:])
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{at}: {first['msg'].removeprefix('Value error, ')}{more}"
+
+
+def _check_files(path: Path, manifest: dict[str, Any], where: str) -> None:
+    """The bundle holds exactly the manifest's files, each a regular file of its size and sha256: sizes and the
+    tree are checked before anything is hashed, so a wrong file costs no read."""
+    listed = manifest["files"]
+    _drop_bytecode(path, where)
+    _check_tree(path, listed, where)
+    for rel, entry in listed.items():
+        try:
+            info = (path / rel).lstat()
+        except OSError:
+            raise MasgraphError(f"{where} is incomplete: {rel} is missing") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise MasgraphError(f"{where}: {rel} is not a regular file (a symbolic link, directory or other)")
+        if info.st_size != entry["size"]:
+            raise MasgraphError(f"{where}: {rel} is {info.st_size} bytes, the manifest says {entry['size']} "
+                                "(altered or corrupt)")
+    for rel, entry in listed.items():
+        if sha256_file(path / rel) != entry["sha256"]:
+            raise MasgraphError(f"{where}: {rel} does not match its sha256 in the manifest (altered or corrupt)")
+
+
+def _check_tree(path: Path, listed: dict[str, Any], where: str) -> None:
+    """Every entry under the bundle is the manifest, a listed regular file or a directory above one: an extra
+    file (a new adapter, a plugin), a symbolic link or a device is refused, by name."""
+    def unreadable(exc: OSError) -> None:
+        raise MasgraphError(f"{where}: cannot list {exc.filename}: {exc.strerror or exc}")
+
+    dirs = {str(parent) for rel in listed for parent in PurePosixPath(rel).parents}
+    for root, dirnames, filenames in os.walk(path, onerror=unreadable):  # links are listed, never followed
+        for name in sorted(dirnames + filenames):
+            entry = Path(root, name)
+            rel = entry.relative_to(path).as_posix()
+            mode = entry.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise MasgraphError(f"{where}: {rel} is a symbolic link; a bundle holds regular files only")
+            if (stat.S_ISDIR(mode) and rel in dirs) or (stat.S_ISREG(mode) and (rel in listed or rel == MANIFEST)):
+                continue
+            raise MasgraphError(f"{where}: {rel}{'/' if stat.S_ISDIR(mode) else ''} is not in the manifest (added "
+                                "after export?); remove it, or export the bundle again")
+
+
+def _drop_bytecode(path: Path, where: str) -> None:
+    """Remove plugins/__pycache__: Python writes it when a bundle's plugin is imported, and would run a .pyc
+    there instead of the verified plugin source, so none may survive the check (it is rebuilt on import)."""
+    cache = path / "plugins" / "__pycache__"
+    if not (path / "plugins").is_symlink() and cache.is_dir() and not cache.is_symlink():  # links: refused later
+        try:
+            shutil.rmtree(cache)
+        except OSError as exc:
+            raise MasgraphError(f"{where}: cannot remove plugins/__pycache__ (bytecode the manifest does not cover): "
+                                f"{exc.strerror or exc}") from None
 
 
 def _check_models(manifest: dict[str, Any], where: str) -> None:

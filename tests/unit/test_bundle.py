@@ -78,7 +78,7 @@ def answers(agent: Agent) -> list[tuple[str | None, list[float]]]:
 def test_a_bundle_answers_like_its_checkpoint_from_anywhere(trained, tiny, tmp_path):
     bundle = export_bundle(trained, tmp_path / "b")
     m = json.loads((bundle / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["source"]["step"] == 1 and set(m["adapters"]) == {"answer"}
+    assert m["format_version"] == 2 and m["source"]["step"] == 1 and set(m["adapters"]) == {"answer"}
     assert m["evaluation"]["task"] == "sums" and m["evaluation"]["n"] == 2 and "masgraph run" in m["evaluation"][
         "command"]
     assert "train" not in yaml.safe_load((bundle / "graph.yaml").read_text())  # the train section is dropped
@@ -128,7 +128,8 @@ def test_a_bundle_runs_wherever_it_is_served_not_on_the_training_device(tiny, tm
 
 
 @pytest.mark.parametrize("damage, match", [
-    (lambda b: (b / "adapters/answer/adapter_model.safetensors").write_bytes(b"x"), "does not match its sha256"),
+    (lambda b: (b / "adapters/answer/adapter_model.safetensors").write_bytes(b"x"), "is 1 bytes, the manifest says"),
+    (lambda b: _flip_first_byte(b / "adapters/answer/adapter_model.safetensors"), "does not match its sha256"),
     (lambda b: (b / "graph.yaml").unlink(), "graph.yaml is missing"),
     (lambda b: (b / "manifest.json").write_text("{"), "not valid JSON"),
     (lambda b: _edit(b, lambda m: m.update(format_version=99)), "format version 99"),
@@ -144,6 +145,11 @@ def test_a_bundle_that_does_not_match_its_manifest_is_refused(trained, tmp_path,
         load_bundle(bundle)
 
 
+def _flip_first_byte(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+
+
 def _edit(bundle: Path, change) -> None:
     m = json.loads((bundle / "manifest.json").read_text())
     change(m)
@@ -155,7 +161,87 @@ def _retemplate(bundle: Path) -> None:
     from masgraph.bundle import sha256_file
 
     (bundle / "prompts" / "direct.txt").write_text("Answer in French.\n")
-    _edit(bundle, lambda m: m["files"].update({"prompts/direct.txt": sha256_file(bundle / "prompts/direct.txt")}))
+    _edit(bundle, lambda m: m["files"].update({"prompts/direct.txt": {
+        "sha256": sha256_file(bundle / "prompts/direct.txt"), "size": len("Answer in French.\n")}}))
+
+
+SCRIPTED = ("name: s\npolicies:\n  main: {backend: scripted}\n"
+            "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
+
+
+def scripted_bundle(tmp_path: Path) -> Path:
+    """A bundle of a graph with no model (exports in milliseconds)."""
+    graph = tmp_path / "s.yaml"
+    graph.write_text(SCRIPTED)
+    return export_bundle(graph, tmp_path / "b")
+
+
+def _add_adapter(bundle: Path) -> None:
+    (bundle / "adapters" / "evil").mkdir(parents=True)
+    (bundle / "adapters" / "evil" / "adapter_model.safetensors").write_bytes(b"not trained here")
+
+
+def _symlink_graph(bundle: Path) -> None:
+    outside = bundle.parent / "other.yaml"
+    outside.write_bytes((bundle / "graph.yaml").read_bytes())  # same bytes: only the link itself is wrong
+    (bundle / "graph.yaml").unlink()
+    (bundle / "graph.yaml").symlink_to(outside)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda b: (b / "manifest.json").write_bytes(b'{"format": "\xff"}'), "manifest.json is not UTF-8 text"),
+    (lambda b: (b / "manifest.json").write_text("[1]"), "is not a masgraph bundle manifest"),
+    (lambda b: _edit(b, lambda m: m.update(files=list(m["files"]))), "malformed: files: Input should be a valid dict"),
+    (lambda b: _edit(b, lambda m: m["files"]["graph.yaml"].update(size="9")), r"files\['graph.yaml'\]\['size'\]"),
+    (lambda b: _edit(b, lambda m: m["files"].update({"../s.yaml": m["files"]["graph.yaml"]})),
+     "'../s.yaml' is not a relative path inside the bundle"),
+    (lambda b: _edit(b, lambda m: m.update(adapters={"../..": {}})), "'../..' is not a plain file or directory name"),
+    (lambda b: _edit(b, lambda m: m.update(format_version=1)), "format version 1; this masgraph reads version 2"),
+    (_add_adapter, r"adapters/ is not in the manifest"),
+    (_symlink_graph, "graph.yaml is a symbolic link"),
+])
+def test_a_malformed_manifest_or_an_unlisted_file_is_one_error_line(tmp_path, capsys, damage, match):
+    """HEAD: UnicodeDecodeError and AttributeError tracebacks; an extra adapter and a symlinked graph loaded."""
+    from masgraph.cli import main
+
+    bundle = scripted_bundle(tmp_path)
+    damage(bundle)
+    with pytest.raises(MasgraphError, match=match):
+        load_bundle(bundle)
+    assert main(["run", str(bundle), "--task", "basic_arithmetic", "--n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_file_of_the_wrong_size_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    """A 4 GiB (sparse) file where the manifest names a small one: refused on its size, never read (HEAD hashed it
+    for ~35 s first)."""
+    import masgraph.bundle
+
+    bundle = scripted_bundle(tmp_path)
+    big = bundle / "prompts" / "direct.txt"
+    with open(big, "r+b") as f:
+        f.truncate(4 << 30)
+    hashed = []
+    monkeypatch.setattr(masgraph.bundle, "sha256_file", lambda p: hashed.append(Path(p).name) or "0" * 64)
+    with pytest.raises(MasgraphError, match=r"prompts/direct.txt is 4294967296 bytes, the manifest says \d+"):
+        load_bundle(bundle)
+    assert hashed == []
+
+
+def test_a_bundle_plugin_loads_again_after_python_cached_its_bytecode(tmp_path, monkeypatch):
+    """Importing a bundle's plugin writes plugins/__pycache__; the next load drops it (a .pyc there would run instead
+    of the checked source) instead of refusing it as a file the manifest does not list."""
+    graph = tmp_path / "s.yaml"
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as Python runs by default
+    graph.write_text(SCRIPTED + f"plugins: ['{tmp_path / 'plug.py'}']\n")
+    (tmp_path / "plug.py").write_text("LOADED = True\n")
+    bundle = export_bundle(graph, tmp_path / "b")
+    open_source(bundle)
+    assert any((bundle / "plugins" / "__pycache__").glob("plug.*.pyc"))  # Python cached it beside the plugin
+    (bundle / "plugins" / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"planted")
+    _, loaded = open_source(bundle)
+    assert loaded is not None and not (bundle / "plugins" / "__pycache__").exists()
 
 
 def test_a_hostile_archive_is_refused(tmp_path):
