@@ -46,13 +46,21 @@ def positive_float(text: str) -> float:
     return value
 
 
-def _whole_number(text: str, least: int) -> int:
+def item_count(text: str) -> int:
+    """argparse type of --n: a whole number from 1 to MAX_ITEMS (a task holds all its items in memory)."""
+    from masgraph.tasks import MAX_ITEMS
+
+    return _whole_number(text, 1, MAX_ITEMS)
+
+
+def _whole_number(text: str, least: int, most: int | None = None) -> int:
+    wanted = f">= {least}" if most is None else f"from {least} to {most:,}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number {wanted}, got {text!r}") from None
+    if value < least or (most is not None and value > most):
+        raise argparse.ArgumentTypeError(f"expected a whole number {wanted}, got {text!r}")
     return value
 
 
@@ -601,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a graph on a task and report accuracy")
     r.add_argument("graph", help="graph YAML file (see graphs/), or a bundle written by `masgraph export`")
     r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
-    r.add_argument("--n", type=positive_int, default=16, help="number of items (default 16)")
+    r.add_argument("--n", type=item_count, default=16, help="number of items (default 16)")
     r.add_argument("--split", default="test", choices=["train", "test"])
     r.add_argument("--samples", type=positive_int, default=1, help="rollouts per item")
     r.add_argument("--concurrency", type=positive_int, default=16, help="episodes in flight")

@@ -52,6 +52,7 @@ class Task:
         """n items of a split ('train' | 'test'). A user task's test items are kept out of the first
         max(4n, 256) train questions; built-in tasks (`PartitionedTask`) are disjoint by construction."""
         _check_split(split)
+        _check_n(n)
         if split == "train":
             return self.generate("train", n, seed)
         train = {it.question for it in self.generate("train", max(4 * n, 256), seed)}
@@ -87,9 +88,20 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+MAX_ITEMS = 1_000_000
+"""The most items one call of `Task.items` makes: they are all held in memory (and a reasoning-gym dataset is
+sized 20n; an n past the platform's index size overflowed there)."""
+
+
 def _check_split(split: str) -> None:
     if split not in ("train", "test"):
         raise MasgraphError(f"split must be 'train' or 'test', not {split!r}")
+
+
+def _check_n(n: int) -> None:
+    """A MasgraphError naming the allowed range unless 0 <= n <= MAX_ITEMS."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_ITEMS:
+        raise MasgraphError(f"the number of items must be a whole number from 0 to {MAX_ITEMS:,}, not {n!r}")
 
 
 class PartitionedTask(Task):
@@ -98,6 +110,7 @@ class PartitionedTask(Task):
 
     def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
         _check_split(split)
+        _check_n(n)
         return self.generate(split, n, seed)
 
 

@@ -65,8 +65,10 @@ def graph_file(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--n", "0"], "argument --n: expected a whole number >= 1, got '0'"),
-    (["--n", "-5"], "argument --n: expected a whole number >= 1, got '-5'"),
+    (["--n", "0"], "argument --n: expected a whole number from 1 to 1,000,000, got '0'"),
+    (["--n", "-5"], "argument --n: expected a whole number from 1 to 1,000,000, got '-5'"),
+    (["--n", "99999999999999999999999"], "argument --n: expected a whole number from 1 to 1,000,000"),  # HEAD:
+    # OverflowError traceback from the task's range()
     (["--samples", "0"], "argument --samples: expected a whole number >= 1"),
     (["--concurrency", "0"], "argument --concurrency: expected a whole number >= 1"),  # HEAD: hangs (after load)
     (["--concurrency", "-1"], "argument --concurrency: expected a whole number >= 1"),
@@ -91,6 +93,25 @@ def test_train_counts_are_checked_at_parse_time(graph_file, capsys, args, messag
     with pytest.raises(SystemExit) as exit_:
         main(["train", graph_file, *args])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [10**23, 1_000_001, -1])
+def test_a_task_refuses_an_item_count_out_of_range(n):
+    """Task.items (the trainers' path too, not only --n) names the allowed range before generating anything;
+    HEAD: OverflowError from a reasoning-gym task's range(), endless generation for a user task."""
+    from masgraph.errors import MasgraphError
+    from masgraph.tasks import PartitionedTask
+
+    class Unreachable(Task):
+        def generate(self, split, n, seed):
+            raise AssertionError(f"generate({split!r}, {n}) was called")
+
+    class UnreachablePartitioned(PartitionedTask, Unreachable):
+        pass
+
+    for task in (Unreachable(), UnreachablePartitioned()):
+        with pytest.raises(MasgraphError, match="from 0 to 1,000,000"):
+            task.items("test", n)
 
 
 @pytest.mark.parametrize("source, ref, message", [
