@@ -25,15 +25,24 @@ ALIAS_BUDGET = 10_000
 _SOURCES: dict[int, yaml.Node] = {}  # id(spec) -> its composed YAML, kept beside the spec (not in it) for locating
 
 
+MAX_SPEC_BYTES = 16 << 20
+"""The largest graph file read (a graph is a few KB of YAML): more is refused, not read (`/dev/zero`, a wrong
+path to a data file)."""
+
+
 def load_spec(path: str | Path, registry: Registry | None = None) -> GraphSpec:
     """Read and validate a graph YAML file (its `train:` section against the registry's algorithms); raise
     SpecError naming file, location and fix."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be a device or a huge file
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise SpecError([Problem("", f"cannot read file: {reason}", "check the path")], str(path)) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError([Problem("", f"the file is larger than {MAX_SPEC_BYTES >> 20} MiB, the most a graph file "
+                                 "may be", "check the path: a graph file is a YAML file of a few KB")], str(path))
     spec = parse_spec(data, str(path), registry)
     if any(p.endswith(".py") for p in spec.plugins):  # plugin files resolve beside the graph, from anywhere
         here = path.resolve().parent

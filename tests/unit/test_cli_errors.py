@@ -240,3 +240,25 @@ def test_train_algorithm_override_keeps_the_shared_knobs(root):
     assert train.algorithm == "flow_grpo" and train.steps == 3 and train.flow_grpo.lr == 0.001
     args.algorithm = None
     assert train_graph(graph, default_registry(), args).spec.train.algorithm == "joint"
+
+
+def test_validate_refuses_a_graph_file_over_the_size_cap_without_reading_it(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate((16 << 20) + 1)  # sparse: no disk
+    assert main(["validate", str(big)]) == 1
+    err = capsys.readouterr().err
+    assert "the file is larger than 16 MiB, the most a graph file may be" in err and "Traceback" not in err
+
+
+def test_validate_dev_zero_is_an_error_not_a_memory_error(tmp_path):
+    """HEAD read /dev/zero whole: MemoryError traceback (here under a 1 GiB address-space limit, so a regression
+    fails fast instead of eating the machine's memory)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    p = subprocess.run([sys.executable, "-m", "masgraph.cli", "validate", "/dev/zero"], capture_output=True,
+                       text=True, timeout=120, preexec_fn=limit)
+    assert p.returncode == 1 and "larger than 16 MiB" in p.stderr and "Traceback" not in p.stderr, p.stderr
