@@ -6,6 +6,7 @@ import ast
 import math
 import operator
 import re
+import sys
 import unicodedata
 from typing import Any
 
@@ -69,8 +70,13 @@ def _parse(text: str) -> ast.Expression:
         return ast.parse(text, mode="eval")
     except (RecursionError, MemoryError):
         raise ToolError("expression is nested too deeply") from None
-    except ValueError as exc:  # e.g. a literal over Python's 4300-digit limit, or a NUL byte
-        raise ToolError(f"not an arithmetic expression: {exc}") from None
+    except (SyntaxError, ValueError) as exc:
+        if "Exceeds the limit" in str(exc):  # a literal over Python's int-string digit limit (4300)
+            raise ToolError(f"number too large: more than {sys.get_int_max_str_digits()} digits, out of range "
+                            f"(max {MAX_MAGNITUDE:.0e})") from None
+        if isinstance(exc, SyntaxError):
+            raise
+        raise ToolError(f"not an arithmetic expression: {exc}") from None  # e.g. a NUL byte
 
 
 def _lenient_span(expression: str, text: str) -> str:
@@ -98,7 +104,7 @@ def _lenient_span(expression: str, text: str) -> str:
 
 def _eval(node: ast.AST) -> Any:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _in_range(node.value)
+        return _literal(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
@@ -114,13 +120,28 @@ def _eval(node: ast.AST) -> Any:
     raise ToolError(f"unsupported element {type(node).__name__} (only numbers and + - * / // % ** ( ))")
 
 
+def _literal(value: float) -> float:
+    """A number written in the expression, if within ±MAX_MAGNITUDE, else a ToolError that says so plainly."""
+    if not _within(value):
+        size = f"{len(str(abs(value)))} digits, " if isinstance(value, int) else ""
+        raise ToolError(f"number too large: {size}out of range (max {MAX_MAGNITUDE:.0e})")
+    return value
+
+
 def _in_range(value: complex) -> float:
     """`value` if it is a real number within ±MAX_MAGNITUDE, else ToolError."""
     if isinstance(value, complex):
         raise ToolError("the result is a complex number (e.g. a fractional power of a negative number)")
-    if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+    if not _within(value):
         raise ToolError(f"result out of range (max {MAX_MAGNITUDE:.0e})")
     return value
+
+
+def _within(value: float) -> bool:
+    """|value| <= MAX_MAGNITUDE, compared exactly: a huge int is never converted to a float (OverflowError)."""
+    if isinstance(value, int):
+        return abs(value) <= MAX_MAGNITUDE
+    return math.isfinite(value) and abs(value) <= MAX_MAGNITUDE
 
 
 def format_number(value: float) -> str:

@@ -41,7 +41,7 @@ def test_calculator_tolerates_prose_around_one_expression(expr):
                                       ("what is x + 1", "lacks an operand"), ("compute(3+4)", "'compute'"),
                                       ("12 + 7 +", "invalid syntax"), ("1e308*10", "out of range"),
                                       ("1e300 ** 2", "out of range"), ("1e999", "out of range"),
-                                      ("(-8) ** 0.5", "complex"), ("9" * 5000, "limit"),
+                                      ("(-8) ** 0.5", "complex"), ("9" * 5000, "number too large: more than 4300 digits"),
                                       ("(" * 300 + "1" + ")" * 300, "nested"), ("-" * 100_000 + "1", "nested")])
 def test_calculator_rejects_glued_or_several_expressions_with_a_reason(expr, why):
     with pytest.raises(ToolError, match=re.escape(why)):
@@ -56,6 +56,14 @@ def test_calculator_gives_a_number_or_a_tool_error(text):
     except ToolError:
         return
     assert isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.mark.parametrize("expr", ["9" * 4000, "-" + "9" * 400, "9" * 400 + " / 7", "what is " + "9" * 4000 + " + 1"])
+def test_calculator_says_a_huge_number_is_too_large(run, expr):
+    """HEAD: OverflowError (int too large to convert to float) from the range check, not a ToolError."""
+    calculator = build_tools({"calc": ToolSpec(kind="calculator")})["calc"]
+    with pytest.raises(ToolError, match=r"^number too large: \d+ digits, out of range \(max 1e\+30\)$"):
+        run(calculator(expr))
 
 
 def test_tool_error_is_a_user_facing_error():
