@@ -207,17 +207,7 @@ def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, 
         torch.save({"policy": state["policy"], "version": state["version"], "decisions": state.get("decisions")},
                    dst / TOPOLOGY_FILE)  # parameters only: the optimizer state is for training
         topology = {"file": TOPOLOGY_FILE, "version": state["version"], "mode": "greedy"}
-    plugins = []
-    for p in graph.get("plugins") or []:
-        path = Path(p)
-        if p.endswith(".py"):
-            if not path.is_file():
-                raise MasgraphError(f"plugin {p} (named by the graph) is missing; export needs it to ship it")
-            (dst / "plugins").mkdir(exist_ok=True)
-            shutil.copy2(path, dst / "plugins" / path.name)
-            plugins.append(f"plugins/{path.name}")
-        else:
-            plugins.append(p)  # an installed module: the manifest lists it; the target must have it
+    plugins = _ship_plugins(graph.get("plugins") or [], _graph_folder(source_info), dst)
     if plugins:
         graph["plugins"] = plugins
     shutil.copytree(_prompt_dir(), dst / "prompts", ignore=shutil.ignore_patterns("__pycache__"))
@@ -237,6 +227,37 @@ def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, 
         "files": {p.relative_to(dst).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
                   for p in sorted(dst.rglob("*")) if p.is_file()},
     }
+
+
+def _graph_folder(source_info: dict[str, Any]) -> Path:
+    """The folder of the graph file exported (a run's is its spec.yaml's): its `plugins:` files resolve there."""
+    path = Path(source_info["path"])
+    return path.parent if source_info["kind"] == "graph" else path
+
+
+def _ship_plugins(names: Any, base: Path, dst: Path) -> list[str]:
+    """Copy the graph's plugin files into dst/plugins/ and return `plugins:` as the bundle names them. A .py file
+    resolves against `base`, the graph's folder, as `load_spec` resolves it (not against the current directory);
+    a dotted module name is kept (the manifest lists it; the target must have it installed)."""
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise MasgraphError("the graph's `plugins:` must be a list of module names or .py files")
+    shipped: list[str] = []
+    for name in names:
+        if not name.endswith(".py"):
+            shipped.append(name)
+            continue
+        path = base / name
+        if not path.is_file():
+            raise MasgraphError(f"plugin {name} (named by the graph) is missing: no file {path}; export needs it "
+                                "to ship it")
+        rel = f"plugins/{path.name}"
+        if rel in shipped:
+            raise MasgraphError(f"plugins {name} and another one are both named {path.name}; the bundle ships them "
+                                "side by side in plugins/, so rename one")
+        (dst / "plugins").mkdir(exist_ok=True)
+        shutil.copy2(path, dst / rel)
+        shipped.append(rel)
+    return shipped
 
 
 def _unpack(archive: Path) -> tuple[Path, dict[str, Any]]:

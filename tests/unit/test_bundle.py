@@ -282,3 +282,40 @@ def test_cli_errors_for_export_and_serving_a_run_dir(trained, tmp_path):
     assert r.returncode == 2 and "is a training run; export it first" in r.stderr
     r = cli("export", str(trained), "--out", str(tmp_path / "ok"))
     assert r.returncode == 0 and "masgraph serve" in r.stdout, r.stderr
+
+
+def test_export_ships_the_plugin_beside_the_graph_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`plugins: [plug.py]` is the file beside the graph, as loading and `validate` take it. HEAD resolved it
+    against the current directory: from one with its own plug.py it shipped that one, from one without it refused
+    a graph that `validate` accepts."""
+    from masgraph.cli import main
+
+    (tmp_path / "g").mkdir()
+    graph = tmp_path / "g" / "s.yaml"
+    graph.write_text(SCRIPTED + "plugins: [plug.py]\n")
+    (tmp_path / "g" / "plug.py").write_text("WHO = 'beside the graph'\n")
+    impostor, empty = tmp_path / "impostor", tmp_path / "empty"
+    impostor.mkdir()
+    empty.mkdir()
+    (impostor / "plug.py").write_text("WHO = 'the current directory'\n")
+    for cwd in (impostor, empty):
+        monkeypatch.chdir(cwd)
+        assert main(["validate", str(graph)]) == 0
+        assert main(["export", str(graph), "--out", str(cwd / "b")]) == 0, capsys.readouterr().err
+        assert (cwd / "b" / "plugins" / "plug.py").read_text() == "WHO = 'beside the graph'\n"
+        assert yaml.safe_load((cwd / "b" / "graph.yaml").read_text())["plugins"] == ["plugins/plug.py"]
+
+
+def test_export_refuses_plugins_it_cannot_ship(tmp_path):
+    """Two plugin files of one name (one would overwrite the other in plugins/), or `plugins:` not a list."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "plug.py").write_text(f"WHO = {folder!r}\n")
+    graph = tmp_path / "s.yaml"
+    graph.write_text(SCRIPTED + "plugins: [a/plug.py, b/plug.py]\n")
+    with pytest.raises(MasgraphError, match="both named plug.py"):
+        export_bundle(graph, tmp_path / "out")
+    graph.write_text(SCRIPTED + "plugins: 5\n")
+    with pytest.raises(MasgraphError, match="must be a list of module names or .py files"):
+        export_bundle(graph, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
