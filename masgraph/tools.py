@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from masgraph.errors import MasgraphError, ToolError
 from masgraph.node import ToolFn
@@ -43,7 +43,13 @@ def build_tools(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) ->
         if kind is None:
             raise MasgraphError(f"tools.{name}: tool kind {spec.kind!r} is not in this registry; compile the graph "
                                 "with the registry it is run with")
-        out[name] = with_timeout(kind.factory(kind.options.model_validate(spec.options)), spec.timeout_s, name)
+        try:
+            options = kind.options.model_validate(spec.options)
+        except ValidationError as exc:  # checked at compile; a file an option names may have gone since
+            raise MasgraphError(f"tools.{name}.options: " + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors(include_url=False))) from None
+        out[name] = with_timeout(kind.factory(options), spec.timeout_s, name)
     return out
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from collections import Counter
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
 
@@ -42,11 +44,29 @@ class Corpus:
 
 @lru_cache(maxsize=8)
 def load_corpus(path: str) -> Corpus:
+    """The index of a JSONL corpus file, read once per process; a ToolError saying what is wrong with the file."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, a directory cannot be read
+            raise ToolError(f"search corpus {path} is not a regular file")
         with open(path, encoding="utf-8") as f:
-            return Corpus([json.loads(line) for line in f if line.strip()])
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ToolError(f"cannot load search corpus {path}: {exc}") from None
+            return Corpus([_document(line, path, number) for number, line in enumerate(f, 1) if line.strip()])
+    except OSError as exc:
+        raise ToolError(f"cannot read search corpus {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ToolError(f"search corpus {path} is not UTF-8 text") from None
+
+
+def _document(line: str, path: str, number: int) -> dict[str, str]:
+    """One corpus line: a JSON object with a string `text` and a string `id` or `title` (what a hit shows)."""
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ToolError(f"search corpus {path} line {number} is not JSON ({exc.msg})") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
+            and any(isinstance(doc.get(k), str) for k in ("id", "title"))):
+        raise ToolError(f'search corpus {path} line {number} is not an object with a string "text" and a '
+                        'string "id" or "title"')
+    return doc
 
 
 def default_corpus_path() -> str:
@@ -56,9 +76,23 @@ def default_corpus_path() -> str:
 
 class SearchOptions(ToolOptions):
     corpus: str | None = None
-    """JSONL file of {"id", "title", "text"} documents (default: the shipped knowledge base)."""
+    """JSONL file of {"id", "title", "text"} documents, relative to the working directory (default: the shipped
+    knowledge base). It is read when the graph is validated, so a missing or broken file is a spec error."""
     top_k: int = Field(2, ge=1, le=50)
     """Passages returned per query."""
+
+    @field_validator("corpus")
+    @classmethod
+    def _corpus_loads(cls, path: str | None) -> str | None:
+        """Load the corpus now (cached for the run): otherwise every search call of the run fails."""
+        if path is not None:
+            try:
+                load_corpus(path)
+            except ToolError as exc:
+                raise ValueError(f"{exc}; give a JSONL file of {{\"id\", \"title\", \"text\"}} lines (a "
+                                 "relative path is from the working directory), or drop `corpus:` for the shipped "
+                                 "knowledge base") from None
+        return path
 
 
 @register_kind("search", "searches the local knowledge base and returns the best matching passages, "

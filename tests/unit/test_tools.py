@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
 import re
 import socket
 
@@ -156,3 +158,55 @@ def test_tool_timeout_applies(run):
     tools = build_tools({"s": ToolSpec(kind="slow_echo", timeout_s=0.1)})
     with pytest.raises(ToolError, match="timed out"):
         run(tools["s"]("x"))
+
+
+SEARCH_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\ntools:\n  search: {kind: search, options: {corpus: %s}}\n"
+                "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
+
+
+def _corpus_problem(corpus: str) -> str:
+    """The located problem compiling a graph whose search tool names `corpus` ('' when it compiles)."""
+    from masgraph.errors import SpecError
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+
+    try:
+        compile_spec(parse_spec(SEARCH_GRAPH % json.dumps(corpus), "g.yaml"), "g.yaml", check_models=False)
+    except SpecError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "cannot read search corpus {path}: No such file or directory"),
+    ("dir", "search corpus {path} is not a regular file"),
+    ("fifo", "search corpus {path} is not a regular file"),  # not opened: it would block
+    (b'{"id": "a", "text": "ok"}\n{"id": "b", "text": \n', "search corpus {path} line 2 is not JSON"),
+    (b'{"id": "a", "text": "ok"}\n\n["a list"]\n', "search corpus {path} line 3 is not an object with a string"),
+    (b'{"id": "a", "text": "caf\xe9"}\n', "search corpus {path} is not UTF-8 text"),
+])
+def test_a_bad_search_corpus_is_a_located_spec_error_at_compile(tmp_path, content, why):
+    """HEAD: the graph compiled, and every search call of the run failed (or raised KeyError) at run time."""
+    path = tmp_path / "corpus.jsonl"
+    if content == "dir":
+        path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
+    elif content is not None:
+        path.write_bytes(content)
+    problem = _corpus_problem(str(path))
+    assert problem.startswith("g.yaml:5:36: tools.search.options.corpus: " + why.format(path=path)), problem
+    assert "drop `corpus:` for the shipped knowledge base" in problem
+
+
+def test_a_good_search_corpus_compiles_and_is_searched(tmp_path, run):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"id": "a", "title": "Kalo Mira", "text": "Kalo Mira lives in Rafeport."}\n')
+    assert _corpus_problem(str(path)) == ""
+    tool = build_tools({"search": ToolSpec(kind="search", options={"corpus": str(path)})})["search"]
+    assert run(tool("Kalo Mira")) == "[Kalo Mira] Kalo Mira lives in Rafeport."
+
+
+def test_a_corpus_gone_after_compile_is_an_error_when_tools_are_built(tmp_path):
+    with pytest.raises(MasgraphError, match="tools.search.options: corpus: cannot read search corpus"):
+        build_tools({"search": ToolSpec(kind="search", options={"corpus": str(tmp_path / "gone.jsonl")})})
