@@ -7,6 +7,7 @@ samples. The opt-in extension `"masgraph": {"trace": true}` adds the episode's t
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from masgraph.trace import Trace
 
-__all__ = ["ChatRequest", "chunk", "completion", "error_body", "extension", "question_of", "usage",
+__all__ = ["ChatRequest", "chunk", "completion", "error_body", "extension", "lone_surrogate", "question_of", "usage",
            "validation_message"]
 
 
@@ -59,6 +60,30 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     param = ".".join(str(p) for p in err["loc"]) or None
     return (f"{param}: {err['msg']}" if param else err["msg"]), param
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """Where decoded JSON holds a lone UTF-16 surrogate (JSON's `"\\ud800"` escape without its pair: not a
+    character, so no UTF-8 file or response can hold it): the dotted path of the first string or key that does,
+    as `validation_message` names a field ("" for a key at the top), or None. Walked without recursion, so
+    however deep the JSON nests."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                if _SURROGATE.search(key):
+                    return path
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def question_of(request: ChatRequest) -> str | None:

@@ -2,19 +2,24 @@
 
     POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE)
     GET  /v1/models             the one model served (the graph's name)
-    GET  /health                liveness and load (no auth)
+    GET  /health                liveness, load and the trace store's state (no auth)
     GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens
 
 Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together. The
 guards: bearer-token auth (when a key is set), a request body limit (413), a bounded queue (429 with
-Retry-After), a per-request timeout (504), OpenAI-style 400s for malformed JSON or fields; a client that goes
-away cancels its episode; SIGTERM lets in-flight requests finish, then exits (uvicorn's graceful shutdown)."""
+Retry-After), a per-request timeout (504), OpenAI-style 400s for malformed JSON or fields (a lone UTF-16
+surrogate among them: no trace store or response could hold it); a client that goes away cancels its episode;
+SIGTERM lets in-flight requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails
+(a full disk) does not stop the serving: /health says "degraded" with the store's last error, /metrics counts
+its errors, the log has a line for each."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import json
+import logging
+import re
 import secrets
 import time
 import uuid
@@ -38,6 +43,7 @@ from masgraph.openai_api import (
     completion,
     error_body,
     extension,
+    lone_surrogate,
     question_of,
     usage,
     validation_message,
@@ -45,6 +51,9 @@ from masgraph.openai_api import (
 from masgraph.store import RunStore
 
 __all__ = ["ServeConfig", "check_bind", "create_app", "serve"]
+
+_log = logging.getLogger("uvicorn.error")
+"""The server's own lines go where uvicorn's go (its format, its --log-level)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class _Ticket:
 
 
 class _Metrics:
-    def __init__(self) -> None:
+    def __init__(self, store: RunStore | None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("masgraph_requests", "HTTP requests by path and status code", ["path", "code"],
@@ -107,6 +116,9 @@ class _Metrics:
         self.latency = Histogram("masgraph_request_seconds", "Request latency (chat completions)", registry=r,
                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120, 300))
         self.in_flight = Gauge("masgraph_requests_in_flight", "Chat requests admitted and not finished", registry=r)
+        if store is not None:
+            Gauge("masgraph_trace_store_errors", "Trace records the store could not write as sent, and failed "
+                  "writes (0 while sound)", registry=r).set_function(lambda: store.errors)
         self.episodes = Counter("masgraph_episodes", "Episodes by final status", ["status"], registry=r)
         self.tokens = Counter("masgraph_tokens", "LLM tokens of all episodes", ["kind"], registry=r)
 
@@ -141,19 +153,24 @@ _PATHS = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 
 def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) -> FastAPI:
     """The ASGI app serving `agent` as model `model`."""
-    gate, metrics = _Gate(config.max_concurrency, config.max_queue), _Metrics()
+    gate = _Gate(config.max_concurrency, config.max_queue)
     store = (RunStore(config.store, agent.graph.spec, {"serve": {"model": model, "max_concurrency":
              config.max_concurrency, "timeout_s": config.timeout_s}}) if config.store is not None else None)
+    metrics = _Metrics(store)
     started, served = int(time.time()), [0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             yield
-        finally:  # after uvicorn has drained the in-flight requests
-            if store is not None:
-                store.close({"episodes": served[0]})
-            await agent.aclose()
+        finally:  # after uvicorn has drained the in-flight requests; the agent is closed whatever the store does
+            try:
+                if store is not None:
+                    store.close({"episodes": served[0], "store_errors": store.errors})
+            except Exception as exc:
+                _log.error("closing the trace store %s failed: %s: %s", store.path, type(exc).__name__, exc)
+            finally:
+                await agent.aclose()
 
     app = FastAPI(title=f"masgraph: {model}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -176,7 +193,10 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model, "in_flight": gate.admitted}
+        sound = store is None or store.errors == 0
+        return {"status": "ok" if sound else "degraded", "model": model, "in_flight": gate.admitted,
+                "trace_store": None if store is None else {"path": str(store.path), "errors": store.errors,
+                                                           "last_error": store.last_error}}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -293,6 +313,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""Where a JSON body can hold a lone surrogate: an escape (raw surrogate bytes are not UTF-8: a decode error)."""
+
+
 def _parse(body: bytes) -> ChatRequest:
     try:
         data = json.loads(body)
@@ -300,6 +324,10 @@ def _parse(body: bytes) -> ChatRequest:
         raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    if _ESCAPED_SURROGATE.search(body) and (where := lone_surrogate(data)) is not None:
+        raise ApiError(400, f"{where or 'the request body'}: holds a lone UTF-16 surrogate (an escape \\ud800-"
+                            "\\udfff without its pair), which is not text; send valid Unicode",
+                       param=where or None, code="invalid_unicode")
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:

@@ -18,15 +18,22 @@ Cost, measured as emit() time per no-op node step (200 episodes of 10 steps into
 the end, measured as the alternative, +1.6 µs (every step serialised twice, and twice the bytes, which token ids
 make large for LLM steps). A `step_started` line adds ~1.3 µs a step; `llm_call` and `tool_call` lines come one
 per call, next to a model call that takes milliseconds. fsync is left out (see RunStore.__init__).
+
+A store never lets one bad record stop it: an event pydantic cannot serialise as is (a lone UTF-16 surrogate in
+a text: JSON text must be UTF-8) is written with those characters replaced by U+FFFD, one that cannot be written
+at all is dropped, and a failed write is given up; each is counted in `RunStore.errors`, kept in `last_error` and
+logged (logger `masgraph.store`), and the events after it are written as usual.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import operator
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -50,6 +57,8 @@ from masgraph.events import (
 from masgraph.files import atomic_write
 from masgraph.spec import GraphSpec
 from masgraph.trace import Step, Trace
+
+_log = logging.getLogger(__name__)
 
 PACKAGES = ("masgraph", "torch", "transformers", "peft", "pydantic", "networkx", "reasoning-gym", "litellm")
 
@@ -116,6 +125,10 @@ class RunStore:
         self._sent = _SentSteps()
         self._flush_loop: asyncio.AbstractEventLoop | None = None
         """The event loop a flush is scheduled on; None when none is."""
+        self.errors = 0
+        """Records not written as sent (altered or dropped) and writes that failed: 0 while the store is sound."""
+        self.last_error: str | None = None
+        """What the latest of those was."""
 
     def emit(self, event: Event) -> None:
         kind = type(event)
@@ -155,20 +168,58 @@ class RunStore:
         """Write an episode's last line, then its line in the index (so a reader of both finds the first first)."""
         trace = event.trace
         start = self._starts.pop(trace.episode_id, self._offset)
-        self._write(_finished_line(event, sent))
-        self._index.write(index_line(trace, start, self._offset, time.time()))
-        self._index.flush()
+        try:
+            last = _finished_line(event, sent)
+        except ValueError as exc:  # the whole trace, repaired (a reader takes a line without "steps" as whole)
+            last = self._repaired(event, exc)
+        self._write(last)
+        try:
+            self._index.write(index_line(trace, start, self._offset, time.time()))
+            self._index.flush()
+        except (OSError, ValueError) as exc:
+            self._failed(f"writing {INDEX}", exc)
 
     def _write(self, last: bytes = b"") -> None:
-        """Serialise the pending events, then `last`, onto events.jsonl, and push them to the file."""
-        if self._pending:
-            data = b"".join(map(_line, self._pending))
-            self._pending.clear()
+        """Serialise the pending events, then `last`, onto events.jsonl, and push them to the file. A record that
+        cannot be serialised or a failed write is recorded (`errors`), never raised: the next write goes on."""
+        pending, self._pending = self._pending, []
+        try:
+            data = b"".join(map(_line, pending))
+        except ValueError:  # an event pydantic cannot serialise (PydanticSerializationError): one by one
+            data = b"".join(map(self._line_or_repaired, pending))
+        self._offset += len(data) + len(last)
+        try:
             self._events.write(data)
-            self._offset += len(data)
-        self._events.write(last)
-        self._offset += len(last)
-        self._events.flush()
+            self._events.write(last)
+            self._events.flush()
+        except (OSError, ValueError) as exc:  # a full disk, a closed file: these lines are lost, later ones are not
+            self._failed(f"writing {len(data) + len(last)} bytes to events.jsonl", exc)
+
+    def _line_or_repaired(self, event: Event) -> bytes:
+        try:
+            return _line(event)
+        except ValueError as exc:
+            return self._repaired(event, exc)
+
+    def _repaired(self, event: Event, exc: ValueError) -> bytes:
+        """The line of an event pydantic could not serialise (`exc`): through json, lone surrogates replaced by
+        U+FFFD; b"" (the event dropped) when even that fails. Either way counted as an error."""
+        kind = getattr(event, "kind", type(event).__name__)
+        try:
+            text = json.dumps({"v": EVENT_SCHEMA_VERSION, **event.model_dump(mode="json")}, ensure_ascii=False)
+            line = _scrub(text).encode() + b"\n"
+        except (TypeError, ValueError) as again:
+            self._failed(f"dropped event {kind}: it cannot be serialised", again)
+            return b""
+        self._failed(f"wrote event {kind} with its lone surrogates replaced by U+FFFD", exc)
+        return line
+
+    def _failed(self, what: str, cause: BaseException | str) -> None:
+        """Count and log a failure (an error line in the log of whatever process runs the store)."""
+        self.errors += 1
+        reason = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        self.last_error = f"{what}: {reason}"
+        _log.error("run store %s: %s (%d errors so far)", self.path, self.last_error, self.errors)
 
     def _timed_flush(self) -> None:
         self._flush_loop = None
@@ -320,12 +371,16 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
         tok = sum(c.n_completion for c in s.llm) if s.llm else 0
         tokens += tok
         steps.append((s.node, s.route, step_flag(s.error, s.parse_error), tok, round(s.duration_s, 4), s.sources))
-    return (json.dumps({
+    line = (json.dumps({
         "id": trace.episode_id, "item": trace.item_id, "query": trace.query[:_CLIP], "status": trace.status,
         "reward": trace.reward, "answer": None if trace.answer is None else trace.answer[:_CLIP],
         "error": None if trace.error is None else trace.error[:_CLIP], "tokens": tokens, "turns": trace.turns,
         "duration_s": round(trace.duration_s, 4), "ended": round(ended, 3), "start": start, "end": end,
-        "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n")
+    try:
+        return line.encode()
+    except UnicodeEncodeError:  # a lone surrogate in the query or answer
+        return _scrub(line).encode()
 
 
 def step_flag(error: str | None, parse_error: str | None) -> int:
@@ -344,6 +399,14 @@ def _finished_line(event: EpisodeFinished, sent: list[Step]) -> bytes:
         return _line(event)
     body = trace.__pydantic_serializer__.to_json(trace, exclude={"steps"})
     return b'{"v":%d,"kind":"episode_finished","steps":%d,"trace":%s}\n' % (EVENT_SCHEMA_VERSION, len(sent), body)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _scrub(text: str) -> str:
+    """`text` with its lone UTF-16 surrogates (which UTF-8, so a JSON file, cannot hold) replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _line(event: Event) -> bytes:

@@ -1,12 +1,16 @@
 """The OpenAI-compatible server on a scripted agent: a real uvicorn server on a socket, real HTTP clients (httpx and
-the official `openai` client); every guard — auth, body limit, 400s, 404, 429, 504, disconnect, SIGTERM drain."""
+the official `openai` client); every guard — auth, body limit, 400s, 404, 429, 504, disconnect, SIGTERM drain —
+and the trace store's robustness (a bad record, a full disk)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +24,7 @@ import openai
 import pytest
 import torch
 
+from masgraph import store as store_module
 from masgraph.agent import Agent
 from masgraph.agents.registry import register_agent
 from masgraph.backends.scripted import ScriptedBackend
@@ -29,6 +34,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.node import NodeOutput
 from masgraph.server import ServeConfig, check_bind, create_app
+from masgraph.store import INDEX, RunStore, read_jsonl, read_traces
 
 GRAPH = """\
 name: echo
@@ -63,6 +69,11 @@ async def _sleepy(ctx):
     return NodeOutput(text="slept", answer="slept")
 
 
+@register_agent("parrot-serve")
+async def _parrot(ctx):
+    return NodeOutput(text=ctx.query, answer=ctx.query)
+
+
 def scripted_agent(text: str = GRAPH) -> Agent:
     graph = compile_spec(parse_spec(text, "serve.yaml"))
     backend = ScriptedBackend(default=lambda req: f"Answer: {len(req.messages[-1]['content'])}")
@@ -75,7 +86,8 @@ def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"
     import uvicorn
 
     app = create_app(agent, model, config or ServeConfig())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    # log_config=None: uvicorn's records reach the root logger, so `caplog` sees them (tracebacks included)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -92,6 +104,9 @@ def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"
 
 def ask(text: str, model: str = "echo", **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+JSON = {"Content-Type": "application/json"}
 
 
 def test_openai_client_sync_streaming_and_the_trace_extension():
@@ -297,7 +312,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, free_port, wait_
         out, err = proc.communicate(timeout=30)
         # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM, as it should
         assert proc.returncode in (0, -signal.SIGTERM), err
-        assert json.loads((store / "summary.json").read_text()) == {"episodes": 3}  # shutdown ran after the drain
+        summary = json.loads((store / "summary.json").read_text())
+        assert summary == {"episodes": 3, "store_errors": 0}  # shutdown ran after the drain
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -342,3 +358,119 @@ def test_an_agent_samples_an_untrained_topology_and_follows_a_learned_one_greedi
     learned = Agent(graph)
     assert learned.mode == "greedy" and routes(learned) == {"right"}
     assert Agent(graph, topology="greedy").mode == "greedy"
+
+
+# --- the trace store: a bad record or a failed write is counted, visible and never the end of storage ---------
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user", "content": "a \\ud800 b"}, "messages.0.content"),
+    ({"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "\\udfff"}]},
+     "messages.0.content.1.text"),
+    ({"role": "user", "content": "fine", "name": "\\ud83d"}, "messages.0.name"),  # a field the server ignores
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_traces_go_on_being_stored(message, param, tmp_path):
+    body = json.dumps({"model": "echo", "messages": [message]}).replace("\\\\u", "\\u")  # JSON escapes, as sent
+    with serving(scripted_agent(), ServeConfig(store=tmp_path / "t")) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", content=body.encode(), headers=JSON)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_unicode", r.text
+        assert err["message"].startswith(param) and "surrogate" in err["message"]
+        pair = '{"model": "echo", "messages": [{"role": "user", "content": "ok \\ud83d\\ude00"}]}'  # a valid pair
+        assert httpx.post(f"{url}/v1/chat/completions", content=pair.encode(), headers=JSON).status_code == 200
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("after", masgraph={"trace": True}))
+        assert r.status_code == 200 and r.json()["masgraph"]["run_dir"] == str(tmp_path / "t")
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and health["trace_store"]["errors"] == 0
+    assert [t.query for t in read_traces(tmp_path / "t")] == ["ok \U0001f600", "after"]
+    assert json.loads((tmp_path / "t" / "summary.json").read_text())["episodes"] == 2
+
+
+def test_one_record_the_store_cannot_serialise_loses_nothing_after_it(tmp_path, caplog):
+    """A lone surrogate reaching the store (here from Python, past the server's check) used to stay in the
+    pending events: every later flush failed and every later trace was lost."""
+    graph = compile_spec(parse_spec(SLOW.replace("sleepy", "parrot-serve"), "parrot.yaml"))
+    store = RunStore(tmp_path, graph.spec, {})
+
+    async def main():
+        for question in ("before", "bad \ud800 text", "after"):
+            await Agent(graph).aask(question, sinks=[store])
+            await asyncio.sleep(store.flush_s * 2)  # the flush timer fires too, not only the episode's end
+
+    asyncio.run(main())
+    store.close({"episodes": 3})
+    traces = list(read_traces(tmp_path))
+    assert [t.query for t in traces] == ["before", "bad \ufffd text", "after"]  # the bad one kept, repaired
+    assert traces[1].answer == "bad \ufffd text" and [s.node for s in traces[2].steps] == ["answer"]
+    assert [e["query"] for e in read_jsonl(tmp_path / INDEX)] == ["before", "bad \ufffd text", "after"]
+    assert store.errors >= 1 and "surrogate" in store.last_error and (tmp_path / "summary.json").exists()
+    assert any(r.name == "masgraph.store" and r.levelno == logging.ERROR for r in caplog.records)
+
+
+class _Disk:
+    """A run dir's file whose writes fail while `full` is set (a full disk)."""
+
+    full = False
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data: bytes) -> int:
+        if _Disk.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def test_a_failing_trace_store_is_visible_and_the_server_closes_the_agent_anyway(tmp_path, caplog, monkeypatch):
+    real_append = store_module._append
+    monkeypatch.setattr(store_module, "_append", lambda file: _Disk(real_append(file)))
+    monkeypatch.setattr(_Disk, "full", False)
+    agent, closed = scripted_agent(), []
+    real_aclose = agent.aclose
+
+    async def aclose():
+        closed.append(True)
+        await real_aclose()
+
+    agent.aclose = aclose
+    with serving(agent, ServeConfig(store=tmp_path / "t")) as url:
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("stored")).status_code == 200
+        _Disk.full = True
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("lost")).status_code == 200  # still answered
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "degraded" and health["trace_store"]["errors"] >= 1
+        assert "No space left on device" in health["trace_store"]["last_error"]
+        assert "masgraph_trace_store_errors " in httpx.get(f"{url}/metrics").text
+        assert not re.search(r"^masgraph_trace_store_errors 0\.0$", httpx.get(f"{url}/metrics").text, re.M)
+        assert any(r.name == "masgraph.store" and r.levelno == logging.ERROR and "No space left" in r.getMessage()
+                   for r in caplog.records)  # an error line in the server's log
+        _Disk.full = False
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("stored again")).status_code == 200
+        _Disk.full = True  # still full when the server shuts down
+    assert closed == [True]  # shutdown closed the agent
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["episodes"] == 3 and summary["store_errors"] >= 1
+    assert [t.query for t in read_traces(tmp_path / "t")] == ["stored", "stored again"]
+
+
+def test_shutdown_closes_the_agent_even_when_the_store_cannot_close(tmp_path, caplog, monkeypatch):
+    def no_space(path, text, durable=True):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    agent, closed = scripted_agent(), []
+    real_aclose = agent.aclose
+
+    async def aclose():
+        closed.append(True)
+        await real_aclose()
+
+    agent.aclose = aclose
+    with serving(agent, ServeConfig(store=tmp_path / "t")) as url:
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("hi")).status_code == 200
+        monkeypatch.setattr(store_module, "atomic_write", no_space)  # summary.json cannot be written
+    assert closed == [True]
+    assert any("closing the trace store" in r.getMessage() and "No space left" in r.getMessage()
+               for r in caplog.records)
