@@ -487,7 +487,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         Path(args.runs_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fails before the model loads
         store = new_run_dir(args.runs_dir, f"{graph.spec.name}-serve")
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
-                         max_queue=args.max_queue, timeout_s=args.timeout, store=store)
+                         max_queue=args.max_queue, timeout_s=args.timeout, store=store,
+                         max_connections=args.max_connections)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     with nullcontext() if store is None else _removed_if_left_empty(store):
         agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
@@ -690,6 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=non_negative_int, default=256,
                     help="requests waiting beyond those; more get 429 (default 256)")
     sv.add_argument("--timeout", type=positive_float, default=300.0, help="per-request limit in s (504; default 300)")
+    sv.add_argument("--max-connections", type=positive_int, help="open connections at once (503 beyond; default: "
+                    "--max-concurrency + --max-queue + 64)")
     sv.add_argument("--max-body-kb", type=positive_int, default=1024, help="largest request body (413; default 1024)")
     sv.add_argument("--no-store", action="store_true", help="keep no traces (default: a run dir under --runs-dir)")
     sv.add_argument("--runs-dir", default="runs")

@@ -8,23 +8,32 @@
 Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together. The
 guards: bearer-token auth (when a key is set), a request body limit (413), a bounded queue (429 with
 Retry-After), a per-request timeout (504), OpenAI-style 400s for malformed JSON or fields (a lone UTF-16
-surrogate among them: no trace store or response could hold it); a client that goes away cancels its episode;
-SIGTERM lets in-flight requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails
-(a full disk) does not stop the serving: /health says "degraded" with the store's last error, /metrics counts
-its errors, the log has a line for each."""
+surrogate, JSON nested past the parser's depth, a number too long among them), 408 for a body too slow, 415
+for a POST that is not application/json; a client that goes away cancels its episode; SIGTERM lets in-flight
+requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails (a full disk) does not stop
+the serving: /health says "degraded" with the store's last error, /metrics counts its errors, the log has a
+line for each.
+
+Connections: uvicorn has no header or body timeouts and holds a silent connection forever, so a connection must
+send a request's head within `header_timeout_s` of opening or of its previous response, and a body must arrive
+within `body_timeout_s`; connections beyond `max_connections` get a 503. A server without an API key is a
+loopback server: it answers only requests whose Host is a loopback name (a DNS-rebinding page cannot reach it),
+and every POST must be application/json (a cross-site form or `text/plain` fetch cannot)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
 import re
 import secrets
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +43,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from masgraph.agent import Agent, Answer
 from masgraph.errors import MasgraphError
@@ -50,7 +60,7 @@ from masgraph.openai_api import (
 )
 from masgraph.store import RunStore
 
-__all__ = ["ServeConfig", "check_bind", "create_app", "serve"]
+__all__ = ["ServeConfig", "check_bind", "create_app", "serve", "uvicorn_options"]
 
 _log = logging.getLogger("uvicorn.error")
 """The server's own lines go where uvicorn's go (its format, its --log-level)."""
@@ -72,6 +82,23 @@ class ServeConfig:
     """Per-request limit (504 beyond; the episode is cancelled)."""
     store: Path | None = None
     """Run directory that keeps every episode's trace (events.jsonl); None: traces are not stored."""
+    max_connections: int | None = None
+    """Open connections at once (503 beyond); None: max_concurrency + max_queue + 64 (health checks, scrapes)."""
+    header_timeout_s: float = 10.0
+    """A connection must send a request's head within this of opening or of its previous response."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this of its head (408 beyond)."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this (uvicorn's default)."""
+    max_header_bytes: int = 16 * 1024
+    """Largest request head (h11's default; 400 beyond)."""
+    loopback_hosts_only: bool = True
+    """Without an API key, answer only requests whose Host is a loopback name (DNS rebinding); `serve` turns
+    it off for a keyless public bind (--allow-public-without-key)."""
+
+    @property
+    def connection_limit(self) -> int:
+        return self.max_connections or self.max_concurrency + self.max_queue + 64
 
 
 class ApiError(Exception):
@@ -81,6 +108,9 @@ class ApiError(Exception):
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 class _Gate:
@@ -123,17 +153,24 @@ class _Metrics:
         self.tokens = Counter("masgraph_tokens", "LLM tokens of all episodes", ["kind"], registry=r)
 
 
-class _Count:
-    """Pure ASGI middleware counting responses by path and status (no BaseHTTPMiddleware: it would hide client
-    disconnects from the endpoint)."""
 
-    def __init__(self, app: Any, metrics: _Metrics):
-        self.app, self.metrics = app, metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+_PATHS = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+_Send = Callable[[dict], Awaitable[None]]
+
+
+class _Edge:
+    """Pure ASGI middleware around every request (no BaseHTTPMiddleware: it would hide client disconnects from
+    the endpoint): a keyless server's Host check and a count of responses by path and status."""
+
+    def __init__(self, app: Any, metrics: _Metrics, check_host: bool):
+        self.app, self.metrics, self.check_host = app, metrics, check_host
+
+    async def __call__(self, scope: dict, receive: Any, send: _Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        status = 0
 
         async def send_status(message: dict) -> None:
             nonlocal status
@@ -142,13 +179,33 @@ class _Count:
             await send(message)
 
         try:
+            if self.check_host and not _loopback_host(_header(scope, b"host")):
+                raise ApiError(400, f"Host {_header(scope, b'host')!r} is not a loopback name: a server without an "
+                                    "API key answers only requests to localhost, 127.0.0.1 or [::1]",
+                               param="Host", code="invalid_host")
             await self.app(scope, receive, send_status)
+        except ApiError as exc:
+            await _answer_late(send_status, status, exc)
         finally:
             path = scope["path"] if scope["path"] in _PATHS else "other"
-            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.requests.labels(path, str(status or 500)).inc()
 
 
-_PATHS = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+async def _answer_late(send: _Send, status: int, exc: ApiError) -> None:
+    """Send `exc` as the response, unless one has started (then the connection just ends)."""
+    if status:
+        return
+    response = exc.response()
+    with suppress(Exception, asyncio.CancelledError):  # the client may be gone, the task cancelled again
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -176,7 +233,7 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -212,7 +269,8 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         authorize(request)
-        req = _parse(await _read_body(request, config.max_body_bytes))
+        _require_json(request)
+        req = _parse(await _read_body(request, config.max_body_bytes, config.body_timeout_s))
         if req.model != model:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model!r}", param="model",
                            code="model_not_found")
@@ -296,20 +354,36 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     def _store_path() -> str | None:
         return str(store.path) if store is not None else None
 
-    app.add_middleware(_Count, metrics=metrics)
+    app.add_middleware(_Edge, metrics=metrics, check_host=config.api_key is None and config.loopback_hosts_only)
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _require_json(request: Request) -> None:
+    """POST bodies must be declared JSON: a cross-site page can send a form or text/plain without asking the
+    browser's preflight, but not application/json."""
+    media = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, not {media or 'missing'}",
+                       param="Content-Type", code="unsupported_media_type")
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes is over the server's {limit}-byte limit",
                        code="body_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"request body is over the server's {limit}-byte limit", code="body_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise ApiError(413, f"request body is over the server's {limit}-byte limit", code="body_too_large")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within the server's {timeout_s:g}s limit",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ApiError(499, "client closed the request", code="client_closed") from None
     return bytes(body)
 
 
@@ -322,6 +396,11 @@ def _parse(body: bytes) -> ChatRequest:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
+    except ValueError:  # an integer longer than Python converts
+        raise ApiError(400, f"the request body has a number of more than {sys.get_int_max_str_digits()} digits",
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     if _ESCAPED_SURROGATE.search(body) and (where := lone_surrogate(data)) is not None:
@@ -339,17 +418,39 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_host(header: str | None) -> bool:
+    """Whether a Host header names this machine's loopback (localhost, 127.0.0.0/8, [::1]; any port). A request
+    without one (HTTP/1.0) passes: no browser sends that."""
+    if header is None:
+        return True
+    host = header.strip().lower()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return _is_loopback(host.rstrip("."))
+
+
 def check_bind(host: str, api_key: str | None, allow_public: bool) -> None:
     """Refuse to serve a non-loopback address without an API key, unless told to."""
-    if api_key is not None or allow_public:
+    if api_key is not None or allow_public or _is_loopback(host):
         return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise MasgraphError(f"--host {host} is reachable from other machines and no API key is set: pass --api-key "
-                            "(or set MASGRAPH_API_KEY), or --allow-public-without-key if that is really meant")
+    raise MasgraphError(f"--host {host} is reachable from other machines and no API key is set: pass --api-key "
+                        "(or set MASGRAPH_API_KEY), or --allow-public-without-key if that is really meant")
+
+
+def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
+    """uvicorn.Config/uvicorn.run keyword arguments that apply `config`'s connection guards."""
+    return {"http": _guarded_protocol(config.header_timeout_s), "limit_concurrency": config.connection_limit,
+            "timeout_keep_alive": config.keep_alive_s, "h11_max_incomplete_event_size": config.max_header_bytes,
+            "timeout_graceful_shutdown": int(config.timeout_s) + 5}
 
 
 def serve(agent: Agent, model: str, host: str, port: int, config: ServeConfig = ServeConfig(),
@@ -357,5 +458,89 @@ def serve(agent: Agent, model: str, host: str, port: int, config: ServeConfig = 
     """Serve until SIGINT/SIGTERM; in-flight requests finish first (at most `config.timeout_s` more)."""
     import uvicorn
 
+    if config.api_key is None and not _is_loopback(host):  # a keyless public bind, asked for: any Host
+        config = dataclasses.replace(config, loopback_hosts_only=False)
     uvicorn.run(create_app(agent, model, config), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=int(config.timeout_s) + 5, limit_concurrency=None)
+                **uvicorn_options(config))
+
+
+def _guarded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the guards it lacks. uvicorn arms no timer on a new connection and stops its
+    keep-alive timer at the first byte, so a silent or dribbling connection was held forever: here a request's
+    head must arrive within `header_timeout_s` of the connection opening or of its previous response (a head
+    begun and not finished gets a 408, a silent connection is just closed). uvicorn's `limit_concurrency` check
+    answers plain text: here a connection beyond that many gets an OpenAI-style 503 for its requests, and a
+    malformed or oversized head an OpenAI-style 400."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.cap, self.limit_concurrency = self.limit_concurrency, None  # uvicorn's check off: ours instead
+            self.head_timer: asyncio.TimerHandle | None = None
+            self.heard = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if self.cap is not None and len(self.connections) > self.cap:
+                self.app = _over_capacity
+            self.await_head()
+
+        def data_received(self, data: bytes) -> None:
+            self.heard = True
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:  # a request's head has arrived
+                self.stop_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.await_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.stop_timer()
+            super().connection_lost(exc)
+
+        def await_head(self) -> None:
+            self.stop_timer()
+            self.heard = False
+            self.head_timer = self.loop.call_later(header_timeout_s, self.head_timed_out)
+
+        def stop_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_timed_out(self) -> None:
+            self.head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.heard and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+                self.transport.write(_request_timeout(f"the request head did not arrive within the server's "
+                                                      f"{header_timeout_s:g}s limit"))
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(f"malformed HTTP request: {msg}", code="invalid_http")).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return Guarded
+
+
+async def _over_capacity(scope: dict, receive: Any, send: _Send) -> None:
+    """The app of a connection beyond the cap."""
+    await _answer_late(send, 0, ApiError(503, "the server has too many open connections; retry shortly",
+                                         "server_error", code="too_many_connections",
+                                         headers={"Retry-After": "1", "Connection": "close"}))
+
+
+def _request_timeout(message: str) -> bytes:
+    """A whole 408 response that closes the connection, written where h11 has no request to answer."""
+    body = json.dumps(error_body(message, code="header_timeout")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(body), body))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on a scripted agent: a real uvicorn server on a socket, real HTTP clients (httpx and
 the official `openai` client); every guard — auth, body limit, 400s, 404, 429, 504, disconnect, SIGTERM drain —
-and the trace store's robustness (a bad record, a full disk)."""
+and the trace store's robustness (a bad record, a full disk) and the connection guards (slow or silent
+connections, a connection cap, hostile JSON, cross-site requests)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -33,7 +35,7 @@ from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.node import NodeOutput
-from masgraph.server import ServeConfig, check_bind, create_app
+from masgraph.server import ServeConfig, check_bind, create_app, serve, uvicorn_options
 from masgraph.store import INDEX, RunStore, read_jsonl, read_traces
 
 GRAPH = """\
@@ -85,9 +87,11 @@ def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"
     """A real uvicorn server in a thread, on a port the OS picks; yields its base URL."""
     import uvicorn
 
-    app = create_app(agent, model, config or ServeConfig())
+    config = config or ServeConfig()
+    app = create_app(agent, model, config)
     # log_config=None: uvicorn's records reach the root logger, so `caplog` sees them (tracebacks included)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None,
+                                           **uvicorn_options(config)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -107,6 +111,19 @@ def ask(text: str, model: str = "echo", **extra) -> dict:
 
 
 JSON = {"Content-Type": "application/json"}
+
+
+def tracebacks(caplog) -> list[str]:
+    """Log records that carry a traceback (a leaked exception), as text."""
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info is not None]
+
+
+async def until(condition, seconds: float = 60) -> None:
+    """Wait (polling, without blocking the loop for long) until `condition()` holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
 
 
 def test_openai_client_sync_streaming_and_the_trace_extension():
@@ -192,9 +209,9 @@ def test_unknown_paths_and_methods_are_openai_style_errors_too():
 def test_body_limit_declared_or_streamed():
     with serving(scripted_agent(), ServeConfig(max_body_bytes=1000)) as url:
         big = json.dumps(ask("x" * 2000)).encode()
-        r = httpx.post(f"{url}/v1/chat/completions", content=big)
+        r = httpx.post(f"{url}/v1/chat/completions", content=big, headers=JSON)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
-        r = httpx.post(f"{url}/v1/chat/completions", content=iter([big[:600], big[600:]]))  # chunked, no length
+        r = httpx.post(f"{url}/v1/chat/completions", content=iter([big[:600], big[600:]]), headers=JSON)  # chunked
         assert r.status_code == 413
         assert httpx.post(f"{url}/v1/chat/completions", json=ask("small")).status_code == 200
 
@@ -474,3 +491,130 @@ def test_shutdown_closes_the_agent_even_when_the_store_cannot_close(tmp_path, ca
     assert closed == [True]
     assert any("closing the trace store" in r.getMessage() and "No space left" in r.getMessage()
                for r in caplog.records)
+
+
+# --- connections and hostile input: 400/408/415/503 with OpenAI-style bodies, never a 500 or a held socket ----
+
+
+def raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=60)
+
+
+def until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a 60 s socket timeout fails the test)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 100_000,
+    b'{"a": ' * 100_000,
+    b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "n": ' + b"9" * 5000 + b"}",
+    b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "x": [' + b"1" * 5000 + b"]}",
+])
+def test_hostile_json_is_a_400_not_a_500(body, caplog):
+    with serving(scripted_agent()) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, headers=JSON)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("hi")).status_code == 200
+    assert not tracebacks(caplog)
+
+
+def test_silent_slow_and_dribbling_connections_are_closed(caplog):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n")
+    with serving(scripted_agent(), ServeConfig(header_timeout_s=0.3, body_timeout_s=0.3)) as url:
+        silent = [raw(url) for _ in range(30)]
+        slow_heads = [raw(url) for _ in range(10)]
+        slow_bodies = [raw(url) for _ in range(20)]
+        for sock in slow_heads:
+            sock.sendall(head)  # the blank line that ends a head never comes
+        for sock in slow_bodies:
+            sock.sendall(head + b"\r\n" + b'{"model": ')  # 100 bytes promised, 10 sent
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("meanwhile")).status_code == 200
+        dribbler = raw(url)
+        dribbler.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ")
+        with contextlib.suppress(OSError):  # a byte every 20 ms never ends the head: closed, so a send fails
+            for _ in range(3000):
+                dribbler.sendall(b"a")
+                time.sleep(0.02)
+            pytest.fail("a connection dribbling its head for 60 s was kept")
+        for sock in silent:
+            assert until_closed(sock) == b""  # no bytes: nothing to answer
+        for sock in slow_heads:
+            reply = until_closed(sock)
+            assert reply.startswith(b"HTTP/1.1 408 ") and json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] \
+                == "header_timeout"
+        for sock in slow_bodies:
+            reply = until_closed(sock)
+            assert reply.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in reply
+    assert not tracebacks(caplog)
+
+
+def test_connections_beyond_the_cap_get_an_openai_style_503():
+    with serving(scripted_agent(), ServeConfig(max_connections=3, keep_alive_s=60, header_timeout_s=60)) as url:
+        held = [raw(url) for _ in range(3)]
+        for sock in held:  # answered and kept alive: the server counts it
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("hi"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "too_many_connections"
+        held.pop().close()
+        asyncio.run(until(lambda: httpx.post(f"{url}/v1/chat/completions", json=ask("hi")).status_code == 200))
+
+
+def test_a_head_too_large_or_malformed_is_an_openai_style_400():
+    with serving(scripted_agent(), ServeConfig(max_header_bytes=1024)) as url:
+        # h11 bounds the head it holds unfinished: 2000 bytes and no end yet is over 1024
+        for head in (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2000,
+                     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n"):
+            sock = raw(url)
+            sock.sendall(head)
+            reply = until_closed(sock)
+            assert reply.startswith(b"HTTP/1.1 400 ") and b"application/json" in reply
+            assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
+
+
+def test_a_keyless_server_takes_only_json_posts_sent_to_a_loopback_name():
+    """A cross-site page can POST text/plain or a form without a preflight, and a DNS-rebinding page reaches the
+    server under its own name; neither gets an episode run or the metrics read."""
+    with serving(scripted_agent()) as url:
+        port = url.rsplit(":", 1)[1]
+        body = json.dumps(ask("hi"))
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+            r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": ctype} if ctype else {})
+            assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type", r.text
+        r = httpx.post(f"{url}/v1/chat/completions", content=body,
+                       headers={"Content-Type": "Application/JSON; charset=utf-8"})
+        assert r.status_code == 200
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "192.168.1.5", ""):
+            for r in (httpx.get(f"{url}/health", headers={"Host": host}),
+                      httpx.get(f"{url}/metrics", headers={"Host": host}),
+                      httpx.post(f"{url}/v1/chat/completions", json=ask("hi"), headers={"Host": host})):
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", (host, r.text)
+        for host in (f"localhost:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}", "127.0.0.2", "LOCALHOST."):
+            assert httpx.get(f"{url}/health", headers={"Host": host}).status_code == 200, host
+    with serving(scripted_agent(), ServeConfig(api_key="k")) as url:  # a keyed server may sit behind any name
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("hi"),
+                       headers={"Host": "api.example.com", "Authorization": "Bearer k"})
+        assert r.status_code == 200
+
+
+def test_a_keyless_public_bind_that_was_asked_for_takes_any_host(monkeypatch):
+    import uvicorn
+
+    apps = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, **options: apps.setdefault(host, app))
+    for host in ("0.0.0.0", "127.0.0.1"):
+        serve(scripted_agent(), "echo", host, 8000)
+
+    async def health(app) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://10.0.0.7:8000") as c:
+            return (await c.get("/health")).status_code
+
+    assert asyncio.run(health(apps["0.0.0.0"])) == 200 and asyncio.run(health(apps["127.0.0.1"])) == 400
