@@ -487,7 +487,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         Path(args.runs_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fails before the model loads
         store = new_run_dir(args.runs_dir, f"{graph.spec.name}-serve")
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
-                         max_queue=args.max_queue, timeout_s=args.timeout, store=store,
+                         max_queue=args.max_queue, max_wait_s=args.max_wait, timeout_s=args.timeout, store=store,
                          max_connections=args.max_connections)
     print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
     with nullcontext() if store is None else _removed_if_left_empty(store):
@@ -687,10 +687,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "sub-graph (default: greedy when learned, sample for the untrained prior)")
     sv.add_argument("--deterministic", action="store_true", help="bit-exact answers whatever the load (slower)")
     _device_arg(sv)
-    sv.add_argument("--max-concurrency", type=positive_int, default=64, help="episodes in flight (default 64)")
+    sv.add_argument("--max-concurrency", type=positive_int, default=32,
+                    help="episodes running at once (default 32: one engine batch of every node's calls)")
     sv.add_argument("--max-queue", type=non_negative_int, default=256,
-                    help="requests waiting beyond those; more get 429 (default 256)")
-    sv.add_argument("--timeout", type=positive_float, default=300.0, help="per-request limit in s (504; default 300)")
+                    help="requests waiting for a slot beyond those; more get 429 with Retry-After at once "
+                         "(default 256)")
+    sv.add_argument("--max-wait", type=positive_float, help="longest a request waits in the queue, in s (503 with "
+                    "Retry-After; default: --timeout)")
+    sv.add_argument("--timeout", type=positive_float, default=300.0,
+                    help="limit of one episode in s, from when it starts (504; default 300)")
     sv.add_argument("--max-connections", type=positive_int, help="open connections at once (503 beyond; default: "
                     "--max-concurrency + --max-queue + 64)")
     sv.add_argument("--max-body-kb", type=positive_int, default=1024, help="largest request body (413; default 1024)")

@@ -3,16 +3,21 @@
     POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE)
     GET  /v1/models             the one model served (the graph's name)
     GET  /health                liveness, load and the trace store's state (no auth)
-    GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens
+    GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens, queue
 
-Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together. The
-guards: bearer-token auth (when a key is set), a request body limit (413), a bounded queue (429 with
-Retry-After), a per-request timeout (504), OpenAI-style 400s for malformed JSON or fields (a lone UTF-16
-surrogate, JSON nested past the parser's depth, a number too long among them), 408 for a body too slow, 415
-for a POST that is not application/json; a client that goes away cancels its episode; SIGTERM lets in-flight
-requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails (a full disk) does not stop
-the serving: /health says "degraded" with the store's last error, /metrics counts its errors, the log has a
-line for each.
+Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together.
+
+Admission: at most `max_concurrency` episodes run and `max_queue` more requests wait for a slot (each at most
+`max_wait_s`: 503 beyond); a request beyond those is refused at once with 429 and Retry-After. A request's
+`timeout_s` starts when its episode starts, not when it arrived (504 beyond; the episode is cancelled).
+
+Every failure is an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`), never a bare
+500: 400 bad JSON or fields (a lone UTF-16 surrogate, JSON nested past the parser's depth, a number too long),
+401 auth, 404 model, 408 a body too slow, 413 too large, 415 not application/json, 429/503 busy, 504 too slow,
+500 an episode that failed (with its trace id). A client that goes away cancels its episode; SIGTERM lets
+admitted requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails (a full disk) does
+not stop the serving: /health says "degraded" with the store's last error, /metrics counts its errors, the log
+has a line for each.
 
 Connections: uvicorn has no header or body timeouts and holds a silent connection forever, so a connection must
 send a request's head within `header_timeout_s` of opening or of its previous response, and a body must arrive
@@ -42,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -59,6 +65,7 @@ from masgraph.openai_api import (
     validation_message,
 )
 from masgraph.store import RunStore
+from masgraph.trace import Trace
 
 __all__ = ["ServeConfig", "check_bind", "create_app", "serve", "uvicorn_options"]
 
@@ -74,12 +81,16 @@ class ServeConfig:
     """Bearer token every /v1 and /metrics request must carry (None: no auth; only for loopback binds)."""
     max_body_bytes: int = 1 << 20
     """Largest request body (413 beyond)."""
-    max_concurrency: int = 64
-    """Episodes in flight at once (their LLM calls batch together)."""
+    max_concurrency: int = 32
+    """Episodes running at once (their LLM calls batch together). The engine's default batch is 32 rows, so
+    each node's call of every running episode fits one batch; more would wait for later batches inside the
+    episode, against the nodes' own timeouts, instead of in the queue."""
     max_queue: int = 256
-    """Requests waiting for a slot beyond those; more get 429 with Retry-After."""
+    """Requests waiting for a slot beyond those; more get 429 with Retry-After at once."""
+    max_wait_s: float | None = None
+    """Longest a request waits in the queue (503 with Retry-After beyond); None: `timeout_s`."""
     timeout_s: float = 300.0
-    """Per-request limit (504 beyond; the episode is cancelled)."""
+    """Limit of one episode, from when it starts (504 beyond; the episode is cancelled)."""
     store: Path | None = None
     """Run directory that keeps every episode's trace (events.jsonl); None: traces are not stored."""
     max_connections: int | None = None
@@ -95,6 +106,10 @@ class ServeConfig:
     loopback_hosts_only: bool = True
     """Without an API key, answer only requests whose Host is a loopback name (DNS rebinding); `serve` turns
     it off for a keyless public bind (--allow-public-without-key)."""
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.timeout_s if self.max_wait_s is None else self.max_wait_s
 
     @property
     def connection_limit(self) -> int:
@@ -113,46 +128,74 @@ class ApiError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
-class _Gate:
-    """Admission: at most `concurrency` episodes run, `queue` more wait; beyond that a request is refused."""
+_RETRY = {"Retry-After": "1"}
 
-    def __init__(self, concurrency: int, queue: int):
-        self.slots, self.capacity, self.admitted = asyncio.Semaphore(concurrency), concurrency + queue, 0
+
+class _Gate:
+    """Admission: at most `concurrency` episodes run, `queue` more wait (each at most `max_wait_s`); a request
+    beyond those is refused at once."""
+
+    def __init__(self, concurrency: int, queue: int, max_wait_s: float):
+        self.slots, self.capacity, self.max_wait_s = asyncio.Semaphore(concurrency), concurrency + queue, max_wait_s
+        self.admitted = 0
+        """Requests running or queued."""
+        self.running = 0
 
     def admit(self) -> _Ticket:
         if self.admitted >= self.capacity:
-            raise ApiError(429, f"the server is at capacity ({self.capacity} requests in flight or queued); retry "
-                                "shortly", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            raise ApiError(429, f"the server is at capacity ({self.capacity} requests running or queued); retry "
+                                "shortly", "rate_limit_error", code="queue_full", headers=_RETRY)
         self.admitted += 1
         return _Ticket(self)
 
 
 class _Ticket:
-    def __init__(self, gate: _Gate):
-        self.gate, self.held = gate, True
+    """One admitted request: queued until `start`, running until `release`."""
 
-    def release(self) -> None:  # idempotent: a stream's generator and its cleanup may both call it
+    def __init__(self, gate: _Gate):
+        self.gate, self.held, self.running = gate, True, False
+
+    async def start(self) -> None:
+        """Wait for a slot (503 after the gate's `max_wait_s`)."""
+        try:
+            async with asyncio.timeout(self.gate.max_wait_s):
+                await self.gate.slots.acquire()
+        except TimeoutError:
+            raise ApiError(503, f"the server is busy: no episode slot freed up within {self.gate.max_wait_s:g}s; "
+                                "retry later", "server_error", code="queue_timeout", headers=_RETRY) from None
+        self.running = True
+        self.gate.running += 1
+
+    def release(self) -> None:
+        """Give the slot and the place back; idempotent (the episode, a stream and a handler may each call it)."""
+        if self.running:
+            self.running = False
+            self.gate.running -= 1
+            self.gate.slots.release()
         if self.held:
             self.held = False
             self.gate.admitted -= 1
 
 
 class _Metrics:
-    def __init__(self, store: RunStore | None) -> None:
+    def __init__(self, gate: _Gate, store: RunStore | None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("masgraph_requests", "HTTP requests by path and status code", ["path", "code"],
                                 registry=r)
         self.latency = Histogram("masgraph_request_seconds", "Request latency (chat completions)", registry=r,
                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120, 300))
-        self.in_flight = Gauge("masgraph_requests_in_flight", "Chat requests admitted and not finished", registry=r)
+        Gauge("masgraph_requests_in_flight", "Chat requests admitted and not finished", registry=r).set_function(
+            lambda: gate.admitted)
+        Gauge("masgraph_requests_running", "Chat requests whose episode runs", registry=r).set_function(
+            lambda: gate.running)
+        Gauge("masgraph_requests_queued", "Chat requests waiting for an episode slot", registry=r).set_function(
+            lambda: gate.admitted - gate.running)
         if store is not None:
             Gauge("masgraph_trace_store_errors", "Trace records the store could not write as sent, and failed "
                   "writes (0 while sound)", registry=r).set_function(lambda: store.errors)
         self.episodes = Counter("masgraph_episodes", "Episodes by final status", ["status"], registry=r)
         self.tokens = Counter("masgraph_tokens", "LLM tokens of all episodes", ["kind"], registry=r)
-
-
 
 
 _PATHS = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
@@ -162,7 +205,9 @@ _Send = Callable[[dict], Awaitable[None]]
 
 class _Edge:
     """Pure ASGI middleware around every request (no BaseHTTPMiddleware: it would hide client disconnects from
-    the endpoint): a keyless server's Host check and a count of responses by path and status."""
+    the endpoint): a keyless server's Host check, a count of responses by path and status, and the last resort
+    that answers whatever escapes the app with an OpenAI-style error: no bare 500, and a request cancelled from
+    outside (uvicorn's shutdown) gets a 503 and one log line, not a traceback."""
 
     def __init__(self, app: Any, metrics: _Metrics, check_host: bool):
         self.app, self.metrics, self.check_host = app, metrics, check_host
@@ -178,6 +223,7 @@ class _Edge:
                 status = message["status"]
             await send(message)
 
+        where = f"{scope['method']} {scope['path']}"
         try:
             if self.check_host and not _loopback_host(_header(scope, b"host")):
                 raise ApiError(400, f"Host {_header(scope, b'host')!r} is not a loopback name: a server without an "
@@ -186,6 +232,16 @@ class _Edge:
             await self.app(scope, receive, send_status)
         except ApiError as exc:
             await _answer_late(send_status, status, exc)
+        except asyncio.CancelledError:  # not re-raised: uvicorn would log a traceback and send a bare 500
+            _log.warning("%s: cancelled before it was answered (server shutting down)", where)
+            await _answer_late(send_status, status, ApiError(
+                503, "the server cancelled this request (it is shutting down); retry", "server_error",
+                code="cancelled", headers=_RETRY))
+        except Exception as exc:  # a bug: its traceback, and still an OpenAI-style answer
+            _log.error("%s: unexpected error", where, exc_info=exc)
+            await _answer_late(send_status, status, ApiError(
+                500, f"internal server error ({type(exc).__name__}); the server log has the details",
+                "server_error", code="internal_error"))
         finally:
             path = scope["path"] if scope["path"] in _PATHS else "other"
             self.metrics.requests.labels(path, str(status or 500)).inc()
@@ -210,10 +266,10 @@ def _header(scope: dict, name: bytes) -> str | None:
 
 def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) -> FastAPI:
     """The ASGI app serving `agent` as model `model`."""
-    gate = _Gate(config.max_concurrency, config.max_queue)
+    gate = _Gate(config.max_concurrency, config.max_queue, config.queue_wait_s)
     store = (RunStore(config.store, agent.graph.spec, {"serve": {"model": model, "max_concurrency":
              config.max_concurrency, "timeout_s": config.timeout_s}}) if config.store is not None else None)
-    metrics = _Metrics(store)
+    metrics, sinks = _Metrics(gate, store), [store] if store is not None else []
     started, served = int(time.time()), [0]
 
     @asynccontextmanager
@@ -252,6 +308,7 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     async def health() -> dict[str, Any]:
         sound = store is None or store.errors == 0
         return {"status": "ok" if sound else "degraded", "model": model, "in_flight": gate.admitted,
+                "running": gate.running, "queued": gate.admitted - gate.running,
                 "trace_store": None if store is None else {"path": str(store.path), "errors": store.errors,
                                                            "last_error": store.last_error}}
 
@@ -279,22 +336,21 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             raise ApiError(400, "messages: no user message with text content (the question is the last user "
                                 "message)", param="messages")
         ticket, rid = gate.admit(), uuid.uuid4().hex[:24]
-        metrics.in_flight.inc()
-        if req.stream:
+        if req.stream:  # the background task releases the ticket of a stream cut before its generator started
             return StreamingResponse(_stream(req, question, rid, ticket), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(ticket.release))
         try:
-            ans = await _answer(question, rid, request)
+            ans = await _answer(question, rid, ticket, request)
         finally:
             ticket.release()
-            metrics.in_flight.dec()
         return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
 
     async def _stream(req: ChatRequest, question: str, rid: str, ticket: _Ticket) -> AsyncIterator[str]:
         try:
             yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
-            try:
-                ans = await _answer(question, rid, None)  # a disconnect cancels this generator, and the episode
+            try:  # a disconnect cancels this generator (Starlette listens for it), and with it the episode
+                ans = await _answer(question, rid, ticket, None)
             except ApiError as exc:
                 yield _sse(exc.body)
                 yield "data: [DONE]\n\n"
@@ -309,53 +365,94 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             yield "data: [DONE]\n\n"
         finally:
             ticket.release()
-            metrics.in_flight.dec()
 
-    async def _answer(question: str, rid: str, request: Request | None) -> Answer:
-        """The episode for one request, within the timeout; cancelled when the client goes away."""
+    async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None) -> Answer:
+        """The episode of one request, run as its own task: queued, then run within the timeout; cancelled when
+        the client goes away (watched here for a non-streaming `request`)."""
         t0 = time.perf_counter()
-
-        async def run() -> Answer:
-            async with gate.slots:
-                return await agent.aask(question, sinks=[store] if store is not None else [],
-                                        meta={"request_id": rid})
-
-        task = asyncio.ensure_future(run())
+        episode = asyncio.ensure_future(_episode(question, rid, ticket))
+        episode.add_done_callback(_retrieved)
+        waits = {episode}
+        if request is not None:
+            waits.add(asyncio.ensure_future(_disconnected(request)))
         try:
-            async with asyncio.timeout(config.timeout_s):
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=0.2)
-                    if done:
-                        break
-                    if request is not None and await request.is_disconnected():
-                        task.cancel()
-                        raise ApiError(499, "client closed the request", code="client_closed")
-        except TimeoutError:
-            raise ApiError(504, f"the episode took longer than the server's {config.timeout_s:g}s limit; it was "
-                                "cancelled", "timeout_error", code="timeout") from None
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not episode.done():
+                raise ApiError(499, "client closed the request", code="client_closed")
         finally:
-            if not task.done():
+            for task in waits:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*waits, return_exceptions=True)
             metrics.latency.observe(time.perf_counter() - t0)
-        ans = task.result()
-        trace = ans.trace
+        return _outcome(episode)
+
+    async def _episode(question: str, rid: str, ticket: _Ticket) -> Answer:
+        """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
+        try:
+            await ticket.start()
+            limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
+            try:
+                async with limit:
+                    return await agent.aask(question, sinks=sinks, meta={"request_id": rid})
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                raise ApiError(504, f"the episode took longer than the server's {config.timeout_s:g}s limit; it "
+                                    "was cancelled", "timeout_error", code="timeout") from None
+        finally:
+            ticket.release()
+
+    def _outcome(episode: asyncio.Future) -> Answer:
+        """The answer of a finished episode task, or the ApiError that fits how it ended."""
+        if episode.cancelled():  # not by this request (it only cancels an episode it no longer waits for)
+            raise ApiError(503, "the episode was cancelled inside the server before it finished; retry",
+                           "server_error", code="episode_cancelled", headers=_RETRY)
+        exc = episode.exception()
+        if isinstance(exc, ApiError):
+            raise exc
+        if exc is not None:
+            raise exc  # a bug: _Edge logs it and answers 500
+        ans: Answer = episode.result()
+        _count(ans.trace)
+        if not ans.ok:
+            raise _failed(ans.trace)
+        return ans
+
+    def _count(trace: Trace) -> None:
         served[0] += 1
         metrics.episodes.labels(trace.status).inc()
         u = usage(trace)
         metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
         metrics.tokens.labels("completion").inc(u["completion_tokens"])
-        if not ans.ok:
-            status = 504 if trace.status == "timeout" else 500
-            raise ApiError(status, f"the agent failed on this question (trace {trace.episode_id}): {trace.error}",
-                           "server_error", code=f"episode_{trace.status}")
-        return ans
 
     def _store_path() -> str | None:
         return str(store.path) if store is not None else None
 
     app.add_middleware(_Edge, metrics=metrics, check_host=config.api_key is None and config.loopback_hosts_only)
     return app
+
+
+def _failed(trace: Trace) -> ApiError:
+    """The error of a failed episode: 504 when it ran out of time (the episode's limit or a node's: a node waits
+    for its LLM call on a loaded server), else 500; both carry the trace id."""
+    timed_out = trace.status == "timeout" or any(s.error is not None and s.error.startswith("node timed out")
+                                                 for s in trace.steps)
+    message = f"the agent failed on this question (trace {trace.episode_id}): {trace.error}"
+    if timed_out:
+        return ApiError(504, message, "timeout_error", code="episode_timeout")
+    return ApiError(500, message, "server_error", code=f"episode_{trace.status}")
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's exception as seen (asyncio logs an unseen one as an error when the task is collected)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _require_json(request: Request) -> None:
@@ -450,12 +547,13 @@ def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
     """uvicorn.Config/uvicorn.run keyword arguments that apply `config`'s connection guards."""
     return {"http": _guarded_protocol(config.header_timeout_s), "limit_concurrency": config.connection_limit,
             "timeout_keep_alive": config.keep_alive_s, "h11_max_incomplete_event_size": config.max_header_bytes,
-            "timeout_graceful_shutdown": int(config.timeout_s) + 5}
+            # a queued request may wait, then run: SIGTERM lets both finish
+            "timeout_graceful_shutdown": int(config.queue_wait_s + config.timeout_s) + 5}
 
 
 def serve(agent: Agent, model: str, host: str, port: int, config: ServeConfig = ServeConfig(),
           log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests finish first (at most `config.timeout_s` more)."""
+    """Serve until SIGINT/SIGTERM; admitted requests finish first."""
     import uvicorn
 
     if config.api_key is None and not _is_loopback(host):  # a keyless public bind, asked for: any Host
@@ -536,7 +634,7 @@ async def _over_capacity(scope: dict, receive: Any, send: _Send) -> None:
     """The app of a connection beyond the cap."""
     await _answer_late(send, 0, ApiError(503, "the server has too many open connections; retry shortly",
                                          "server_error", code="too_many_connections",
-                                         headers={"Retry-After": "1", "Connection": "close"}))
+                                         headers={**_RETRY, "Connection": "close"}))
 
 
 def _request_timeout(message: str) -> bytes:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server on a scripted agent: a real uvicorn server on a socket, real HTTP clients (httpx and
 the official `openai` client); every guard — auth, body limit, 400s, 404, 429, 504, disconnect, SIGTERM drain —
-and the trace store's robustness (a bad record, a full disk) and the connection guards (slow or silent
-connections, a connection cap, hostile JSON, cross-site requests)."""
+and the trace store's robustness (a bad record, a full disk), the connection guards (slow or silent connections,
+a connection cap, hostile JSON, cross-site requests) and admission control (queue, time limit from the start)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,29 @@ entry: answer
 exit: answer
 """
 
+GATED = SLOW.replace("sleepy", "gated").replace("name: slow", "name: gated")
+
 EVENTS: list[str] = []
+GATES: dict[str, threading.Event] = {}
+"""Gates the `gated` agent waits on, by name; a test opens them (set) from its own thread."""
+
+
+@register_agent("gated")
+async def _gated(ctx):
+    """Runs until the test opens the gate its question names (`gate a`)."""
+    gate = GATES.setdefault(ctx.query.split()[-1], threading.Event())
+    while not gate.is_set():
+        await asyncio.sleep(0.01)
+    return NodeOutput(text="opened", answer="opened")
+
+
+def open_gate(name: str) -> None:
+    GATES.setdefault(name, threading.Event()).set()
+
+
+@register_agent("parrot-serve")
+async def _parrot(ctx):
+    return NodeOutput(text=ctx.query, answer=ctx.query)
 
 
 @register_agent("sleepy")
@@ -69,11 +91,6 @@ async def _sleepy(ctx):
         raise
     EVENTS.append(f"finished {ctx.query}")
     return NodeOutput(text="slept", answer="slept")
-
-
-@register_agent("parrot-serve")
-async def _parrot(ctx):
-    return NodeOutput(text=ctx.query, answer=ctx.query)
 
 
 def scripted_agent(text: str = GRAPH) -> Agent:
@@ -216,16 +233,31 @@ def test_body_limit_declared_or_streamed():
         assert httpx.post(f"{url}/v1/chat/completions", json=ask("small")).status_code == 200
 
 
-def test_a_full_queue_answers_429_with_retry_after():
-    with serving(scripted_agent(SLOW), ServeConfig(max_concurrency=1, max_queue=1), model="slow") as url:
+def test_a_full_queue_answers_429_at_once_and_the_admitted_requests_succeed(caplog):
+    """2 running + 2 queued: of 8 concurrent clients, 4 get a 429 with Retry-After while the first 4 are held,
+    then those 4 all succeed; no 500 anywhere."""
+    with serving(scripted_agent(GATED), ServeConfig(max_concurrency=2, max_queue=2), model="gated") as url:
         async def main():
-            async with httpx.AsyncClient(timeout=30) as c:
-                return await asyncio.gather(*(c.post(f"{url}/v1/chat/completions", json=ask("sleep 1", "slow"))
-                                              for _ in range(4)))
-        codes = sorted(r.status_code for r in asyncio.run(main()))
-        assert codes == [200, 200, 429, 429]
-        busy = next(r for r in asyncio.run(main()) if r.status_code == 429)
-        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+            async with httpx.AsyncClient(timeout=60) as c:
+                posts = [asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=ask("gate full", "gated")))
+                         for _ in range(8)]
+                while sum(p.done() for p in posts) < 4:  # the refused answer at once, while the gate is shut
+                    await asyncio.sleep(0.01)
+                refused = [p.result() for p in posts if p.done()]
+                await until(lambda: httpx.get(f"{url}/health").json()["queued"] == 2)
+                health = (await c.get(f"{url}/health")).json()
+                open_gate("full")
+                return refused, health, await asyncio.gather(*posts)
+
+        refused, health, everyone = asyncio.run(main())
+        assert [r.status_code for r in refused] == [429] * 4
+        assert (health["running"], health["queued"], health["in_flight"]) == (2, 2, 4)
+        assert sorted(r.status_code for r in everyone) == [200] * 4 + [429] * 4
+        for r in refused:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+            assert r.json()["error"]["code"] == "queue_full"
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+    assert not tracebacks(caplog)
 
 
 def test_a_slow_episode_times_out_with_504_and_is_cancelled():
@@ -618,3 +650,128 @@ def test_a_keyless_public_bind_that_was_asked_for_takes_any_host(monkeypatch):
             return (await c.get("/health")).status_code
 
     assert asyncio.run(health(apps["0.0.0.0"])) == 200 and asyncio.run(health(apps["127.0.0.1"])) == 400
+
+
+# --- admission: the time limit runs from the episode's start, a queue wait is bounded, errors are OpenAI's ----
+
+
+def test_the_time_limit_starts_when_the_episode_starts_not_when_the_request_arrived():
+    """One slot, limit T: two requests of 0.6 T each; the second waits 0.6 T for the slot, so 1.2 T after it
+    arrived, but only 0.6 T after its episode started, it is answered, not timed out. T is scaled from a
+    measured request so that 0.4 T of slack covers a slow machine."""
+    with serving(scripted_agent(SLOW), ServeConfig(max_concurrency=1), model="slow") as url:
+        t0 = time.perf_counter()
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("sleep 0", "slow")).status_code == 200
+        limit = max(3.0, 30 * (time.perf_counter() - t0))
+    with serving(scripted_agent(SLOW), ServeConfig(max_concurrency=1, timeout_s=limit), model="slow") as url:
+        async def main():
+            async with httpx.AsyncClient(timeout=10 * limit) as c:
+                return await asyncio.gather(*(c.post(f"{url}/v1/chat/completions",
+                                                     json=ask(f"sleep {0.6 * limit}", "slow")) for _ in range(2)))
+        assert [r.status_code for r in asyncio.run(main())] == [200, 200]
+
+
+def test_a_request_waits_in_the_queue_at_most_max_wait_then_gets_a_503():
+    with serving(scripted_agent(GATED), ServeConfig(max_concurrency=1, max_wait_s=0.2), model="gated") as url:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                first = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=ask("gate wait", "gated")))
+                await until(lambda: httpx.get(f"{url}/health").json()["running"] == 1)
+                second = await c.post(f"{url}/v1/chat/completions", json=ask("gate wait", "gated"))
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+                with pytest.raises(openai.InternalServerError) as parsed:  # the official client reads it too
+                    await asyncio.to_thread(client.chat.completions.create, **ask("gate wait", "gated"))
+                open_gate("wait")
+                return await first, second, parsed.value
+
+        first, second, parsed = asyncio.run(main())
+        assert first.status_code == 200
+        assert second.status_code == 503 and second.headers["retry-after"] == "1"
+        assert second.json()["error"]["code"] == "queue_timeout"
+        assert parsed.status_code == 503 and parsed.code == "queue_timeout"
+
+
+def test_a_node_that_times_out_is_a_504_with_the_trace_id():
+    graph = SLOW.replace("agent: sleepy", "agent: sleepy, timeout_s: 0.1")
+    with serving(scripted_agent(graph), model="slow") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("sleep 30", "slow"))
+        err = r.json()["error"]
+        assert r.status_code == 504 and err["code"] == "episode_timeout" and err["type"] == "timeout_error"
+        assert "node timed out" in err["message"] and "trace " in err["message"]
+
+
+@register_agent("cancelled-serve")
+async def _cancelled(ctx):
+    raise asyncio.CancelledError  # as an episode cancelled by something inside the server (not its request)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_episode_cancelled_inside_the_server_is_a_503_not_a_bare_500(stream, caplog):
+    with serving(scripted_agent(SLOW.replace("sleepy", "cancelled-serve")), model="slow") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=ask("x", "slow", stream=stream))
+        if stream:
+            assert r.status_code == 200 and '"episode_cancelled"' in r.text and r.text.rstrip().endswith("[DONE]")
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "episode_cancelled"
+            assert r.headers["retry-after"] == "1"
+        assert httpx.post(f"{url}/v1/chat/completions", json=ask("x", "slow")).status_code == 503  # serving on
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+    assert not tracebacks(caplog)
+
+
+def test_a_queued_client_that_goes_away_gives_its_place_back(caplog):
+    with serving(scripted_agent(GATED), ServeConfig(max_concurrency=1, max_queue=1), model="gated") as url:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                first = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=ask("gate gone", "gated")))
+                await until(lambda: httpx.get(f"{url}/health").json()["running"] == 1)
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post(f"{url}/v1/chat/completions", json=ask("gate gone", "gated"), timeout=0.3)
+                await until(lambda: httpx.get(f"{url}/health").json()["queued"] == 0)
+                refill = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=ask("gate gone", "gated")))
+                await until(lambda: httpx.get(f"{url}/health").json()["queued"] == 1)  # the place is free again
+                open_gate("gone")
+                return await first, await refill
+
+        assert [r.status_code for r in asyncio.run(main())] == [200, 200]
+    assert not tracebacks(caplog)
+
+
+def test_whatever_escapes_the_app_is_an_openai_style_error(caplog):
+    """The last resort: a bug is a 500 with an error body (its traceback logged); a request cancelled from
+    outside (uvicorn's shutdown timeout) is a 503 with one log line, no traceback."""
+    from masgraph.server import _Edge, _Gate, _Metrics
+
+    async def run(exc: BaseException) -> tuple[int, dict]:
+        async def app(scope, receive, send):
+            raise exc
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        await _Edge(app, _Metrics(_Gate(1, 1, 1.0), None), check_host=True)(scope, None, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    status, body = asyncio.run(run(asyncio.CancelledError()))
+    assert status == 503 and body["error"]["code"] == "cancelled" and not tracebacks(caplog)
+    status, body = asyncio.run(run(KeyError("bug")))
+    assert status == 500 and body["error"]["code"] == "internal_error" and len(tracebacks(caplog)) == 1
+
+
+def test_the_serve_flags_set_admission_and_default_to_serve_config():
+    from masgraph.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "g.yaml"])
+    defaults = ServeConfig()
+    assert (args.max_concurrency, args.max_queue, args.max_wait, args.max_connections) == (
+        defaults.max_concurrency, defaults.max_queue, defaults.max_wait_s, defaults.max_connections)
+    args = parser.parse_args(["serve", "g.yaml", "--max-concurrency", "2", "--max-queue", "2", "--max-wait", "5",
+                              "--max-connections", "50"])
+    assert (args.max_concurrency, args.max_queue, args.max_wait, args.max_connections) == (2, 2, 5.0, 50)
+    serve_help = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    text = serve_help.format_help()
+    assert "429" in text and "Retry-After" in text and "--max-wait" in text and "--max-connections" in text
