@@ -246,6 +246,12 @@ def _load_yaml(text: str, file: str | None) -> tuple[yaml.Node | None, object]:
             loader.dispose()
 
 
+def read_yaml(data: bytes, file: str | None = None) -> object:
+    """Any YAML document from UTF-8 bytes, read as graph files are (nesting and alias expansion bounded, duplicate
+    keys refused) but not validated as a spec: for a run directory's copy of its spec. SpecError when refused."""
+    return _load_yaml(_decode(data, file), file)[1]
+
+
 def _decode(data: bytes, file: str | None) -> str:
     try:
         return data.decode("utf-8")

@@ -22,22 +22,25 @@ def require_terminal() -> None:
 
 
 def watch(run_dir: str | Path, poll_s: float = 0.25) -> int:
-    """Open the TUI on a run directory until the user quits (a wrong path is reported before the terminal check)."""
+    """Open the TUI on a run directory until the user quits (a wrong path, or a run file that is not a regular
+    file, is reported before the terminal check). A run file that becomes unreadable while watching is raised
+    here once the terminal is restored (the CLI's error line); a crash of the app exits non-zero."""
     from masgraph.watch.app import WatchApp
     from masgraph.watch.index import RunIndex
 
     index = RunIndex(run_dir)
     require_terminal()
-    WatchApp(run_dir, poll_s, index=index).run()
-    return 0
+    app = WatchApp(run_dir, poll_s, index=index)
+    app.run()
+    if app.error is not None:
+        raise app.error
+    return app.return_code or 0
 
 
 def watch_while(run_dir: Path, main: Callable[[], Coroutine[Any, Any, None]], poll_s: float = 0.25) -> int:
     """Run `main()` on its own event loop in a worker thread while the TUI watches `run_dir` in this one
     (`masgraph run|train --watch`). Quitting the TUI leaves the run going: this then waits for it, and Ctrl-C
     cancels it (exit 130). An exception of the run is raised here once the TUI has closed."""
-    from masgraph.watch.app import WatchApp
-
     require_terminal()
     run_dir.mkdir(parents=True, exist_ok=True)
     job = _Background(main)
@@ -45,7 +48,7 @@ def watch_while(run_dir: Path, main: Callable[[], Coroutine[Any, Any, None]], po
     while not job.done.wait(0.05) and not _started(run_dir):  # the run writes its first files
         pass
     if _started(run_dir):
-        WatchApp(run_dir, poll_s).run()
+        _watch_beside(run_dir, poll_s)
     if not job.done.is_set():
         print(f"the watcher closed; the run goes on in {run_dir} (Ctrl-C stops it, `masgraph watch {run_dir}` "
               "watches it again)", file=sys.stderr)
@@ -59,6 +62,23 @@ def watch_while(run_dir: Path, main: Callable[[], Coroutine[Any, Any, None]], po
     if job.error is not None:
         raise job.error
     return 130 if job.cancelled else 0
+
+
+def _watch_beside(run_dir: Path, poll_s: float) -> None:
+    """The TUI over a run this process is writing; if it cannot read the run, or crashes, that is said on stderr
+    and the run goes on (its own exit code stands)."""
+    from masgraph.watch.app import WatchApp
+
+    try:
+        app = WatchApp(run_dir, poll_s)
+    except MasgraphError as exc:
+        print(f"error: the watcher cannot read the run: {exc}", file=sys.stderr)
+        return
+    app.run()
+    if app.error is not None:
+        print(f"error: the watcher stopped: {app.error}", file=sys.stderr)
+    elif app.return_code:
+        print(f"error: the watcher crashed (exit code {app.return_code})", file=sys.stderr)
 
 
 def _started(run_dir: Path) -> bool:

@@ -22,8 +22,13 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
 
+from masgraph.errors import MasgraphError
 from masgraph.watch import render
 from masgraph.watch.index import Row, RunIndex
+
+READ_BUDGET = 16 << 20
+"""Bytes of the run's files read per poll: a large run is caught up with over several polls, the app answering
+keys between them."""
 
 KEYS = """\
 [b]Everywhere[/b]
@@ -229,8 +234,12 @@ class WatchApp(App):
         self.index = index or RunIndex(run_dir)
         self.poll_s = poll_s
         self.outcome, self.node_error, self.search_text, self.sort, self.reverse = "all", None, "", "finished", False
+        self.error: MasgraphError | None = None
+        """Why the app stopped reading the run (a run file became unreadable); the app then exits with code 2."""
         self._shown = 0
-        """Rows of the index already in the table (rows that came after are appended or re-selected)."""
+        """Finished episodes already in the table (rows that came after are appended or re-selected)."""
+        self._first = 0
+        """`seq` of the index's first kept row when the table was filled (older rows dropped since: re-select)."""
         self._panels: dict[str, MetricPanel] = {}
 
     def compose(self) -> ComposeResult:
@@ -251,13 +260,24 @@ class WatchApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.index.poll()
+        self._poll()
         self.refresh_views(full=True)
         self.set_interval(self.poll_s, self.tick)
 
     def tick(self) -> None:
-        if self.index.poll():
+        if self._poll():
             self.refresh_views()
+
+    def _poll(self) -> bool:
+        """Read on in the run (READ_BUDGET bytes at most); a run file that cannot be read ends the app (code 2)."""
+        if self.error is not None:
+            return False
+        try:
+            return self.index.poll(READ_BUDGET)
+        except MasgraphError as exc:
+            self.error = exc
+            self.exit(return_code=2)
+            return False
 
     # -- drawing ---------------------------------------------------------------------------------------------
 
@@ -273,17 +293,20 @@ class WatchApp(App):
 
     def _refresh_table(self, full: bool = False) -> None:
         table = self.query_one(EpisodeTable)
-        rows = self.index.rows
+        rows, done = self.index.rows, self.index.n_done
+        first = rows[0].seq if rows else 0
         plain = self.outcome == "all" and not self.node_error and not self.search_text
-        if not full and plain and self.sort == "finished" and not self.reverse:
-            if len(rows) > self._shown:  # live, in finishing order: append the new rows only
-                table.set_rows(table.rows + rows[self._shown:])
+        if not full and plain and self.sort == "finished" and not self.reverse and first == self._first:
+            if done > self._shown:  # live, in finishing order: append the new rows only
+                table.set_rows(table.rows + rows[self._shown - first:])
         else:
             table.set_rows(render.select(rows, self.outcome, self.node_error, self.search_text, self.sort,
                                          self.reverse))
-        self._shown = len(rows)
+        self._shown, self._first = done, first
         bar = Text()
         bar.append(f"{len(table.rows):,}/{len(rows):,} episodes", style="bold")
+        if done > len(rows):
+            bar.append(f" (the last {len(rows):,} of {done:,})", style="dim")
         bar.append(f" · filter {self.outcome}" + (f" · {self.node_error} failed" if self.node_error else ""))
         bar.append(f" · sort {self.sort}{' ↓' if self.reverse else ''}")
         if self.search_text:

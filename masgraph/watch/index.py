@@ -6,23 +6,43 @@ episodes still running (their steps so far, the nodes active now). A run dir wri
 (event schema < 3) is read from events.jsonl alone. metrics.jsonl gives the training curves and
 checkpoints/step-N/state.json the checkpoints. Every file may be cut or half-written: bad lines are counted
 and reported in `warnings`, never raised.
+
+Memory stays bounded whatever the files' sizes: files are read in chunks of at most CHUNK bytes (a line over
+MAX_LINE is skipped as bad), the table keeps the last MAX_ROWS episodes (counts cover all of them), and an
+episode's trace is read back from its byte range only when it is opened. Only regular files are read: a FIFO,
+a directory or a symlink loop where a run file should be is a MasgraphError (a FIFO would block the reader).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
-
-import yaml
+from typing import Any, BinaryIO
 
 from masgraph.checkpoint import read_state
-from masgraph.errors import MasgraphError
+from masgraph.errors import MasgraphError, SpecError
+from masgraph.loader import read_yaml
 from masgraph.store import INDEX, _Parser, step_flag
 from masgraph.trace import Trace
+
+RUN_FILES = ("events.jsonl", INDEX, "metrics.jsonl", "config.json", "spec.yaml", "summary.json")
+"""The files of a run directory a watcher reads (each must be a regular file when it exists)."""
+CHUNK = 4 << 20
+"""Bytes read from a file at a time."""
+MAX_LINE = 64 << 20
+"""A longer line is skipped (counted as bad) instead of being held in memory whole."""
+MAX_SMALL_FILE = 16 << 20
+"""config.json, spec.yaml and summary.json past this size are not read (a run writes a few KB)."""
+MAX_ROWS = 100_000
+"""Episodes the table keeps (the last ones); older rows are dropped, their counts kept."""
+ROW_TEXT = 200
+"""Characters of an episode's item, query, answer and error a row keeps (as index lines do; the trace has all)."""
 
 
 @dataclass(slots=True)
@@ -94,33 +114,88 @@ class _Live:
 
 
 class _Lines:
-    """New whole lines of a growing file: each read returns (offset, line) pairs appended since the last read."""
+    """New whole lines of a growing file, read in bounded chunks: each read returns the (offset, line) pairs of
+    at most `max_bytes` more bytes. A line longer than MAX_LINE is dropped as it is read (counted in `too_long`)."""
 
-    def __init__(self, path: Path, offset: int = 0):
-        self.path, self.offset, self._partial = path, offset, b""
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = 0
+        """The next byte to read."""
+        self.behind = False
+        """Whether the file held more bytes than the last read took."""
+        self.too_long = 0
+        self._partial = bytearray()
+        """The bytes of the line being read, up to `pos` (empty while skipping a line that is too long)."""
+        self._skipping = False
 
-    def read(self, limit: int = 1 << 30) -> list[tuple[int, bytes]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset + len(self._partial))
-                data = f.read(limit)
-        except FileNotFoundError:
+    def seek(self, offset: int) -> None:
+        """Read on from `offset` (the start of a line)."""
+        self.pos, self._partial, self._skipping = offset, bytearray(), False
+
+    def read(self, max_bytes: int = CHUNK) -> list[tuple[int, bytes]]:
+        f = open_regular(self.path)
+        if f is None:
+            self.behind = False
             return []
-        if not data:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(self.pos)
+            data = f.read(max(0, min(max_bytes, size - self.pos)))  # read(n) allocates n bytes first
+            self.behind = size > self.pos + len(data)
+        start, self.pos = self.pos, self.pos + len(data)  # `start`: the offset of data[0]
+        if self._skipping:
+            nl = data.find(b"\n")
+            if nl < 0:
+                return []
+            data, start, self._skipping = data[nl + 1:], start + nl + 1, False
+        nl = data.find(b"\n")
+        if nl < 0:
+            self._keep(data)
             return []
-        data = self._partial + data
-        out, pos = [], 0
-        while (nl := data.find(b"\n", pos)) >= 0:
-            out.append((self.offset + pos, data[pos:nl]))
-            pos = nl + 1
-        self._partial = data[pos:]
-        self.offset += pos
+        out = []
+        line_start = start - len(self._partial)
+        self._partial += data[:nl]
+        if len(self._partial) > MAX_LINE:
+            self.too_long += 1
+        else:
+            out.append((line_start, bytes(self._partial)))
+        at = nl + 1
+        while (nl := data.find(b"\n", at)) >= 0:
+            if nl - at > MAX_LINE:  # (only when a chunk is larger than MAX_LINE)
+                self.too_long += 1
+            else:
+                out.append((start + at, data[at:nl]))
+            at = nl + 1
+        self._partial = bytearray()
+        self._keep(data[at:])
         return out
+
+    def _keep(self, piece: bytes) -> None:
+        """Add the start of a line to the line being read, or drop the line when that makes it too long."""
+        if len(self._partial) + len(piece) > MAX_LINE:
+            self._partial, self._skipping = bytearray(), True
+            self.too_long += 1
+        else:
+            self._partial += piece
 
     @property
     def cut(self) -> bool:
         """Whether bytes without a newline follow the last line read (a line being written, or cut)."""
-        return bool(self._partial)
+        return bool(self._partial) or self._skipping
+
+
+class _Budget:
+    """Bytes a poll may still read (None: no limit)."""
+
+    def __init__(self, max_bytes: int | None):
+        self.left = max_bytes
+
+    def chunk(self) -> int:
+        return CHUNK if self.left is None else min(CHUNK, self.left)
+
+    def spend(self, lines: _Lines, before: int) -> None:
+        if self.left is not None:
+            self.left -= lines.pos - before
 
 
 class RunIndex:
@@ -138,15 +213,27 @@ class RunIndex:
         if not path.is_dir():
             raise MasgraphError(f"no run directory at {path}: pass the directory a run prints when it starts "
                                 "(runs/<graph>-<date>-<time>, which holds events.jsonl)")
+        for name in RUN_FILES:  # up front: a FIFO would block the reader, a directory or a loop fail it later
+            check_regular(path / name)
         if not any((path / f).exists() for f in ("events.jsonl", "config.json", "metrics.jsonl")):
             raise MasgraphError(f"{path} is not a run directory: it has no events.jsonl, config.json or metrics.jsonl")
         self.path = path
-        self.config = _read_json(path / "config.json") or {}
-        self.spec = _read_spec(path / "spec.yaml")
+        self.notes: list[str] = []
+        """Problems with whole files (an unreadable spec.yaml or config.json), shown with the warnings."""
+        self.config = self._read_config()
+        self.spec = self._read_spec()
         version = self.config.get("event_schema_version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise MasgraphError(f"{path / 'config.json'}: event_schema_version is {_short(version)}, not a whole "
+                                "number, so the format of the run's files is unknown; is this a masgraph run "
+                                "directory (its config.json edited or damaged)?")
         self.indexed = version >= 3 or (path / INDEX).exists()
         """Rows come from episodes.jsonl (else from events.jsonl's episode lines)."""
         self.rows: list[Row] = []
+        """The last MAX_ROWS (up to 10 % more) finished episodes, in finishing order."""
+        self.n_done = 0
+        """Finished episodes, those dropped from `rows` included."""
+        self.n_correct = 0
         self.nodes: dict[str, NodeStats] = {n: NodeStats() for n in (self.spec.nodes if self.spec else {})}
         """Counts over finished episodes (node_stats() adds the running ones)."""
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -156,49 +243,63 @@ class RunIndex:
         self.checkpoints: list[dict[str, Any]] = []
         self.summary: dict[str, Any] | None = None
         self.bad_lines: Counter[str] = Counter()
-        """File name -> lines that were not valid JSON objects (a cut or corrupt file)."""
+        """File name -> lines that were not valid JSON objects of the expected shape (a cut or corrupt file)."""
         self._index = _Lines(path / INDEX)
         self._events = _Lines(path / "events.jsonl")
         self._metrics = _Lines(path / "metrics.jsonl")
         self._events_started = False
+        self._indexed_end = 0
+        """Where the last indexed episode's lines end in events.jsonl."""
         self._ckpt_mtime = 0.0
 
     # -- reading -----------------------------------------------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Read what the run appended since the last poll; whether anything changed."""
-        n_rows, n_metrics, n_live = len(self.rows), len(self.metrics), self._live_size()
-        ended = self.summary is not None
+    def poll(self, max_bytes: int | None = None) -> bool:
+        """Read what the run appended since the last poll, at most about `max_bytes` of it (None: all, in chunks;
+        a watcher passes a budget so that it stays responsive while it catches up with a large run: see
+        `caught_up`); whether anything changed."""
+        before = self._state()
+        budget = _Budget(max_bytes)
         summary_exists = (self.path / "summary.json").exists()  # first: every line written before it is read below
         if self.indexed and not self._events_started:
-            self._read_index()  # where the index ends, the events of the running episodes begin
-            self._events.offset = max((r.end for r in self.rows), default=0)
+            self._drain(self._index, self._index_lines, budget)
+            if self._index.behind:
+                return self._state() != before
+            self._events.seek(self._indexed_end)  # where the index ends, the events of the running episodes begin
         self._events_started = True
-        self._read_events()
-        if self.indexed:
-            self._read_index()  # after the events: an episode_finished line read above has its index line by now
-        for _, raw in self._metrics.read():
-            rec = _loads(raw)
-            if rec is None or "step" not in rec:
-                self.bad_lines["metrics.jsonl"] += 1
-            else:
-                self.metrics.append(rec)
+        self._drain(self._events, self._event_lines, budget)
+        if self.indexed:  # after the events: an episode_finished line read above has its index line by now
+            self._drain(self._index, self._index_lines, budget)
+        self._drain(self._metrics, self._metric_lines, budget)
         self._read_checkpoints()
-        if summary_exists and not ended:
+        if summary_exists and self.summary is None and self.caught_up:
             self.summary = _read_json(self.path / "summary.json") or {}
-        return (len(self.rows), len(self.metrics), self._live_size(), self.summary is not None) != (
-            n_rows, n_metrics, n_live, ended)
+        return self._state() != before
 
-    def _read_index(self) -> None:
-        for _, raw in self._index.read():
-            rec = _loads(raw)
+    @property
+    def caught_up(self) -> bool:
+        """Whether the last poll read every file to its end."""
+        return self._events_started and not any(f.behind for f in (self._index, self._events, self._metrics))
+
+    def _drain(self, lines: _Lines, handle: Any, budget: _Budget) -> None:
+        """Hand `lines`' new lines to `handle` a chunk at a time, until its end or the budget is spent."""
+        while budget.left is None or budget.left > 0:
+            before, too_long = lines.pos, lines.too_long
+            handle(lines.read(budget.chunk()))
+            budget.spend(lines, before)
+            if lines.too_long > too_long:
+                self.bad_lines[lines.path.name] += lines.too_long - too_long
+            if not lines.behind:
+                break
+
+    def _index_lines(self, lines: list[tuple[int, bytes]]) -> None:
+        for _, raw in lines:
             try:
-                self._add_row(rec)  # type: ignore[arg-type]
-            except (TypeError, KeyError, IndexError, ValueError):
+                self._add_row(_loads(raw))
+            except (TypeError, KeyError, IndexError, ValueError, OverflowError):
                 self.bad_lines[INDEX] += 1
 
-    def _read_events(self) -> None:
-        lines = self._events.read()
+    def _event_lines(self, lines: list[tuple[int, bytes]]) -> None:
         done, done_ends = _done_within(lines) if self.indexed else (set(), set())
         for off, raw in lines:
             if done and (off in done_ends or _episode_of(raw) in done):
@@ -209,23 +310,32 @@ class RunIndex:
                 continue
             try:
                 self._event(rec, off, off + len(raw) + 1)
-            except (TypeError, KeyError, IndexError, ValueError, AttributeError):
+            except (TypeError, KeyError, IndexError, ValueError, AttributeError, OverflowError):
                 self.bad_lines["events.jsonl"] += 1
+
+    def _metric_lines(self, lines: list[tuple[int, bytes]]) -> None:
+        for _, raw in lines:
+            rec = _metric(_loads(raw))
+            if rec is None:
+                self.bad_lines["metrics.jsonl"] += 1
+            else:
+                self.metrics.append(rec)
 
     def _event(self, rec: dict[str, Any], off: int, end: int) -> None:
         kind = rec.get("kind")
         if kind == "episode_started":
-            self.live[rec["episode_id"]] = _Live(start=off)
+            self.live[_str(rec["episode_id"])] = _Live(start=off)
         elif kind == "step_started":
-            self._live(rec["episode_id"], off).active[(rec["node"], rec["turn"])] = rec.get("started", 0.0)
+            self._live(_str(rec["episode_id"]), off).active[(_str(rec["node"]), rec["turn"])] = rec.get("started", 0.0)
         elif kind == "step":
             step = rec["step"]
-            live = self._live(step["episode_id"], off)
+            digest = _digest(step)
+            live = self._live(_str(step["episode_id"]), off)
             live.active.pop((step["node"], step["turn"]), None)
-            live.digest.append(_digest(step))
+            live.digest.append(digest)
         elif kind == "episode_finished":
             trace = rec["trace"]
-            live = self.live.pop(trace["episode_id"], None)
+            live = self.live.pop(_str(trace["episode_id"]), None)
             if not self.indexed:  # a run from before the index: the row comes from this line
                 if "steps" in rec:  # the steps are the step lines sent (store.py's format)
                     digest = live.digest[len(live.digest) - rec["steps"]:] if live else []
@@ -239,12 +349,10 @@ class RunIndex:
             live = self.live[episode_id] = _Live(start=off)
         return live
 
-    def _add_row(self, rec: dict[str, Any]) -> None:
-        steps = rec["steps"]
-        failed = tuple(dict.fromkeys(s[0] for s in steps if s[2])) if any(s[2] for s in steps) else ()
-        row = Row(rec["id"], rec["item"], rec["query"], rec["status"], rec["reward"], rec["answer"], rec["error"],
-                  int(rec["tokens"]), int(rec["turns"]), float(rec["duration_s"]), float(rec.get("ended") or 0.0),
-                  int(rec["start"]), int(rec["end"]), failed, len(self.rows))
+    def _add_row(self, rec: Any) -> None:
+        """Count one finished episode (its index line's fields) and keep its row; ValueError (nothing counted)
+        when a field is missing or of the wrong type."""
+        row, steps = _row(rec, self.n_done)
         for s in steps:
             stats = self.nodes.get(s[0])
             if stats is None:
@@ -253,12 +361,17 @@ class RunIndex:
             for src in s[5]:
                 self.edges[(src, s[0])] += 1
         self.rows.append(row)
+        self.n_done += 1
+        self.n_correct += row.correct
+        self._indexed_end = max(self._indexed_end, row.end)
+        if len(self.rows) > MAX_ROWS + MAX_ROWS // 10:  # dropped in batches: amortised O(1) a row
+            del self.rows[:len(self.rows) - MAX_ROWS]
 
     def _read_checkpoints(self) -> None:
         folder = self.path / "checkpoints"
         try:
             mtime = folder.stat().st_mtime
-        except FileNotFoundError:
+        except OSError:  # none yet (or not readable: none listed)
             return
         if mtime == self._ckpt_mtime:
             return
@@ -266,21 +379,45 @@ class RunIndex:
         found = []
         for d in folder.glob("step-*"):
             try:
+                check_regular(d / "state.json")  # a FIFO would block read_state
                 state = read_state(d)
             except MasgraphError:  # being written, or broken: not listed
                 continue
-            if isinstance(state.get("step"), int):
+            if type(state.get("step")) is int and isinstance(state.get("versions", {}), dict):
                 found.append(state | {"path": str(d)})
         self.checkpoints = sorted(found, key=lambda s: s["step"])
 
-    def _live_size(self) -> tuple[int, int]:
-        return len(self.live), sum(len(v.digest) + len(v.active) for v in self.live.values())
+    def _read_config(self) -> dict[str, Any]:
+        """config.json as a mapping ({} when missing or unreadable, with a note)."""
+        path = self.path / "config.json"
+        config = _read_json(path)
+        if config is None and path.exists():
+            self.notes.append("config.json is not a readable JSON object: read as empty")
+        return config or {}
+
+    def _read_spec(self) -> SimpleNamespace | None:
+        spec, problem = _read_spec(self.path / "spec.yaml")
+        if problem:
+            self.notes.append(f"spec.yaml not used ({problem}): nodes as the steps name them")
+        return spec
+
+    def _state(self) -> tuple[Any, ...]:
+        """What a poll may change that the views show."""
+        live = len(self.live), sum(len(v.digest) + len(v.active) for v in self.live.values())
+        return self.n_done, len(self.metrics), live, self.summary is not None
 
     # -- views -------------------------------------------------------------------------------------------------
 
     @property
     def is_training(self) -> bool:
-        return bool(self.metrics) or "train" in (self.config.get("config") or {})
+        return bool(self.metrics) or isinstance(self.train_config, dict)
+
+    @property
+    def train_config(self) -> dict[str, Any] | None:
+        """The `train` section of the run's config.json (None for a plain run, or one not written as a mapping)."""
+        run = self.config.get("config")
+        train = run.get("train") if isinstance(run, dict) else None
+        return train if isinstance(train, dict) else None
 
     @property
     def ended(self) -> bool:
@@ -319,8 +456,8 @@ class RunIndex:
 
     @property
     def warnings(self) -> list[str]:
-        out = [f"{name}: {n} bad line{'s' if n > 1 else ''} skipped (cut or corrupt)"
-               for name, n in sorted(self.bad_lines.items())]
+        out = [f"{name}: {n:,} bad line{'s' if n > 1 else ''} skipped (cut or corrupt)"
+               for name, n in sorted(self.bad_lines.items())] + self.notes
         if self.ended and self._events.cut:
             out.append("events.jsonl ends in half a line (the run was killed while writing it)")
         if not (self.path / "events.jsonl").exists() and not self.metrics:
@@ -328,19 +465,78 @@ class RunIndex:
         return out
 
     def trace(self, row: Row) -> Trace | None:
-        """The whole trace of one finished episode, read back from its byte range of events.jsonl."""
-        try:
-            with open(self.path / "events.jsonl", "rb") as f:
-                f.seek(row.start)
-                data = f.read(max(0, row.end - row.start))
-        except OSError:
-            return None
-        lines = data.split(b"\n")
+        """The whole trace of one finished episode, read back from its byte range of events.jsonl (streamed: only
+        the episode's own lines are held)."""
         tag = b'"episode_id":' + json.dumps(row.id, ensure_ascii=False).encode()  # as the store writes it (UTF-8)
-        return _trace_in([raw for raw in lines if tag in raw], row.id) or _trace_in(lines, row.id)  # else: any escape
+        try:
+            f = open_regular(self.path / "events.jsonl")
+            if f is None:
+                return None
+            with f:
+                return (_trace_in(_lines_in(f, row.start, row.end, tag), row.id)
+                        or _trace_in(_lines_in(f, row.start, row.end), row.id))  # else: an id written with escapes
+        except (OSError, MasgraphError):
+            return None
 
 
-def _trace_in(lines: list[bytes], episode_id: str) -> Trace | None:
+def open_regular(path: Path) -> BinaryIO | None:
+    """`path` opened for binary reading if it is a regular file; None when it does not exist (yet); a MasgraphError
+    for anything else: a FIFO (opened without blocking, never read), a directory, a device, a symlink loop, a file
+    that cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise MasgraphError(f"cannot read {path}: {exc.strerror or exc}") from None
+    kind = _not_regular(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        raise MasgraphError(f"{path} is {kind}, not a regular file: a run writes its files as regular files; "
+                            "move it away or watch another run directory")
+    return os.fdopen(fd, "rb")
+
+
+def check_regular(path: Path) -> None:
+    """open_regular's check without opening: nothing when `path` is a regular file or does not exist."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise MasgraphError(f"cannot read {path}: {exc.strerror or exc}") from None
+    kind = _not_regular(mode)
+    if kind:
+        raise MasgraphError(f"{path} is {kind}, not a regular file: a run writes its files as regular files; "
+                            "move it away or watch another run directory")
+
+
+def _not_regular(mode: int) -> str:
+    """What a file of this mode is when it is not a regular file ('' when it is)."""
+    if stat.S_ISREG(mode):
+        return ""
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISDIR: "a directory", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def _lines_in(f: BinaryIO, start: int, end: int, tag: bytes | None = None) -> Iterator[bytes]:
+    """The lines of `f` that start within [start, end) (those holding `tag`, when given), a line at a time; a line
+    over MAX_LINE is skipped."""
+    f.seek(start)
+    while f.tell() < end:
+        raw = f.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE:  # skip the rest of it
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(CHUNK)
+            continue
+        if tag is None or tag in raw:
+            yield raw.rstrip(b"\n")
+
+
+def _trace_in(lines: Iterator[bytes], episode_id: str) -> Trace | None:
     """The last trace of `episode_id` that these lines rebuild."""
     parse, found = _Parser(), None
     for raw in lines:
@@ -382,11 +578,36 @@ def _done_within(lines: list[tuple[int, bytes]]) -> tuple[set[bytes], set[int]]:
 
 
 def _digest(step: dict[str, Any]) -> list[Any]:
-    """A step's digest from its JSON (as store.index_line writes it from a Step)."""
+    """A step's digest from its JSON (as store.index_line writes it from a Step); ValueError when malformed."""
     tokens = sum(len(c.get("completion_ids") or ()) if c.get("completion_tokens") is None else c["completion_tokens"]
                  for c in step.get("llm") or ())  # as LLMCall.n_completion counts
-    return [step["node"], step.get("route"), step_flag(step.get("error"), step.get("parse_error")), tokens,
-            round(float(step.get("duration_s") or 0.0), 4), list(step.get("sources") or ())]
+    digest = [step["node"], step.get("route"), step_flag(step.get("error"), step.get("parse_error")), tokens,
+              round(float(step.get("duration_s") or 0.0), 4), list(step.get("sources") or ())]
+    if not _is_digest(digest):
+        raise ValueError("a malformed step")
+    return digest
+
+
+def _is_digest(s: Any) -> bool:
+    """Whether `s` is a step digest: [node, route, flag 0|1|2, tokens, seconds, [source nodes]]."""
+    return (isinstance(s, list) and len(s) == 6 and isinstance(s[0], str) and s[2] in (0, 1, 2)
+            and _is_number(s[3]) and _is_number(s[4]) and isinstance(s[5], list)
+            and all(isinstance(x, str) for x in s[5]))
+
+
+def _row(rec: Any, seq: int) -> tuple[Row, list[list[Any]]]:
+    """The row and step digests of an index line's fields; ValueError (or KeyError) when they are not as
+    store.index_line writes them (a view would fail on them later)."""
+    steps = rec["steps"]
+    if not (isinstance(steps, list) and all(_is_digest(s) for s in steps)):
+        raise ValueError("malformed steps")
+    failed = tuple(dict.fromkeys(s[0] for s in steps if s[2]))
+    row = Row(_str(rec["id"]), _text(rec["item"]), _text(rec["query"]), _str(rec["status"]),
+              _number(rec["reward"], none=True), _text(rec["answer"], none=True), _text(rec["error"], none=True),
+              int(_number(rec["tokens"])), int(_number(rec["turns"])), float(_number(rec["duration_s"])),
+              float(_number(rec.get("ended"), none=True) or 0.0), int(_number(rec["start"])),
+              int(_number(rec["end"])), failed, seq)
+    return row, steps
 
 
 def _summary(trace: dict[str, Any], digest: list[list[Any]], start: int, end: int) -> dict[str, Any]:
@@ -406,28 +627,93 @@ def _loads(raw: bytes) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
+def _metric(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A metrics line as the views read it (a whole-number `step` >= 0 and number values; nulls dropped), or None
+    when it is not one (a cut line, or a value that is not a number)."""
+    if rec is None or type(rec.get("step")) is not int or rec["step"] < 0:
+        return None
+    rec = {k: v for k, v in rec.items() if v is not None}
+    return rec if all(_is_number(v) for v in rec.values()) else None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _number(v: Any, none: bool = False) -> Any:
+    """`v` if it is a number (or None, when `none`), else ValueError; whole-number fields are int() of it
+    (OverflowError for an infinite one)."""
+    if _is_number(v) or (none and v is None):
+        return v
+    raise ValueError(f"not a number: {_short(v)}")
+
+
+def _str(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    raise ValueError(f"not a string: {_short(v)}")
+
+
+def _text(v: Any, none: bool = False) -> Any:
+    """A text field of a row, clipped to ROW_TEXT characters (None allowed when `none`)."""
+    if none and v is None:
+        return None
+    return _str(v)[:ROW_TEXT]
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_small(path: Path) -> bytes | None:
+    """A small file's bytes (None when missing or past MAX_SMALL_FILE); MasgraphError when not a regular file."""
+    f = open_regular(path)
+    if f is None:
+        return None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        return f.read(size) if size <= MAX_SMALL_FILE else None  # read(n) allocates n bytes first: n = its size
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        rec = json.loads(path.read_bytes())
+        rec = json.loads(_read_small(path) or b"")
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None
 
 
-def _read_spec(path: Path) -> SimpleNamespace | None:
-    """The graph of a run's spec.yaml, as much of it as the views draw (name, nodes, edges, entry, exit);
-    None when it is missing or unreadable (the views then show the nodes that steps name)."""
+def _read_spec(path: Path) -> tuple[SimpleNamespace | None, str]:
+    """The graph of a run's spec.yaml, as much of it as the views draw (name, nodes, edges, entry, exit, policies),
+    and '', or None and why not when it is unreadable (missing: no reason), the views then showing the nodes that
+    steps name. Read with the graph loader's bounded YAML reader (aliases, depth, UTF-8 checked)."""
     try:
-        raw = yaml.safe_load(path.read_text())
-        nodes = {str(k): SimpleNamespace(role=str((v or {}).get("role", "?")), policy=(v or {}).get("policy"))
+        data = _read_small(path)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    if data is None:
+        return None, f"larger than {MAX_SMALL_FILE >> 20} MiB" if path.exists() else ""
+    try:
+        raw = read_yaml(data, path.name)
+        nodes = {str(k): SimpleNamespace(role=str((v or {}).get("role", "?")),
+                                         policy=_or_none((v or {}).get("policy"), str))
                  for k, v in raw["nodes"].items()}
         edges = [SimpleNamespace(source=str(e["source"]), target=str(e["target"]), when=e.get("when"))
                  for e in raw.get("edges") or []]
         edges = [e for e in edges if e.source in nodes and e.target in nodes]
-        entry = str(raw.get("entry") or next(iter(nodes)))
-        return SimpleNamespace(name=str(raw.get("name", "?")), nodes=nodes, edges=edges, entry=entry,
-                               exit=str(raw.get("exit") or ""), policies=raw.get("policies") or {},
-                               topology=raw.get("topology"))
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError, StopIteration):
-        return None
+        entry = str(raw.get("entry"))
+        return SimpleNamespace(name=str(raw.get("name", "?")), nodes=nodes, edges=edges,
+                               entry=entry if entry in nodes else next(iter(nodes)), exit=str(raw.get("exit") or ""),
+                               policies=_or_none(raw.get("policies"), dict) or {},
+                               topology=raw.get("topology")), ""
+    except SpecError as exc:
+        first = exc.problems[0]
+        return None, first.message + (f", line {first.line}" if first.line else "")
+    except (KeyError, TypeError, AttributeError, StopIteration):
+        return None, "not a graph spec with `nodes:`"
+
+
+def _or_none(v: Any, kind: type) -> Any:
+    return v if isinstance(v, kind) else None
 

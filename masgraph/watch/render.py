@@ -25,6 +25,9 @@ def human(n: float) -> str:
 
 
 def clock(seconds: float) -> str:
+    """3725 -> 1:02:05 ('?' for a time that is not finite)."""
+    if not math.isfinite(seconds):
+        return "?"
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
@@ -42,14 +45,16 @@ def status_line(index: RunIndex) -> Text:
         text.append("ended ", style="green")
     else:
         text.append("● live ", style="bold yellow")
-    text.append(f"{len(rows):,} done")
+    text.append(f"{index.n_done:,} done")
     if index.live:
         text.append(f" · {len(index.live)} running")
-    if rows:
-        text.append(f" · {sum(r.correct for r in rows) / len(rows):.0%} correct")
+    if index.n_done:
+        text.append(f" · {index.n_correct / index.n_done:.0%} correct")
     rate = episode_rate(rows)
     if rate is not None:
         text.append(f" · {rate:.1f}/s")
+    if not index.caught_up:
+        text.append(" · reading the run's files…", style="yellow")
     return text
 
 
@@ -313,7 +318,7 @@ def series(metrics: Sequence[dict[str, Any]], key: str) -> list[tuple[int, float
 
 def progress(index: RunIndex) -> Text:
     """The training's step, the fraction done (of its steps, or of its minutes when that is further) and the ETA."""
-    cfg = (index.config.get("config") or {}).get("train") or {}
+    cfg = index.train_config or {}
     total, minutes = cfg.get("steps"), cfg.get("max_minutes")
     step = max((int(r["step"]) for r in index.metrics), default=0)
     step_times = [v for _, v in series(index.metrics, "time/step_s")]
@@ -361,7 +366,8 @@ def node_table(index: RunIndex) -> Text:
     for node, s in stats.items():
         role = spec.nodes[node].role if spec and node in spec.nodes else "?"
         policy = spec.nodes[node].policy if spec and node in spec.nodes else None
-        adapter = ((spec.policies.get(policy) or {}).get("adapter") if spec and policy else None) or "-"
+        section = spec.policies.get(policy) if spec and policy else None
+        adapter = str((section.get("adapter") if isinstance(section, dict) else None) or "-")
         grad = last.get(f"grad_norm/{adapter}")
         text.append(f"{node:<12.12}{role:<10.10}{adapter:<11.11}{'-' if grad is None else f'{grad:.3f}':>7}"
                     f"{s.calls:>8,}{human(s.tokens):>8}{s.parse_failures:>8,}{s.errors:>6,}\n")

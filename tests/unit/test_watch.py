@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies
 from rich.console import Console
 
 from masgraph.store import INDEX, RunStore, read_traces
@@ -379,3 +380,282 @@ def test_watch_without_a_terminal_is_an_error_line(run_dir):
                            stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parent.parent.parent)
         assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
     assert "interactive terminal" in p.stderr
+
+
+# -- unreadable, malformed and large run files ---------------------------------------------------------------
+
+def _make(path: Path, kind: str) -> None:
+    """Put a FIFO, a directory or a symlink loop where a run file should be."""
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(path.name)  # points at itself
+
+
+@pytest.mark.parametrize("name, kind, says", [
+    ("events.jsonl", "fifo", "is a FIFO (named pipe), not a regular file"),
+    ("events.jsonl", "directory", "is a directory, not a regular file"),
+    ("events.jsonl", "loop", "cannot read {path}: Too many levels of symbolic links"),
+    ("episodes.jsonl", "directory", "is a directory, not a regular file"),
+    ("metrics.jsonl", "fifo", "is a FIFO (named pipe), not a regular file"),
+])
+def test_a_run_file_that_is_not_a_regular_file_is_an_error_line_up_front(run_dir, capsys, name, kind, says):
+    """HEAD: the app opened it while drawing: a FIFO hung it (q did nothing), a directory or a loop crashed it
+    with a traceback and exit code 0."""
+    from masgraph.cli import main
+
+    _make(run_dir / name, kind)
+    assert main(["watch", str(run_dir)]) == 2  # before the terminal check: no TTY needed
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says.format(path=run_dir / name) in err and str(run_dir / name) in err
+    assert "interactive terminal" not in err
+
+
+@pytest.mark.parametrize("name", ["config.json", "spec.yaml"])
+def test_a_fifo_read_when_the_index_opens_is_an_error_line_not_a_hang(run_dir, name):
+    """HEAD: RunIndex() read config.json / spec.yaml whole: blocked on a FIFO for ever (a subprocess here, so a
+    regression fails at the timeout instead of hanging the suite)."""
+    _make(run_dir / name, "fifo")
+    p = subprocess.run([sys.executable, "-m", "masgraph.cli", "watch", str(run_dir)], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parent.parent.parent)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
+    assert f"{run_dir / name} is a FIFO (named pipe), not a regular file" in p.stderr
+
+
+def test_a_fifo_that_appears_while_watching_is_an_error_not_a_hang(run_dir):
+    import threading
+
+    from masgraph.errors import MasgraphError
+
+    index = RunIndex(run_dir)
+    index.poll()
+    os.mkfifo(run_dir / "metrics.jsonl")
+    outcome: list[BaseException | bool] = []
+
+    def poll() -> None:
+        try:
+            outcome.append(index.poll())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # HEAD: open() waits for a writer; be one, to free the thread
+        os.close(os.open(run_dir / "metrics.jsonl", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("poll() blocked on a FIFO")
+    assert isinstance(outcome[0], MasgraphError) and "is a FIFO" in str(outcome[0])
+
+
+async def test_a_run_file_unreadable_while_the_app_runs_ends_it_with_an_error(run_dir):
+    """The app stops with exit code 2 and keeps the error for `watch` to report once the terminal is back;
+    HEAD: IsADirectoryError in the app's timer (a traceback, exit code 0 from the CLI)."""
+    app = WatchApp(run_dir, poll_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        (run_dir / "events.jsonl").unlink()
+        (run_dir / "events.jsonl").mkdir()
+        for _ in range(200):  # until a tick has read it (the app then exits)
+            await pilot.pause(0.05)
+            if app.error is not None:
+                break
+    assert app.return_code == 2 and "events.jsonl is a directory" in str(app.error)
+
+
+def test_watch_raises_the_apps_error_and_exits_non_zero_after_a_crash(run_dir, monkeypatch):
+    """HEAD: `watch` returned 0 whatever the app's end (a crash printed a traceback, then exit code 0)."""
+    import masgraph.watch
+    from masgraph.errors import MasgraphError
+
+    monkeypatch.setattr(masgraph.watch, "require_terminal", lambda: None)
+    ends = {"crash": lambda app: setattr(app, "_return_code", 1),
+            "error": lambda app: setattr(app, "error", MasgraphError("events.jsonl is a FIFO"))}
+    monkeypatch.setattr(WatchApp, "run", lambda self: ends["crash"](self))
+    assert masgraph.watch.watch(run_dir) == 1
+    monkeypatch.setattr(WatchApp, "run", lambda self: ends["error"](self))
+    with pytest.raises(MasgraphError, match="events.jsonl is a FIFO"):
+        masgraph.watch.watch(run_dir)
+
+
+def test_a_string_event_schema_version_is_an_error_line(run_dir, capsys):
+    """HEAD: TypeError traceback ('>=' not supported between 'str' and 'int')."""
+    from masgraph.cli import main
+
+    cfg = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps(cfg | {"event_schema_version": "3"}))
+    assert main(["watch", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'config.json'}: event_schema_version is '3', not a whole number")
+
+
+async def test_a_spec_yaml_that_is_not_utf8_is_left_out_with_a_warning(run_dir):
+    """The run is still shown (nodes as the steps name them), the reason on screen; HEAD: UnicodeDecodeError
+    traceback from RunIndex()."""
+    (run_dir / "spec.yaml").write_bytes(b"name: \xff\xfe\n")
+    app = WatchApp(run_dir)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await pilot.press("1")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "spec.yaml not used (the file is not UTF-8 text (byte 0xff), line 1)" in text
+        assert "(no readable spec.yaml: nodes as the steps name them)" in text and "planner" in text
+
+
+async def test_malformed_metric_and_index_lines_are_skipped_and_counted(train_dir):
+    """Lines whose fields have the wrong type are bad lines like cut ones; HEAD: ValueError / TypeError /
+    OverflowError tracebacks from the training view, the table or the index."""
+    metrics = train_dir / "metrics.jsonl"
+    good = len(metrics.read_text().splitlines())
+    with open(metrics, "a") as f:
+        for bad in ({"step": "two", "reward/mean": 0.7}, {"step": 9, "reward/mean": "high"}, {"step": 1.5},
+                    {"step": True}, {"step": 9, "grad_norm/planner": [1]}, {"step": 9, "topology/p/route/x": "p"}):
+            f.write(json.dumps(bad) + "\n")
+        f.write(json.dumps({"step": 9, "reward/mean": 0.5, "accuracy/test": None}) + "\n")  # null: not measured
+    line = json.loads((train_dir / INDEX).read_text().splitlines()[0])
+    with open(train_dir / INDEX, "a") as f:
+        for field, value in (("id", 7), ("reward", "1"), ("query", None), ("steps", [["planner", None, 0, "x", 1.0,
+                                                                                        []]])):
+            f.write(json.dumps(line | {field: value}) + "\n")
+        f.write(json.dumps(line | {"id": "inf"})[:-1] + ', "tokens": Infinity}\n')
+    index = RunIndex(train_dir)
+    index.poll()
+    assert index.bad_lines == {"metrics.jsonl": 6, INDEX: 5}
+    assert len(index.metrics) == good + 1 and "accuracy/test" not in index.metrics[-1]
+    app = WatchApp(train_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        for key in ("3", "1", "2"):
+            await pilot.press(key)
+            await pilot.pause()
+        text = screen_text(app)
+        assert "metrics.jsonl: 6 bad lines skipped" in text and "episodes.jsonl: 5 bad lines skipped" in text
+
+
+def _v2_run(tmp_path: Path, run_dir: Path, copies: int) -> Path:
+    """A run dir from before the index (events.jsonl alone) holding `copies` copies of the recorded episodes."""
+    big = tmp_path / "big"
+    big.mkdir()
+    shutil.copy(run_dir / "spec.yaml", big)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps(cfg | {"event_schema_version": 2}))
+    events = (run_dir / "events.jsonl").read_bytes()
+    with open(big / "events.jsonl", "wb") as f:
+        for k in range(copies):
+            f.write(events.replace(b'"episode_id":"', b'"episode_id":"c%05d-' % k))
+    return big
+
+
+def test_a_large_events_file_is_read_in_bounded_chunks(tmp_path, run_dir, monkeypatch):
+    """Peak memory of reading a 20 MB events.jsonl stays a fraction of it (chunks of 1 MiB here); HEAD read it
+    whole (and split it into lines beside it): a 1 GB file took 2.3 GB."""
+    import tracemalloc
+
+    import masgraph.watch.index as index_module
+
+    monkeypatch.setattr(index_module, "CHUNK", 1 << 20, raising=False)
+    big = _v2_run(tmp_path, run_dir, 300)
+    size = (big / "events.jsonl").stat().st_size
+    index = RunIndex(big)
+    tracemalloc.start()
+    try:
+        index.poll()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 4, f"peak {peak:,} bytes traced reading {size:,}"
+    assert len(index.rows) == 1800 and not index.bad_lines and index.caught_up
+    last = index.rows[-1]
+    assert last.id.startswith("c00299-") and index.trace(last).episode_id == last.id  # read back from its range
+
+
+def test_a_line_longer_than_the_limit_is_skipped_not_held(run_dir, monkeypatch):
+    """A 10 MB line, then 10 MB with no newline (a killed writer, junk): neither is held whole (HEAD read and
+    kept both: memory grows with the line); both are bad lines, the second also a cut end."""
+    import tracemalloc
+
+    import masgraph.watch.index as index_module
+
+    monkeypatch.setattr(index_module, "CHUNK", 1 << 20, raising=False)
+    monkeypatch.setattr(index_module, "MAX_LINE", 2 << 20, raising=False)
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b'{"v":3,"kind":"' + b"y" * (10 << 20) + b'"}\n' + b"z" * (10 << 20))
+    index = RunIndex(run_dir)
+    tracemalloc.start()
+    try:
+        index.poll()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (8 << 20), f"peak {peak:,} bytes traced"  # MAX_LINE + CHUNK, and some
+    assert len(index.rows) == 6 and index.bad_lines == {"events.jsonl": 2}  # the cut one can only be skipped too
+    (run_dir / "summary.json").write_text("{}")
+    index.poll()
+    assert "events.jsonl ends in half a line" in " ".join(index.warnings)
+
+
+async def test_the_table_keeps_the_last_episodes_and_counts_them_all(tmp_path, run_dir, monkeypatch):
+    """Rows past MAX_ROWS (+10 %) are dropped, oldest first; counts, the status line and the node stats cover
+    every episode. HEAD kept every row: a 1M-episode index took 1.3 GB."""
+    import masgraph.watch.index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_ROWS", 10, raising=False)
+    lines = [json.loads(x) for x in (run_dir / INDEX).read_bytes().splitlines()]
+    with open(run_dir / INDEX, "w") as f:
+        for i in range(100):
+            f.write(json.dumps(lines[i % 6] | {"id": f"e{i:03d}"}) + "\n")
+    app = WatchApp(run_dir)
+    async with app.run_test(size=(100, 24)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        rows = app.index.rows
+        assert len(rows) <= 11 and rows[-1].id == "e099" and [r.seq for r in rows] == list(range(100 - len(rows), 100))
+        assert app.index.n_done == 100 and app.index.node_stats()["planner"].calls == 100
+        text = screen_text(app)
+        assert "100 done" in text and f"{len(rows)}/{len(rows)} episodes (the last {len(rows)} of 100)" in text
+
+
+async def test_the_app_answers_keys_while_it_catches_up_with_a_large_run(tmp_path, run_dir, monkeypatch):
+    """Each poll reads READ_BUDGET bytes at most, so q works at once; HEAD read the whole file before drawing."""
+    import masgraph.watch.app as app_module
+
+    monkeypatch.setattr(app_module, "READ_BUDGET", 64 << 10, raising=False)
+    big = _v2_run(tmp_path, run_dir, 20)
+    app = WatchApp(big, poll_s=3600)  # no timer tick during the test: only the polls made here
+    async with app.run_test(size=(100, 24)) as pilot:
+        await pilot.pause()
+        assert not app.index.caught_up and "reading the run's files" in screen_text(app)
+        for _ in range(100):
+            app.tick()
+            if app.index.caught_up:
+                break
+        await pilot.pause()
+        assert app.index.n_done == 120 and "reading" not in screen_text(app)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(strategies.lists(strategies.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=12),
+       strategies.booleans(), strategies.integers(1, 50), strategies.integers(1, 30))
+def test_lines_are_read_back_whole_with_their_offsets_in_any_chunks(tmp_path_factory, lines, cut, chunk, max_line):
+    """Whatever the chunk size, every line up to MAX_LINE comes back once with its offset; longer ones (and a
+    too-long unfinished end) are counted, never returned."""
+    from unittest import mock
+
+    import masgraph.watch.index as index_module
+
+    path = tmp_path_factory.mktemp("lines") / "f.jsonl"
+    data = b"".join(line + b"\n" for line in lines) + (b"x" * 60 if cut else b"")
+    path.write_bytes(data)
+    with mock.patch.object(index_module, "MAX_LINE", max_line):
+        reader, got = index_module._Lines(path), []
+        while True:
+            got += reader.read(chunk)
+            if not reader.behind:
+                break
+    offsets = [sum(len(x) + 1 for x in lines[:i]) for i in range(len(lines))]
+    assert got == [(o, x) for o, x in zip(offsets, lines, strict=True) if len(x) <= max_line]
+    assert reader.too_long == sum(len(x) > max_line for x in lines) + (cut and 60 > max_line)
+    assert reader.cut == cut
