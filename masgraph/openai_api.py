@@ -67,9 +67,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def lone_surrogate(data: Any) -> str | None:
     """Where decoded JSON holds a lone UTF-16 surrogate (JSON's `"\\ud800"` escape without its pair: not a
-    character, so no UTF-8 file or response can hold it): the dotted path of the first string or key that does,
-    as `validation_message` names a field ("" for a key at the top), or None. Walked without recursion, so
-    however deep the JSON nests."""
+    character, so no UTF-8 file or response can hold it): the dotted path of the first string that does, or of
+    the object whose key does ("" for the body itself), as `validation_message` names a field; None when none
+    does. Walked without recursion, so however deep the JSON nests."""
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         value, path = stack.pop()
