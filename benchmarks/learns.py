@@ -40,7 +40,8 @@ from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import get_task
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.loop import TrainLoop, sampling_graph
+from masgraph.trainers.flow_grpo import sampling_spec
+from masgraph.trainers.loop import TrainLoop
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -92,7 +93,7 @@ def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int, model:
               device: str | None = None) -> tuple[float, float]:
     """pass@k and mean sampled accuracy with the trainable policies at the training temperature."""
     spec = place(load_spec(graph_path), model, device)
-    graph = sampling_graph(spec, spec.train.flow_grpo.temperature)
+    graph = compile_spec(sampling_spec(spec, spec.train.flow_grpo.temperature))
     hf = next(p for p in spec.policies.values() if p.backend == "hf")
     backend = HFBackend(hf.model, seed=seed, device=hf.device)
     with tempfile.TemporaryDirectory() as runs:

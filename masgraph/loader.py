@@ -67,7 +67,12 @@ def parse_spec(text: str | bytes, file: str | None = None, registry: Registry | 
         spec = GraphSpec.model_validate(data, strict=True)
     except ValidationError as exc:
         problems, spec = problems_from(exc, root), None
-    train, train_problems = validate_train(data.get("train"), registry or default_registry(), root)
+    registry = registry or default_registry()
+    raw_train = data.get("train")
+    if data.get("plugins") and _unknown_algorithm(raw_train, registry):
+        train, train_problems = raw_train, []  # a plugin may register it: compile_spec validates after loading them
+    else:
+        train, train_problems = validate_train(raw_train, registry, root)
     problems += train_problems
     if problems or spec is None:
         raise SpecError(problems, file)
@@ -75,6 +80,12 @@ def parse_spec(text: str | bytes, file: str | None = None, registry: Registry | 
         spec = spec.model_copy(update={"train": train})
     _remember(spec, root)
     return spec
+
+
+def _unknown_algorithm(raw: Any, registry: Registry) -> bool:
+    """A `train:` mapping whose `algorithm:` the registry does not know (yet)."""
+    return isinstance(raw, dict) and isinstance(raw.get("algorithm"), str) and raw["algorithm"] not in \
+        registry.algorithms
 
 
 def validate_train(raw: Any, registry: Registry, root: yaml.Node | None = None) -> tuple[Any, list[Problem]]:

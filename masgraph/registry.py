@@ -69,7 +69,11 @@ class Algorithm:
     check: Callable[[GraphSpec, Registry], list[Problem]]
     """Extra compile checks of a graph trained with it (trainable policies, adapters, ...)."""
     trainer: Callable[[], Any]
-    """Returns the trainer class (imported lazily: validating a graph must not import torch)."""
+    """Returns the training loop class (imported lazily: validating a graph must not import torch); it is called
+    as `trainer(graph, task, run_dir, dtype=..., sinks=..., ray=...)` and builds the algorithm below."""
+    implementation: Callable[[], Any] | None = None
+    """Returns the algorithm class the loop drives (lazily, as `trainer`): for masgraph's own loop, a
+    `masgraph.trainers.algorithm.TrainAlgorithm`."""
 
 
 @dataclass

@@ -89,6 +89,13 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     return served
 
 
+def local_learner(model: str, dtype: str = "auto", device: str = "auto") -> Learner:
+    """The default learner: `model`'s weights in this process (an `HFLearner`) on `device`, LoRA adapters on them."""
+    from masgraph.backends.hf_learner import HFLearner
+
+    return HFLearner(model, dtype=dtype, device=device)
+
+
 def _served_policy(spec: GraphSpec, kind: str) -> PolicySpec | None:
     """The policy whose backend serves the learner: a trained one of this kind, else any of this kind."""
     mine = [p for p in spec.policies.values() if p.backend == kind]

@@ -30,12 +30,15 @@ import torch
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.learner import Learner
+from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
+from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "group_advantages", "informative_queries",
            "kl_k3", "logprob_temperature", "micro_batches", "mini_batches", "ppo_clip_loss", "row_weights",
-           "trajectory_rewards"]
+           "sampling_spec", "trajectory_rewards"]
 
 
 @dataclass
@@ -56,27 +59,6 @@ class Row:
 
 
 # ---- pure math ---------------------------------------------------------------------------------------
-
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(R - mean) / (std + eps) over one group's trajectories (unbiased std, as verl's GRPO); all 0 when
-    the group has one member or no variance."""
-    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
-        return torch.zeros_like(rewards)
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
-
-
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                  eps_low: float, eps_high: float) -> torch.Tensor:
-    """Per-token -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho = exp(logp - old_logp)."""
-    ratio = torch.exp(logp - old_logp)
-    return -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref): r - log r - 1 with r = pi_ref / pi_theta (>= 0)."""
-    log_r = ref_logp - logp
-    return torch.exp(log_r) - log_r - 1
-
 
 def row_weights(lengths: list[int], trajs: list[int], mode: str) -> list[float]:
     """Weight of each row's summed token loss in the scalar loss (so a loss summed chunk by chunk is exact).
@@ -188,7 +170,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
 # ---- the update --------------------------------------------------------------------------------------
 
-class FlowGRPO:
+class FlowGRPO(TrainAlgorithm):
     """Applies Flow-GRPO updates to a learner's LoRA adapters, one Adam optimizer per adapter; each updated adapter
     becomes a new version (`learner.new_version`), which the training loop then publishes to the rollout backends.
 
@@ -197,8 +179,13 @@ class FlowGRPO:
         >>> metrics = algo.update(traces)          # traces: G rollouts per query from the Runner
     """
 
-    def __init__(self, learner: Learner, trainable: dict[str, str], config: FlowGRPOConfig):
+    state_file = "optimizer.pt"
+
+    def __init__(self, learner: Learner, trainable: dict[str, str], config: FlowGRPOConfig, seed: int = 0,
+                 queries_per_step: int = 1):
         self.learner, self.trainable, self.config = learner, trainable, config
+        self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
+        self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         lrs: dict[str, float] = {}
         for node, adapter in trainable.items():
             lr = config.node_lr.get(node, config.lr)
@@ -217,6 +204,36 @@ class FlowGRPO:
                                     f"`learner.add_adapter({a!r}, LoraConfigSpec(...))` before building the trainer")
         self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
 
+    # ---- as the loop drives it (TrainAlgorithm) --------------------------------------------------------
+    @classmethod
+    def build(cls, ctx: TrainContext) -> FlowGRPO:
+        return cls(ctx.learner, ctx.trainable, ctx.config.flow_grpo, seed=ctx.config.seed,
+                   queries_per_step=ctx.config.queries_per_step)
+
+    def rollout_spec(self, spec: GraphSpec) -> GraphSpec:
+        """Trainable policies sample at `flow_grpo.temperature`; the rest as written."""
+        return sampling_spec(spec, self.config.temperature)
+
+    def extra_queries(self, traces: list[Trace], rounds: int) -> int:
+        """With `zero_variance: resample` (DAPO's dynamic sampling): the queries short of `queries_per_step`
+        informative groups, for up to `resample_rounds` extra rounds."""
+        if rounds >= self.max_extra_rounds:
+            return 0
+        return max(0, self.queries_per_step - len(informative_queries(traces, self.config)))
+
+    def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
+        return self.update(traces, seed=f"{self.seed}:{step}") | {
+            "informative_groups": float(len(informative_queries(traces, self.config)))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each adapter's Adam moments."""
+        return {a: opt.state_dict() for a, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for a, opt in self.optimizers.items():
+            opt.load_state_dict(state[a])
+
+    # ---- the update -------------------------------------------------------------------------------------
     def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
         """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
@@ -312,6 +329,13 @@ class FlowGRPO:
         totals["kl"] += kl.detach().sum().double()
         totals["pg"] += pg.detach().sum().double()
         return pg + cfg.kl_coef * kl
+
+
+def sampling_spec(spec: GraphSpec, temperature: float) -> GraphSpec:
+    """The graph with its trainable policies sampling at `temperature` (what Flow-GRPO explores with)."""
+    hot = {n: p.model_copy(update={"sampling": p.sampling.model_copy(update={"temperature": temperature})})
+           if p.trainable else p for n, p in spec.policies.items()}
+    return spec.model_copy(update={"policies": hot})
 
 
 def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> MasgraphError:

@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from masgraph.checkpoint import TOPOLOGY_FILE
+from masgraph.errors import MasgraphError
 from masgraph.topology.policy import TopologyPolicy, check_signature
 from masgraph.trace import Trace
+from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext, query_groups
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo_math import (
     action_advantages,
@@ -48,7 +51,7 @@ def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: fl
             - unused_penalty * sum(s.index in unused for s in steps))
 
 
-class HRPO:
+class HRPO(TrainAlgorithm):
     """Updates a `TopologyPolicy` from groups of finished episodes that recorded their topology choice.
 
     Example:
@@ -56,10 +59,23 @@ class HRPO:
         >>> metrics = hrpo.update([traces_of_query_1, traces_of_query_2])   # each a group of G traces
     """
 
-    def __init__(self, policy: TopologyPolicy, config: HRPOConfig):
+    trains_adapters = False
+    state_file = TOPOLOGY_FILE
+
+    def __init__(self, policy: TopologyPolicy, config: HRPOConfig, group_size: int | None = None):
         self.policy, self.config = policy, config
+        self.group_size = group_size or config.group_size
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=config.lr)
         self.baseline: float | None = None
+
+    @classmethod
+    def build(cls, ctx: TrainContext) -> HRPO:
+        if ctx.topology is None:  # the compile check (`topology_problems`) refuses such a graph first
+            raise MasgraphError("HRPO learns a topology, but the graph has no `topology:` section")
+        return cls(ctx.topology, ctx.config.hrpo)
+
+    def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
+        return self.update(query_groups(traces, self.group_size))
 
     def update(self, groups: Sequence[Sequence[Trace]]) -> dict[str, float]:
         """One update (`ppo_epochs` optimizer steps) on these groups; bumps the policy version. Episodes

@@ -20,7 +20,8 @@ normalisation:
     new baseline        b' = momentum * b + (1 - momentum) * mean_i u_i
     REINFORCE loss      L  = -mean_i(log p(G_i) * adv_i),  log p(G_i) = sum of episode i's decision log-probs
 
-Everything here is a pure function, tested against hand-computed values.
+Everything here is a pure function, tested against hand-computed values; the normalisation and the PPO-clip
+surrogate are Flow-GRPO's own (`pg_math`).
 """
 
 from __future__ import annotations
@@ -29,22 +30,16 @@ from collections.abc import Sequence
 
 import torch
 
+from masgraph.trainers.pg_math import normalise, ppo_clip_loss
+
 __all__ = ["action_advantages", "clipped_surrogate", "combine", "group_advantages", "hrpo_loss",
            "moving_average_advantages", "reinforce_loss"]
-
-
-def _normalise(values: Sequence[float], eps: float) -> list[float]:
-    """(v - mean) / (std + eps) with unbiased std; all 0.0 when fewer than 2 values or no variance."""
-    if len(values) < 2 or all(v == values[0] for v in values):
-        return [0.0] * len(values)
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cpu")  # host scalars in and out
-    return ((t - t.mean()) / (t.std() + eps)).tolist()
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
     """Outcome advantage of each episode of one group: its reward normalised over the group (GRPO), so that
     only how an episode compares with its siblings on the same query pushes the policy."""
-    return _normalise(list(rewards), eps)
+    return normalise(list(rewards), eps)
 
 
 def action_advantages(action_rewards: Sequence[Sequence[float | None]],
@@ -62,7 +57,7 @@ def action_advantages(action_rewards: Sequence[Sequence[float | None]],
     out: list[list[float | None]] = [[None] * width for _ in rows]
     for d in range(width):
         taken = [(i, float(v)) for i, r in enumerate(rows) if (v := r[d]) is not None]
-        normed = _normalise([v for _, v in taken], eps)
+        normed = normalise([v for _, v in taken], eps)
         for (i, _), a in zip(taken, normed):
             out[i][d] = a
     return out
@@ -90,10 +85,8 @@ def moving_average_advantages(rewards: Sequence[float], baseline: float | None,
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
-    """Per-decision PPO-clip loss -min(rho A, clip(rho, 1 - clip, 1 + clip) A), rho = exp(logp - old_logp):
-    the policy is not pushed further once a decision's probability has moved past the trust region."""
-    ratio = torch.exp(logp - old_logp)
-    return -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    """Per-decision PPO-clip loss (`pg_math.ppo_clip_loss` with a symmetric trust region)."""
+    return ppo_clip_loss(logp, old_logp, adv, clip, clip)
 
 
 def hrpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, entropy: torch.Tensor, clip: float,

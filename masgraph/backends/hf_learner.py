@@ -55,6 +55,11 @@ class HFLearner:
         self.weights.add_adapter(name, lora)
         self._versions[name] = 0
 
+    def lora_targets(self, name: str) -> list[str] | str:
+        """The modules adapter `name` targets on this model, as its saved adapter_config.json records them."""
+        self._check(name)
+        return self.weights.lora_targets(name)
+
     def parameters(self, adapter: str) -> list[torch.Tensor]:
         self._check(adapter)
         return [p for n, p in self.weights.model.named_parameters() if "lora_" in n and f".{adapter}." in n]

@@ -43,7 +43,8 @@ def test_calculator_tolerates_prose_around_one_expression(expr):
                                       ("what is x + 1", "lacks an operand"), ("compute(3+4)", "'compute'"),
                                       ("12 + 7 +", "invalid syntax"), ("1e308*10", "out of range"),
                                       ("1e300 ** 2", "out of range"), ("1e999", "out of range"),
-                                      ("(-8) ** 0.5", "complex"), ("9" * 5000, "number too large: more than 4300 digits"),
+                                      ("(-8) ** 0.5", "complex"),
+                                      ("9" * 5000, "number too large: more than 4300 digits"),
                                       ("(" * 300 + "1" + ")" * 300, "nested"), ("-" * 100_000 + "1", "nested")])
 def test_calculator_rejects_glued_or_several_expressions_with_a_reason(expr, why):
     with pytest.raises(ToolError, match=re.escape(why)):
@@ -160,7 +161,8 @@ def test_tool_timeout_applies(run):
         run(tools["s"]("x"))
 
 
-SEARCH_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\ntools:\n  search: {kind: search, options: {corpus: %s}}\n"
+SEARCH_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\ntools:\n"
+                "  search: {kind: search, options: {corpus: %s}}\n"
                 "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
 
 

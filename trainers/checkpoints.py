@@ -1,0 +1,178 @@
+"""A training run's checkpoints: the one writer and reader of what an exact resume needs.
+
+    RUN/checkpoints/step-N/
+        state.json        `TrainState`: step, data cursor, training time, adapter names and versions, dtype
+        adapters/<name>/  each trained adapter (PEFT format)
+        rng.pt            the learner's RNG states as of the step
+        <part>.pt         each algorithm part's `state_dict()` (Flow-GRPO: optimizer.pt; HRPO: topology.pt)
+    RUN/checkpoints/latest   the name of the newest complete step dir
+
+A step dir is built beside its final name and renamed in, then `latest` is replaced atomically, so a kill at any
+moment leaves the previous checkpoint whole. Every torch file is read with `weights_only=True`: a checkpoint is
+data, and loading one never runs code from the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from masgraph.checkpoint import checkpoint_adapters, read_state
+from masgraph.errors import MasgraphError
+from masgraph.files import atomic_write
+from masgraph.learner import Learner
+from masgraph.trainers.algorithm import TrainAlgorithm
+
+__all__ = ["Checkpoints", "TrainState", "check_lora_shapes", "read_train_state", "truncate_metrics"]
+
+PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
+"""Fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint."""
+RNG_FILE = "rng.pt"
+EARLIER = "resume from an earlier checkpoint (RUN/checkpoints/step-N) or delete this one"
+
+
+class TrainState(BaseModel):
+    """The loop's position in a run (state.json of a checkpoint)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(ge=0)
+    """Completed steps."""
+    cursor: int | None = None
+    """Next unused training item (None in checkpoints older than the cursor: step × queries_per_step)."""
+    train_seconds: float = 0.0
+    """Training time so far on the run's budget clock."""
+    versions: dict[str, int]
+    """Adapter -> its version (how many updates changed it)."""
+    adapters: list[str]
+    """The trained adapters saved in adapters/."""
+    dtype: str = "auto"
+    """The learner's dtype (a resumed run keeps it)."""
+
+
+class Checkpoints:
+    """RUN/checkpoints: save the last completed step, load one back."""
+
+    def __init__(self, run_dir: Path):
+        self.root = Path(run_dir) / "checkpoints"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def save(self, state: TrainState, learner: Learner, algorithm: TrainAlgorithm, rng: dict[str, Any]) -> Path:
+        """Write step `state.step` (adapters, RNG, every algorithm part's state, then state.json) and point
+        `latest` at it; returns its directory."""
+        final = self.step_dir(state.step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        learner.save(str(tmp / "adapters"), state.adapters)
+        if os.environ.get(PAUSE_ENV):
+            time.sleep(float(os.environ[PAUSE_ENV]))
+        torch.save(rng, tmp / RNG_FILE)
+        for part in algorithm.parts():
+            torch.save(part.state_dict(), tmp / part.state_file)
+        atomic_write(tmp / "state.json", state.model_dump_json())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_write(self.root / "latest", final.name)
+        return final
+
+    def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str]) -> TrainState:
+        """Restore adapters (weights and versions), every algorithm part's state and the RNG states; returns the
+        position to resume from. A checkpoint that is corrupt, incomplete or of another graph is a MasgraphError
+        naming what is wrong (nothing is half-applied to the algorithm's state before its files are read)."""
+        state = read_train_state(checkpoint)
+        if state.adapters != trained:
+            raise MasgraphError(f"checkpoint {checkpoint} holds adapters {state.adapters} but this graph trains "
+                                f"{trained}; resume with the graph the run was trained with")
+        parts = {part.state_file: load_torch(checkpoint / part.state_file) for part in algorithm.parts()}
+        rng = load_torch(checkpoint / RNG_FILE)
+        for name, path in checkpoint_adapters(checkpoint).items():
+            try:
+                learner.load_adapter(name, str(path), version=state.versions.get(name))
+            except Exception as exc:  # safetensors / peft raise several kinds for a truncated or foreign file
+                raise MasgraphError(f"cannot load adapter {name!r} from {path} ({type(exc).__name__}: {exc}); "
+                                    f"{EARLIER}") from exc
+        for part in algorithm.parts():
+            try:
+                part.load_state_dict(parts[part.state_file])
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+                raise MasgraphError(f"{checkpoint / part.state_file} does not match this graph's "
+                                    f"{type(part).__name__} ({exc}); {EARLIER}") from exc
+        try:
+            learner.set_rng_state(rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise MasgraphError(f"{checkpoint / RNG_FILE} holds no RNG states this learner takes ({exc}); "
+                                f"{EARLIER}") from exc
+        return state
+
+
+def check_lora_shapes(checkpoint: Path, config: Any, learner: Learner) -> None:
+    """Each saved adapter has the LoRA shape the graph trains (`config`: its `train:` section): loading another
+    shape would replace the parameters the optimizers hold, and training would silently stop. Targets are
+    compared with what the graph's `lora_targets` resolved to on this model, as the attached adapter records them
+    (Phi3's `qkv_proj` for q_proj/v_proj; `all-linear` expanded to module names), which is what a checkpoint
+    saves."""
+    def sort(targets: Any) -> Any:  # peft keeps a list of names, or one regex string
+        return sorted(targets) if isinstance(targets, (list, tuple, set)) else targets
+
+    for name, path in checkpoint_adapters(checkpoint).items():
+        try:
+            saved = json.loads((path / "adapter_config.json").read_text())
+            got = (saved["r"], saved["lora_alpha"], sort(saved["target_modules"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise MasgraphError(f"cannot read {path / 'adapter_config.json'} ({exc}); {EARLIER}") from exc
+        targets = config.lora_targets
+        if hasattr(learner, "lora_targets") and name in learner.adapters():
+            targets = learner.lora_targets(name)  # resolved on this architecture
+        want = (config.lora_rank, config.lora_alpha, sort(targets))
+        if got != want:
+            raise MasgraphError(
+                f"adapter {name!r} in {path} has LoRA rank, alpha, targets {got} but the graph trains {want}; "
+                "resume with the `train:` lora_rank / lora_alpha / lora_targets the run was started with")
+
+
+def read_train_state(checkpoint: Path) -> TrainState:
+    """A checkpoint's state.json as a `TrainState`, or a MasgraphError with the fix."""
+    try:
+        return TrainState.model_validate(read_state(checkpoint))
+    except ValidationError as exc:
+        bad = sorted({str(e["loc"][0]) for e in exc.errors() if e["loc"]})
+        raise MasgraphError(f"{checkpoint / 'state.json'} is missing or has malformed {' and '.join(bad)}; "
+                            f"{EARLIER}") from None
+
+
+def load_torch(path: Path) -> Any:
+    """A torch file of a checkpoint, as data only (`weights_only`: no pickled code runs), onto the CPU whatever
+    device saved it (optimizer states follow their parameters when loaded)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # missing, truncated, not a torch file, or holding objects that are not plain data
+        raise MasgraphError(f"cannot load {path} ({type(exc).__name__}: {str(exc)[:300]}); {EARLIER}") from exc
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the metric lines of steps after `step` (they are redone) and a torn last line, atomically. Lines that
+    are not a step's record (not JSON, no integer step) are kept: they are nobody's to delete."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text(errors="replace").splitlines(keepends=True)
+            if line.endswith("\n") and not _after(line, step)]
+    atomic_write(path, "".join(keep), durable=False)
+
+
+def _after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    s = record.get("step") if isinstance(record, dict) else None
+    return isinstance(s, int) and not isinstance(s, bool) and s > step
