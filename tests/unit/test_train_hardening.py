@@ -242,6 +242,39 @@ def test_broken_checkpoint_is_a_masgraph_error_with_the_path_and_a_fix(tiny, tmp
     assert str(checkpoint) in message and any(fix in message for fix in fixes)
 
 
+class _Planted:
+    """Unpickling it runs code: what a hostile rng.pt in someone else's run dir could hold."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def test_resume_runs_no_code_from_a_checkpoint_file(tiny, tmp_path, checkpoint):
+    marker = tmp_path / "planted-code-ran"
+    rng = torch.load(checkpoint / "rng.pt", weights_only=True)
+    torch.save({**rng, "extra": _Planted(str(marker))}, checkpoint / "rng.pt")
+    loop = _loop(tiny, tmp_path / "again")
+    with pytest.raises(MasgraphError, match="cannot load .*rng.pt"):
+        loop.load(checkpoint)
+    assert not marker.exists()  # refused as data, never unpickled into a call
+
+
+def test_resume_keeps_metric_lines_that_are_not_a_steps_record(tiny, tmp_path):
+    loop = _loop(tiny, tmp_path / "run", TRAIN.replace("checkpoint_every: 10", "checkpoint_every: 1"))
+    asyncio.run(loop.run())
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    odd = ["not json at all", '{"note": "no step"}', '["a", "list"]', '{"step": "two"}']
+    metrics.write_text("\n".join(lines[:1] + odd + lines[1:]) + "\n" + '{"step": 3, "torn')
+    again = _loop(tiny, tmp_path / "run", TRAIN.replace("checkpoint_every: 10", "checkpoint_every: 1"))
+    again.load(tmp_path / "run" / "checkpoints" / "step-1")
+    kept = metrics.read_text().splitlines()
+    assert kept == lines[:1] + odd  # steps 2 and 3 go (they are redone), as does the torn last line
+
+
 @pytest.mark.parametrize("clock, steps", [("cpu", 1), ("wall", 3)])
 def test_the_budget_counts_the_chosen_clock(tiny, tmp_path, monkeypatch, clock, steps):
     # the process's CPU clock runs an hour per reading; the wall clock stays real (a few seconds for the run)
