@@ -5,7 +5,6 @@ resume; train-step, evaluation and checkpoint events to sinks (metrics.jsonl is 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.checkpoints import Checkpoints, TrainState, check_lora_shapes, truncate_metrics
 from masgraph.trainers.checks import LEARNABLE_BACKENDS
 from masgraph.trainers.config import TrainSpec
+from masgraph.trainers.diagnostics import step_diagnostics
 
 
 def base_model(spec: GraphSpec, needs_trainable: bool = True) -> str:
@@ -251,7 +251,7 @@ class TrainLoop:
         self.train_seconds += self._budget_clock() - c0
         tokens = sum(t.completion_tokens for t in traces)
         return {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
-                "groups/no_signal": no_signal_fraction(traces), "resample_rounds": rounds,
+                **step_diagnostics(traces, set(self.trainable)), "resample_rounds": rounds,
                 "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
                 "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
                 **({"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if on_gpu else {})}
@@ -318,13 +318,3 @@ def topology_metrics(policy: TopologyPolicy, traces: list[Trace]) -> dict[str, f
         out |= {f"{prefix}/{d}/{o}": sum(p[d][o] for p in probs) / len(probs)
                 for d, opts in probs[0].items() for o in opts}
     return out
-
-
-def no_signal_fraction(traces: list[Trace]) -> float:
-    """The share of a step's queries whose episodes all scored the same (a failed episode scores 0): groups that
-    give a group-relative advantage nothing to push with, whatever the algorithm. Rising towards 1 means the
-    policy has collapsed onto one behaviour (or the task is solved or hopeless at this stage)."""
-    groups: dict[str, set[float]] = defaultdict(set)
-    for t in traces:
-        groups[t.item_id].add(t.reward if t.status == "ok" and t.reward is not None else 0.0)
-    return sum(len(r) < 2 for r in groups.values()) / len(groups) if groups else 0.0

@@ -295,13 +295,16 @@ TRAIN_PLOTS = ("reward/mean", "accuracy/train", "accuracy/test", "kl", "loss/tot
 
 
 def plot_keys(metrics: Sequence[dict[str, Any]]) -> list[str]:
-    """The metric series the training view plots: the standard ones present, then per-adapter grad norms and the
+    """The metric series the training view plots: the standard ones present, then per-adapter grad norms, the
+    learning-health signals (groups without signal, per-node sampled entropy, reward per item type) and the
     topology policy's entropy and loss."""
     present: dict[str, None] = {}
     for rec in metrics:
         present.update(dict.fromkeys(k for k, v in rec.items() if isinstance(v, int | float)))
     keys = [k for k in TRAIN_PLOTS if k in present]
     keys += sorted(k for k in present if k.startswith("grad_norm/"))
+    keys += [k for k in ("groups/no_signal",) if k in present]
+    keys += sorted(k for k in present if k.startswith(("entropy/", "reward/type/")))
     keys += [k for k in ("topology/entropy", "topology/loss") if k in present]
     return keys
 
