@@ -8,12 +8,12 @@ import inspect
 import time
 import zlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from masgraph.backends.base import Backend, Request
-from masgraph.eager import await_within, gather_eager
+from masgraph.eager import _Resumed, await_within, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
     EpisodeFinished,
@@ -90,6 +90,79 @@ def apply_score(score: Callable[[EpisodeInput, Trace], float] | None, ep: Episod
 
 class _StepFailed(Exception):
     pass
+
+
+class _BlockedLoop(Exception):
+    """An async agent ran past its node timeout without yielding to the event loop, so the timer could not fire
+    (and every other episode stalled meanwhile)."""
+
+
+T = TypeVar("T")
+
+
+async def _within(coro: Awaitable[T], timeout_s: float) -> T:
+    """`await_within` for an agent's step, closing the two ways an async agent escapes its timeout: a result
+    returned after the timer fired (the agent caught the CancelledError) is a TimeoutError, and an agent whose
+    own code held the event loop longer than `timeout_s` (e.g. `time.sleep` in an `async def`: the timer cannot
+    fire while the loop is blocked) is `_BlockedLoop`, whatever it returned. Only the time spent inside the
+    agent's coroutine counts, so an agent delayed by another one blocking the loop is not blamed."""
+    if not isinstance(coro, Coroutine):
+        return await await_within(coro, timeout_s)
+    clocked = _Clocked(coro)
+    steps = clocked.__await__()
+    try:
+        first = steps.send(None)
+    except StopIteration as done:  # finished without suspending: no timer needed (see masgraph/eager.py)
+        clocked.check(timeout_s)
+        return done.value
+    except BaseException:
+        steps.close()
+        raise
+    async with asyncio.timeout(timeout_s) as timer:
+        value = await _Resumed(steps, first)  # type: ignore[arg-type]  (a generator: send, throw, close)
+    if timer.expired():  # it fired, and the agent swallowed the cancellation
+        raise TimeoutError
+    clocked.check(timeout_s)
+    return value
+
+
+class _Clocked:
+    """Awaitable that drives a coroutine as `await` does (every yield, send, throw and close passed through),
+    adding up the time spent inside it (`held_s`): time in which the event loop ran nothing else."""
+
+    __slots__ = ("coro", "held_s")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]):
+        self.coro, self.held_s = coro, 0.0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, clock = self.coro, time.perf_counter
+        sent: Any = None
+        exc: BaseException | None = None
+        while True:
+            t0 = clock()
+            try:
+                value = coro.send(sent) if exc is None else coro.throw(exc)
+            except StopIteration as done:
+                self.held_s += clock() - t0
+                return done.value
+            self.held_s += clock() - t0
+            try:
+                sent, exc = (yield value), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:  # e.g. the CancelledError of a timeout: delivered into the coroutine
+                sent, exc = None, e
+
+    def check(self, timeout_s: float) -> None:
+        if self.held_s > timeout_s:
+            raise _BlockedLoop(
+                f"node blocked the event loop for {self.held_s:.1f}s, over its {timeout_s}s timeout, which could "
+                "not fire meanwhile (nor could any other episode run): the async agent made a blocking call, such "
+                "as time.sleep or a synchronous client, inside `async def`; fix: `await asyncio.sleep(...)` or an "
+                "async client, run the blocking work with `await asyncio.to_thread(...)`, or make the agent a "
+                "plain `def` (it then runs in a worker thread under its timeout)")
 
 
 _Frontier = dict[str, list[tuple[str, NodeOutput]]]
@@ -228,8 +301,11 @@ class Scheduler:
                               self._generator(ep, trace, index, node, turn, calls), self._node_tools[node],
                               self.tool_descriptions, _slot_prompt(ep.topology, node))
             try:
-                out = await await_within(agent(ctx), nspec.timeout_s)  # no task per step, unlike wait_for
+                out = await _within(agent(ctx), nspec.timeout_s)  # no task per step, unlike wait_for
                 error = None
+                break
+            except _BlockedLoop as exc:  # not retried: it would stall every episode again
+                error = str(exc)
                 break
             except TimeoutError:
                 error = f"node timed out after {nspec.timeout_s}s"

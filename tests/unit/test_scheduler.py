@@ -557,3 +557,66 @@ def test_a_batch_of_episodes_runs_with_fewer_gc_passes_and_puts_the_callers_thre
         assert seen == [0] and gc.get_threshold() == (0, 11, 12)
     finally:
         gc.set_threshold(*before)
+
+
+# --- an async agent that escapes its node timeout is not recorded ok (issue 28, finding 8) ----------------
+
+@register_agent("loop-blocker")
+async def loop_blocker(ctx):
+    if ctx.query == "after-await":
+        await asyncio.sleep(0)  # the timer is armed, but cannot fire while the loop is blocked
+    time.sleep(0.5)  # a blocking call inside `async def`
+    return NodeOutput(text="done", answer="done")
+
+
+@register_agent("cancel-swallower")
+async def cancel_swallower(ctx):
+    try:
+        await asyncio.sleep(5)
+    except asyncio.CancelledError:
+        pass
+    return NodeOutput(text="late", answer="late")
+
+
+@pytest.mark.parametrize("query", ["at-once", "after-await"])
+def test_an_agent_that_blocks_the_event_loop_fails_its_step_with_the_fix(query, run):
+    graph = GraphBuilder("blk").add_node("solo", role="custom", agent="loop-blocker", timeout_s=0.1,
+                                         retries=1).compile()
+    tr = run_one(graph, run, query=query)
+    [step] = tr.steps
+    assert tr.status == "error" and tr.answer is None
+    assert "blocked the event loop" in step.error and "asyncio.to_thread" in step.error
+    assert step.attempts == 1  # not retried: it would block every episode again
+
+
+def test_an_agent_that_blocks_within_its_timeout_is_ok(run):
+    graph = GraphBuilder("blk").add_node("solo", role="custom", agent="loop-blocker", timeout_s=30).compile()
+    assert run_one(graph, run).status == "ok"
+
+
+def test_an_agent_that_swallows_its_timeout_is_a_timed_out_step(run):
+    graph = GraphBuilder("swallow").add_node("solo", role="custom", agent="cancel-swallower", timeout_s=0.1).compile()
+    tr = run_one(graph, run)
+    assert tr.status == "error" and tr.answer is None
+    assert tr.steps[0].error == "node timed out after 0.1s" and tr.steps[0].text == ""
+
+
+def test_an_episode_stalled_by_another_agent_blocking_the_loop_is_not_blamed(run):
+    """Only the time inside an agent's own code counts: a waiting agent that overran because another one held
+    the loop is ok (its timer could not fire either: it returned in the same loop pass)."""
+    from masgraph.scheduler import Scheduler
+
+    @register_agent("waits-briefly")
+    async def waits_briefly(ctx):
+        if ctx.query == "blocker":
+            await asyncio.sleep(0.01)
+            time.sleep(0.5)
+        else:
+            await asyncio.sleep(0.05)
+        return NodeOutput(text=ctx.query, answer=ctx.query)
+
+    graph = GraphBuilder("two").add_node("solo", role="custom", agent="waits-briefly", timeout_s=0.3).compile()
+    sched = Scheduler(graph, resolve_agents(graph.spec), {}, {}, concurrency=2)
+    blocker, waiter = run(sched.run([EpisodeInput("b", "blocker"), EpisodeInput("w", "waiter")]))
+    assert "blocked the event loop" in blocker.steps[0].error
+    assert "blocked" not in (waiter.steps[0].error or "")  # ok, or timed out in the same loop pass
