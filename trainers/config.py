@@ -89,6 +89,12 @@ class HRPOConfig(BaseModel):
     (REINFORCE on whole-topology log-probs, moving-average baseline, no group normalisation, no action terms)."""
     momentum: float = Field(0.9, ge=0, lt=1)
     """Moving-average momentum (`baseline: moving_average`)."""
+    no_signal: Literal["learn", "skip"] = "learn"
+    """A group whose episodes all got the same *task* reward (every route failed, or every route worked): `learn`
+    from it anyway (its token costs and action-wise terms then decide alone, pushing the cheapest route), or
+    `skip` it, as Flow-GRPO skips zero-variance groups. In joint training, a route can fail only because its node
+    has not learned yet; `skip` keeps the topology from forgetting that route before it has been tried with the
+    current node policies (see trainers/joint.py)."""
 
 
 class TrainBase(BaseModel):

@@ -26,6 +26,7 @@ from masgraph.trainers.hrpo_math import (
     action_advantages,
     combine,
     group_advantages,
+    has_signal,
     hrpo_loss,
     moving_average_advantages,
     reinforce_loss,
@@ -83,9 +84,13 @@ class HRPO(TrainAlgorithm):
         cfg = self.config
         rows: list[tuple[Trace, dict[str, float]]] = []  # (episode, decision -> advantage)
         rewards_seen: list[float] = []
+        skipped = 0  # groups without a task-reward signal, left out (`no_signal: skip`)
         for group in groups:
             group = [t for t in group if t.topology is not None]
             if not group:
+                continue
+            if cfg.no_signal == "skip" and not has_signal([t.reward if t.status == "ok" else None for t in group]):
+                skipped += 1
                 continue
             rewards = [outcome_reward(t, cfg.cost_lambda) for t in group]
             rewards_seen += rewards
@@ -95,7 +100,7 @@ class HRPO(TrainAlgorithm):
                 continue
             rows += [(t, adv) for t, adv in zip(group, self._advantages(group, rewards))]
         if not rows:
-            return {"topology/episodes": 0.0}
+            return {"topology/episodes": 0.0, "topology/skipped_groups": float(skipped)}
         stats: dict[str, float] = {}
         for _ in range(cfg.ppo_epochs):
             loss, stats = self._loss(rows)
@@ -107,6 +112,7 @@ class HRPO(TrainAlgorithm):
         self.policy.version += 1
         out = {f"topology/{k}": v for k, v in stats.items()}
         out["topology/episodes"] = float(len(rows))
+        out["topology/skipped_groups"] = float(skipped)
         out["topology/reward"] = sum(rewards_seen) / len(rewards_seen)
         return out
 

@@ -32,7 +32,7 @@ import torch
 
 from masgraph.trainers.pg_math import normalise, ppo_clip_loss
 
-__all__ = ["action_advantages", "clipped_surrogate", "combine", "group_advantages", "hrpo_loss",
+__all__ = ["action_advantages", "clipped_surrogate", "combine", "group_advantages", "has_signal", "hrpo_loss",
            "moving_average_advantages", "reinforce_loss"]
 
 
@@ -40,6 +40,12 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
     """Outcome advantage of each episode of one group: its reward normalised over the group (GRPO), so that
     only how an episode compares with its siblings on the same query pushes the policy."""
     return normalise(list(rewards), eps)
+
+
+def has_signal(task_rewards: Sequence[float | None]) -> bool:
+    """Whether a group's episodes disagree on the task reward (a failed episode's None counts as 0): only then does
+    the group say which topology works; cost differences alone say only which is cheapest."""
+    return len({0.0 if r is None else float(r) for r in task_rewards}) > 1
 
 
 def action_advantages(action_rewards: Sequence[Sequence[float | None]],

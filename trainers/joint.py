@@ -4,6 +4,25 @@
 `schedule: simultaneous` updates both after every step; `alternate` updates the node policies on even steps and
 the topology on odd ones, so each learns against the other held fixed. Both see the step's groups of
 `flow_grpo.group_size` episodes per query.
+
+The credit-assignment problem of doing both at once. A route's reward depends on how well its nodes do now, and
+they are still learning: early on, the route that will work best (planner -> search -> generator on a lookup
+question) may fail every time only because the planner's sampled search queries miss. In such a group every
+route scores 0, so the group-relative outcome advantage is 0 and HRPO's cost terms (λ·tokens in the outcome, the
+action-wise token and rationality terms) are the only signal left: they push the cheapest route, and the topology
+forgets the route that works before its node has learned (measured: −15 and −16 points against topology-only,
+every city question routed straight to the generator on one seed of each round; RESULTS.md).
+
+What follows from that, in the order it is built:
+- `hrpo.no_signal: skip` (landed): a group with no task-reward signal teaches the topology nothing, as Flow-GRPO
+  already skips zero-variance groups (DAPO's dynamic sampling). A route then keeps its prior probability until
+  some group shows it working or failing against another route. Unit test: tests/unit/test_hrpo_no_signal.py
+  (a route that pays only once its node has learned collapses with `learn` and is learned at once with `skip`).
+  The default stays `learn` until the joint benchmark (≥ 3 seeds, both tasks) is re-run with it.
+- Next, measured before being made defaults: separate temperatures for what each part explores (the topology
+  scored on episodes whose nodes decode near-greedily, so a route is judged by what its nodes can do, not by
+  their exploration noise), and a probability floor per decision option (no route collapses below ε before it has
+  been tried with the current node policies).
 """
 
 from __future__ import annotations
