@@ -30,7 +30,8 @@ def normalize_tool(name: str) -> str:
 
 
 def parse_plan(text: str, tools: list[str]) -> tuple[str, str | None, str | None]:
-    """(sub_goal, tool or None for 'answer now', error). Fallback tool: the first tool named in the text."""
+    """(sub_goal, tool or None for 'answer now', error). Fallback tool: the first tool named in the text, else the
+    first tool. A `Tool:` line naming a tool not in `tools` is reported as such, with the tools there are."""
     goal = _field(text, r"sub[\s_-]?goal", "next step", "goal", "step") or text.strip().split("\n")[0][:200]
     raw = _field(text, r"tool(?:\s+name)?", "next tool", "action")
     by_norm = {normalize_tool(t): t for t in tools}
@@ -45,8 +46,16 @@ def parse_plan(text: str, tools: list[str]) -> tuple[str, str | None, str | None
                 return goal, t, None
     for n, t in by_norm.items():
         if re.search(rf"\b{re.escape(t)}\b", text, re.I) or n in normalize_tool(text):
-            return goal, t, "no `Tool:` line; used the tool named in the text"
-    return goal, (tools[0] if tools else None), "no tool named; fell back to the first tool"
+            return goal, t, _undeclared(raw, tools, t) if raw else "no `Tool:` line; used the tool named in the text"
+    fallback = tools[0] if tools else None
+    return goal, fallback, _undeclared(raw, tools, fallback) if raw else "no tool named; fell back to the first tool"
+
+
+def _undeclared(raw: str, tools: list[str], used: str | None) -> str:
+    """The note for a `Tool:` line naming a tool the node does not have (models copy tools from examples)."""
+    name = raw if len(raw) <= 40 else raw[:37] + "..."
+    return (f"named {name!r}, which this node does not have (tools: {', '.join(tools) or 'none'}); "
+            f"used {used or 'none'}")
 
 
 def parse_tool_input(text: str, tool: str) -> tuple[str, str | None]:
