@@ -38,7 +38,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
-from masgraph.tasks import get_task
+from masgraph.tasks import get_task, is_correct
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.flow_grpo import sampling_spec
 from masgraph.trainers.loop import TrainLoop
@@ -102,7 +102,7 @@ def pass_at_k(graph_path: str, task_name: str, n: int, k: int, seed: int, model:
         result = asyncio.run(runner.run_task(get_task(task_name)))
     solved: dict[str, list[bool]] = {}
     for t in result.traces:
-        solved.setdefault(t.item_id, []).append((t.reward or 0.0) >= 0.5)
+        solved.setdefault(t.item_id, []).append(is_correct(t))  # the task's verdict, as `masgraph run` counts
     return (sum(any(v) for v in solved.values()) / len(solved),
             sum(sum(v) for v in solved.values()) / len(result.traces))
 

@@ -28,7 +28,7 @@ from masgraph.backends.hf import HFBackend
 from masgraph.graph import Topology, compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
-from masgraph.tasks import get_task
+from masgraph.tasks import get_task, is_correct
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import TopologyChoice, Trace
 
@@ -85,7 +85,7 @@ def by_type(traces: list[Trace]) -> dict[str, list[Trace]]:
 def stats(traces: list[Trace]) -> tuple[float, float, int, float]:
     """(accuracy, mean completion tokens, items, share of episodes with a step whose output failed to parse)."""
     n = len(traces)
-    return (sum((t.reward or 0) >= 0.5 for t in traces) / n, sum(t.completion_tokens for t in traces) / n, n,
+    return (sum(map(is_correct, traces)) / n, sum(t.completion_tokens for t in traces) / n, n,
             sum(any(s.parse_error for s in t.steps) for t in traces) / n)
 
 

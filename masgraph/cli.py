@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.events import EpisodeFinished, Event
+from masgraph.tasks import is_correct
 
 if TYPE_CHECKING:
     from masgraph.graph import Graph
@@ -64,6 +65,18 @@ def _whole_number(text: str, least: int, most: int | None = None) -> int:
     return value
 
 
+def accuracy_line(s: dict[str, Any]) -> str:
+    """A run summary's accuracy (over all episodes, and over the finished ones when some failed), mean reward,
+    turns, tokens and failures by kind: a timeout or error is an infrastructure failure, not a wrong answer."""
+    acc = f"accuracy {s['accuracy']:.3f} ({s['correct']}/{s['episodes']})"
+    if s["finished"] != s["episodes"]:
+        finished = "n/a" if s["accuracy_finished"] is None else f"{s['accuracy_finished']:.3f}"
+        acc += f"  of finished {finished} ({s['correct']}/{s['finished']})"
+    kinds = ", ".join(f"{kind} {n}" for kind, n in s["failures"].items() if n)
+    return (f"{acc}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
+            f"completion tokens {s['completion_tokens_mean']:.1f}  failures {kinds or 'none'}")
+
+
 class ProgressBar:
     """A sink that draws one status line: episodes done, accuracy, turns, tokens, rate."""
 
@@ -77,7 +90,7 @@ class ProgressBar:
         if isinstance(event, EpisodeFinished) and event.trace.status != "cancelled":  # only episodes that ran out
             tr = event.trace
             self.done += 1
-            self.correct += (tr.reward or 0.0) >= 0.5
+            self.correct += is_correct(tr)
             self.turns += tr.turns
             self.tokens += tr.completion_tokens
             self.failed += tr.status != "ok"
@@ -266,8 +279,7 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
         print(f"interrupted: {s['episodes']} episodes finished, {s['cancelled']} cancelled", file=sys.stderr)
     print(f"graph {s['graph']}  task {s['task']}  episodes {s['episodes']}")
     if s["episodes"]:
-        print(f"accuracy {s['accuracy']:.3f}  reward {s['reward_mean']:.3f}  turns {s['turns_mean']:.2f}  "
-              f"completion tokens {s['completion_tokens_mean']:.1f}  failed {s['episodes'] - s['status']['ok']}")
+        print(accuracy_line(s))
     print(f"run dir  {result.run_dir}")
     _warn_sink_errors(s.get("sink_errors", 0))
     return code

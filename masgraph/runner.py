@@ -18,7 +18,7 @@ from masgraph.graph import Graph
 from masgraph.registry import Registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.store import RunStore, new_run_dir
-from masgraph.tasks import Item, Task
+from masgraph.tasks import CORRECT, Item, Task, is_correct
 from masgraph.trace import Trace
 
 
@@ -117,7 +117,7 @@ class Runner:
             run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
-        sched = self.scheduler(all_sinks, score=lambda ep, tr: task.reward(by_id[ep.item_id], tr))
+        sched = self.scheduler(all_sinks, score=lambda ep, tr: score_episode(task, by_id[ep.item_id], tr))
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
                     for it in items for s in range(self.config.samples)]
         if self.topology is not None:
@@ -160,6 +160,30 @@ def _type_of(item: Item) -> dict[str, Any]:
     return {"type": item.meta["type"]} if "type" in item.meta else {}
 
 
+def score_episode(task: Task, item: Item, trace: Trace) -> float:
+    """The episode's reward; the task's verdict on it (`Task.correct`) is recorded beside it in `trace.meta`, so
+    every reader of the trace (summaries, the episode index, watch, benchmarks) counts the same episodes correct."""
+    reward = task.reward(item, trace)
+    trace.meta[CORRECT] = bool(task.correct(item, trace, reward))
+    return reward
+
+
+FAILURE_KINDS = ("timeout", "error", "cancelled", "parse")
+"""How an episode can fail, as summaries count them: timed out, errored (a step, the run or its scorer), cancelled
+(in flight or not started when the run stopped), or finished with an answer not in the expected format (the exit
+node used its fallback: a model failure, still scored; the others are not model answers)."""
+
+
+def failure_kind(trace: Trace) -> str | None:
+    """One of FAILURE_KINDS for an episode that failed, None for one that finished cleanly."""
+    if trace.status != "ok":
+        return trace.status
+    if trace.error is not None:  # finished, but its reward could not be computed (scheduler.apply_score)
+        return "error"
+    last = trace.steps[-1] if trace.steps else None
+    return "parse" if last is not None and last.parse_error is not None else None
+
+
 def mean(values: Any) -> float:
     """Arithmetic mean as a float (statistics.mean is exact but ~20x slower on large runs)."""
     values = list(values)
@@ -167,19 +191,29 @@ def mean(values: Any) -> float:
 
 
 def summarize(traces: list[Trace], planned: int | None = None) -> dict[str, Any]:
-    """Accuracy (reward ≥ 0.5 counts as correct), mean reward, turns, tokens, failures by kind, over the episodes
-    that finished; `cancelled` counts the rest of `planned` (in flight or not started when the run stopped)."""
+    """Accuracy (the task's verdict: `tasks.is_correct`), mean reward, turns, tokens, failures by kind, over the
+    episodes that ended (`episodes`); `cancelled` counts the rest of `planned` (in flight or not started when the
+    run stopped). `accuracy` counts a failed episode as wrong; `accuracy_finished` is over the `finished` ones only
+    (no timeout or error: the model's answers), so an infrastructure failure is not read as a model failure."""
     done = [t for t in traces if t.status != "cancelled"]
     planned = len(traces) if planned is None else planned
     out: dict[str, Any] = {"episodes": len(done), "cancelled": planned - len(done)}
+    kinds = [failure_kind(t) for t in done]
+    out["failures"] = {k: kinds.count(k) for k in FAILURE_KINDS} | {"cancelled": out["cancelled"]}
     if not done:
         return out
+    finished = [t for t, k in zip(done, kinds) if k in (None, "parse")]
+    correct = sum(map(is_correct, done))
     rewards = [t.reward or 0.0 for t in done]
     steps = [s for t in done for s in t.steps]
     tools = [s.tool for s in steps if s.tool]
     return out | {
-        "accuracy": mean(r >= 0.5 for r in rewards),
+        "accuracy": correct / len(done),
+        "correct": correct,
+        "finished": len(finished),
+        "accuracy_finished": correct / len(finished) if finished else None,
         "reward_mean": mean(rewards),
+        "reward_mean_finished": mean(t.reward or 0.0 for t in finished) if finished else None,
         "turns_mean": mean(t.turns for t in done),
         "completion_tokens_mean": mean(t.completion_tokens for t in done),
         "llm_calls_mean": mean(len(t.llm_calls) for t in done),

@@ -364,8 +364,9 @@ INDEX = "episodes.jsonl"
 def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
     """An episode's line in episodes.jsonl: its table row, a digest of its steps and the byte range of events.jsonl
     that holds its lines, so a watcher opens a run of 100k episodes without parsing every step line and reads one
-    episode back without scanning the file. `steps` holds [node, route, flag (0 ok, 1 parse error, 2 error),
-    completion tokens, seconds, source nodes] per step. A cache: events.jsonl stays the record."""
+    episode back without scanning the file. `correct` is the task's verdict recorded with the reward
+    (`Task.correct`; None when no task scored the episode). `steps` holds [node, route, flag (0 ok, 1 parse error,
+    2 error), completion tokens, seconds, source nodes] per step. A cache: events.jsonl stays the record."""
     steps, tokens = [], 0
     for s in trace.steps:
         tok = sum(c.n_completion for c in s.llm) if s.llm else 0
@@ -373,7 +374,8 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
         steps.append((s.node, s.route, step_flag(s.error, s.parse_error), tok, round(s.duration_s, 4), s.sources))
     line = (json.dumps({
         "id": trace.episode_id, "item": trace.item_id, "query": trace.query[:_CLIP], "status": trace.status,
-        "reward": trace.reward, "answer": None if trace.answer is None else trace.answer[:_CLIP],
+        "reward": trace.reward, "correct": trace.meta.get("correct"),
+        "answer": None if trace.answer is None else trace.answer[:_CLIP],
         "error": None if trace.error is None else trace.error[:_CLIP], "tokens": tokens, "turns": trace.turns,
         "duration_s": round(trace.duration_s, 4), "ended": round(ended, 3), "start": start, "end": end,
         "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n")

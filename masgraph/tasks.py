@@ -8,6 +8,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from functools import cached_property, lru_cache
 from importlib.resources import files
 from pathlib import Path
@@ -68,6 +69,53 @@ class Task:
     def reward(self, item: Item, trace: Trace) -> float:
         """Outcome reward in [0, 1]: the trace's final answer scored against the item."""
         return 0.0 if trace.answer is None else max(0.0, min(1.0, float(self.score(item, trace.answer))))
+
+    def correct(self, item: Item, trace: Trace, reward: float | None = None) -> bool:
+        """Whether the episode solved the item: the one definition of "correct" every accuracy counts (run,
+        training evaluation, watch, benchmarks). Default: an episode that finished ok and scored the maximum
+        reward (exact; partial credit is reward, not correctness). `reward`: the trace's reward, when computed."""
+        if trace.status != "ok":
+            return False
+        return full_reward(self.reward(item, trace) if reward is None else reward)
+
+
+def full_reward(reward: float | None) -> bool:
+    """The default correctness rule: the reward is the maximum (1.0)."""
+    return reward is not None and reward >= 1.0
+
+
+CORRECT = "correct"
+"""The key of `Trace.meta` under which a run records the task's verdict (`Task.correct`) beside the reward."""
+
+
+def is_correct(trace: Trace) -> bool:
+    """Whether a finished episode counts as correct: its task's recorded verdict (`Trace.meta["correct"]`), else
+    (a trace scored without one, e.g. from an older run) the default rule on its reward. Never for a failed one."""
+    if trace.status != "ok":
+        return False
+    flag = trace.meta.get(CORRECT)
+    return flag if isinstance(flag, bool) else full_reward(trace.reward)
+
+
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
+
+
+def as_number(text: str) -> Decimal | None:
+    """`text` as an exact number when it is one (whitespace, a thousands separator and a trailing zero fraction
+    allowed: "8.0", " 1,024 ", "-3"), else None; so "8.0" and "8" compare equal."""
+    text = text.strip()
+    if not _NUMBER.fullmatch(text):
+        return None
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def numbers_equal(answer: str, gold: str) -> bool:
+    """Whether both are numbers (`as_number`) and equal."""
+    a, g = as_number(answer), as_number(gold)
+    return a is not None and g is not None and a == g
 
 
 TEST_BUCKETS = 5
@@ -200,6 +248,10 @@ class ReasoningGymTask(PartitionedTask):
         return out
 
     def score(self, item: Item, answer: str) -> float:
+        """reasoning-gym's score, except that a number equal to a numeric gold answer is full marks ("8.0" for 8:
+        the gym's substring scorer gives it 1/3)."""
+        if numbers_equal(answer, item.answer):
+            return 1.0
         return float(self._scorer.score_answer(answer, item.meta["entry"]))
 
     @cached_property
@@ -307,8 +359,8 @@ class MixedRoutes(PartitionedTask):
             return BasicArithmetic().score(item, answer)
         if kind == "city":
             return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
-        numbers = re.findall(r"-?\d+", answer)
-        return float(bool(numbers) and numbers[-1] == item.answer)
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", answer)
+        return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
 
 
 @lru_cache(maxsize=1)

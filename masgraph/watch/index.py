@@ -29,6 +29,7 @@ from masgraph.checkpoint import read_state
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.loader import read_yaml
 from masgraph.store import INDEX, _Parser, step_flag
+from masgraph.tasks import full_reward
 from masgraph.trace import Trace
 
 RUN_FILES = ("events.jsonl", INDEX, "metrics.jsonl", "config.json", "spec.yaml", "summary.json")
@@ -68,10 +69,17 @@ class Row:
     """Nodes whose step failed or could not be parsed."""
     seq: int = 0
     """Position in the order episodes finished."""
+    verdict: bool | None = None
+    """The task's verdict recorded with the reward (`Task.correct`); None in runs from before it was recorded."""
+    failure: str | None = None
+    """How the episode failed (runner.FAILURE_KINDS), None when it finished cleanly."""
 
     @property
     def correct(self) -> bool:
-        return self.status == "ok" and self.reward is not None and self.reward >= 1.0
+        """The task's verdict, as `masgraph run` counts it (tasks.is_correct): the recorded one, else full reward."""
+        if self.status != "ok":
+            return False
+        return self.verdict if self.verdict is not None else full_reward(self.reward)
 
     @property
     def outcome(self) -> str:
@@ -234,6 +242,8 @@ class RunIndex:
         self.n_done = 0
         """Finished episodes, those dropped from `rows` included."""
         self.n_correct = 0
+        self.failures: Counter[str] = Counter()
+        """Failure kind (timeout, error, cancelled, parse: as summary.json's `failures`) -> finished episodes."""
         self.nodes: dict[str, NodeStats] = {n: NodeStats() for n in (self.spec.nodes if self.spec else {})}
         """Counts over finished episodes (node_stats() adds the running ones)."""
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -363,6 +373,8 @@ class RunIndex:
         self.rows.append(row)
         self.n_done += 1
         self.n_correct += row.correct
+        if row.failure:
+            self.failures[row.failure] += 1
         self._indexed_end = max(self._indexed_end, row.end)
         if len(self.rows) > MAX_ROWS + MAX_ROWS // 10:  # dropped in batches: amortised O(1) a row
             del self.rows[:len(self.rows) - MAX_ROWS]
@@ -422,6 +434,17 @@ class RunIndex:
     @property
     def ended(self) -> bool:
         return self.summary is not None
+
+    @property
+    def n_scored(self) -> int:
+        """Episodes that ended (not cancelled): the denominator of accuracy, as summary.json's `episodes`."""
+        return self.n_done - self.failures["cancelled"]
+
+    @property
+    def n_finished(self) -> int:
+        """Episodes that ended with an answer (no timeout, error or cancel): the denominator of
+        `accuracy_finished`, so an infrastructure failure is not read as a wrong answer."""
+        return self.n_done - sum(self.failures[k] for k in ("timeout", "error", "cancelled"))
 
     def node_stats(self) -> dict[str, NodeStats]:
         """Per node: finished episodes plus the steps of running ones, and how many of its steps run now."""
@@ -602,19 +625,31 @@ def _row(rec: Any, seq: int) -> tuple[Row, list[list[Any]]]:
     if not (isinstance(steps, list) and all(_is_digest(s) for s in steps)):
         raise ValueError("malformed steps")
     failed = tuple(dict.fromkeys(s[0] for s in steps if s[2]))
+    verdict = rec.get("correct")
     row = Row(_str(rec["id"]), _text(rec["item"]), _text(rec["query"]), _str(rec["status"]),
               _number(rec["reward"], none=True), _text(rec["answer"], none=True), _text(rec["error"], none=True),
               int(_number(rec["tokens"])), int(_number(rec["turns"])), float(_number(rec["duration_s"])),
               float(_number(rec.get("ended"), none=True) or 0.0), int(_number(rec["start"])),
-              int(_number(rec["end"])), failed, seq)
+              int(_number(rec["end"])), failed, seq, verdict if isinstance(verdict, bool) else None)
+    row.failure = _failure(row.status, row.error, steps)
     return row, steps
+
+
+def _failure(status: str, error: str | None, steps: list[list[Any]]) -> str | None:
+    """How an episode failed, as runner.failure_kind reads it from a trace, from its row's fields."""
+    if status != "ok":
+        return status
+    if error is not None:
+        return "error"
+    return "parse" if steps and steps[-1][2] == 1 else None
 
 
 def _summary(trace: dict[str, Any], digest: list[list[Any]], start: int, end: int) -> dict[str, Any]:
     """An index line's fields for an episode line of a run from before the index."""
     turns: Counter[str] = Counter(s[0] for s in digest)
     return {"id": trace["episode_id"], "item": trace["item_id"], "query": trace["query"], "status": trace["status"],
-            "reward": trace.get("reward"), "answer": trace.get("answer"), "error": trace.get("error"),
+            "reward": trace.get("reward"), "correct": (trace.get("meta") or {}).get("correct"),
+            "answer": trace.get("answer"), "error": trace.get("error"),
             "tokens": sum(s[3] for s in digest), "turns": max(turns.values(), default=0),
             "duration_s": trace.get("duration_s", 0.0), "ended": 0.0, "start": start, "end": end, "steps": digest}
 

@@ -48,14 +48,26 @@ def status_line(index: RunIndex) -> Text:
     text.append(f"{index.n_done:,} done")
     if index.live:
         text.append(f" · {len(index.live)} running")
-    if index.n_done:
-        text.append(f" · {index.n_correct / index.n_done:.0%} correct")
+    text.append(accuracy_text(index))
     rate = episode_rate(rows)
     if rate is not None:
         text.append(f" · {rate:.1f}/s")
     if not index.caught_up:
         text.append(" · reading the run's files…", style="yellow")
     return text
+
+
+def accuracy_text(index: RunIndex) -> str:
+    """' · 62% correct', and when episodes failed, the accuracy over the finished ones and the failures by kind
+    (as `masgraph run` prints them), so a timeout is not read as a wrong answer."""
+    if not index.n_scored:
+        return f" · failed: cancelled {index.failures['cancelled']}" if index.failures else ""
+    out = f" · {index.n_correct / index.n_scored:.0%} correct"
+    if index.n_finished != index.n_scored and index.n_finished:
+        out += f" ({index.n_correct / index.n_finished:.0%} of {index.n_finished:,} finished)"
+    kinds = [f"{kind} {index.failures[kind]:,}" for kind in ("timeout", "error", "cancelled", "parse")
+             if index.failures[kind]]
+    return out + (f" · failed: {', '.join(kinds)}" if kinds else "")
 
 
 def episode_rate(rows: Sequence[Row], window_s: float = 60.0) -> float | None:
