@@ -46,8 +46,10 @@ def main() -> int:
                 t0 = time.perf_counter()
                 s = run_one(graph, task, args.n, args.seed, runs)
                 accs.append(s["accuracy"])
-                print(f"{graph:10s} {task:18s} accuracy {s['accuracy']:.3f} "
-                      f"(parse errors {s['parse_error_rate']:.2f}, {time.perf_counter() - t0:.0f} s)", flush=True)
+                failures = ", ".join(f"{k} {n}" for k, n in s.get("failures", {}).items() if n) or "none"
+                print(f"{graph:10s} {task:18s} accuracy {s['accuracy']:.3f} (of finished "
+                      f"{s.get('accuracy_finished') or 0:.3f}, reward {s['reward_mean']:.3f}, failures {failures}, "
+                      f"parse errors {s['parse_error_rate']:.2f}, {time.perf_counter() - t0:.0f} s)", flush=True)
             rows.append((graph, accs))
     with open(HERE / "RESULTS.md", "a") as f:
         f.write(f"\n### Shipped graphs, greedy accuracy on held-out items ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
