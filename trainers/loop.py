@@ -267,8 +267,11 @@ class TrainLoop:
             result = await self.evaluator.run_task(self.task, store=False)
         finally:
             self.learner.set_rng_state(rng)
-        metrics = {"accuracy/test": result.summary["accuracy"],
-                   "parse_error_rate/test": result.summary["parse_error_rate"],
+        summary = result.summary
+        metrics = {"accuracy/test": summary["accuracy"],  # the task's verdict, over every held-out episode
+                   "accuracy_finished/test": summary.get("accuracy_finished", summary["accuracy"]),
+                   **{f"failures/test/{kind}": float(n) for kind, n in summary.get("failures", {}).items()},
+                   "parse_error_rate/test": summary["parse_error_rate"],
                    "parse_failed_episodes/test": mean([any(s.parse_error for s in t.steps) for t in result.traces])}
         self._emit(EvalFinished(step=self.step, metrics=metrics))
         return metrics
