@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -132,12 +133,13 @@ class HFBackend:
     async def aclose(self) -> None:
         await self._batcher.aclose()
 
-    def _run_batch(self, requests: list[Request]) -> list[Completion]:
-        """One batch from the batcher; in deterministic mode its rows go in key order, whatever their arrival."""
+    def _run_batch(self, requests: list[Request], stop: threading.Event) -> list[Completion]:
+        """One batch from the batcher; in deterministic mode its rows go in key order, whatever their arrival.
+        `stop` set ends it at its next decode step (`Stopped`)."""
         if not self.deterministic:
-            return self.generate(requests)
+            return self.generate(requests, stop)
         order = sorted(range(len(requests)), key=lambda i: requests[i].key)
-        results = self.generate([requests[i] for i in order])
+        results = self.generate([requests[i] for i in order], stop)
         out: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for i, res in zip(order, results):
             out[i] = res
@@ -148,10 +150,10 @@ class HFBackend:
         return self.layout.encode(messages, max_new_tokens)
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request]) -> list[Completion]:
+    def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
         """Decode a batch of requests (blocking). Rows that share adapter and static prompt prefix decode
         together on that prefix's cached KV (one at a time in deterministic mode); each group is left-padded
-        and KV-cached."""
+        and KV-cached. `stop` set ends the batch at its next decode step with `Stopped`."""
         t0 = time.perf_counter()
         encoded = [self.layout.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
@@ -166,7 +168,7 @@ class HFBackend:
             with self.weights.use(adapter):
                 for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
                     outs = self._decode(prefix, [prompts[i][len(prefix):] for i in chunk],
-                                        [requests[i] for i in chunk], adapter)
+                                        [requests[i] for i in chunk], adapter, stop)
                     decoded.update(zip(chunk, outs))
                     together.update((i, len(chunk)) for i in chunk)
         results = []
@@ -205,7 +207,7 @@ class HFBackend:
         return cache
 
     def _decode(self, prefix: tuple[int, ...], suffixes: list[list[int]], requests: list[Request],
-                adapter: str | None) -> list[tuple[list[int], list[float], str]]:
+                adapter: str | None, stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
         from transformers import DynamicCache
 
         if prefix:
@@ -217,7 +219,8 @@ class HFBackend:
         device = self.weights.device
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]
-        return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids)
+        return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
+                      stop)
 
 
 def _generate_error(exc: Exception) -> BackendError:

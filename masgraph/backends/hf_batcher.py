@@ -3,33 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 In = TypeVar("In")
 Out = TypeVar("Out")
 
 
+class Stopped(Exception):
+    """Raised by a batch's `run` that saw its stop flag set: nobody waits for the batch any more."""
+
+
 class Batcher(Generic[In, Out]):
-    """Queues items and runs them through `run` (blocking, one result per item, in order) in batches.
+    """Queues items and runs them through `run(items, stop)` (blocking, one result per item, in order) in batches.
 
     The loop takes what is queued, waits up to `wait_ms` for more (never when the batch is full), and runs up to
     `max_batch_size` items at once on a dedicated thread. An exception from `run` fails every item of its batch
     with `error(exc)`; later batches go on.
 
+    A thread cannot be stopped from outside, so each batch gets its own `stop` event, set when every caller
+    waiting on the batch was cancelled or the batcher is closing (`aclose`, or its loop cancelled, as on Ctrl-C);
+    a long `run` checks it (e.g. once per decode step) and raises `Stopped`, and its items' callers that still
+    wait are cancelled. Otherwise the thread would run the batch to its end after everyone gave up.
+
     Example:
-        >>> batcher = Batcher(lambda xs: [x * 2 for x in xs], max_batch_size=8, wait_ms=3.0)
+        >>> batcher = Batcher(lambda xs, stop: [x * 2 for x in xs], max_batch_size=8, wait_ms=3.0)
         >>> asyncio.run(batcher.submit([1, 2]))
         [2, 4]
     """
 
-    def __init__(self, run: Callable[[list[In]], list[Out]], max_batch_size: int = 32, wait_ms: float = 3.0,
-                 error: Callable[[Exception], Exception] = lambda exc: exc, thread_name: str = "masgraph-batch"):
+    def __init__(self, run: Callable[[list[In], threading.Event], list[Out]], max_batch_size: int = 32,
+                 wait_ms: float = 3.0, error: Callable[[Exception], Exception] = lambda exc: exc,
+                 thread_name: str = "masgraph-batch"):
         self.run, self.max_batch_size, self.wait_ms, self.error = run, max_batch_size, wait_ms, error
         self._queue: list[tuple[In, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        self._running: tuple[Future, threading.Event] | None = None
+        """The batch on the thread: its future and stop flag."""
         # one dedicated thread runs every batch: torch's OpenMP team is per calling thread, and teams of
         # several pool threads spin against each other on a small CPU (2.2x slower at batch 1, measured)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
@@ -60,9 +73,28 @@ class Batcher(Generic[In, Out]):
             batch = [(x, f) for x, f in batch if not f.cancelled()]
             if not batch:
                 continue
+            futures, stop = [f for _, f in batch], threading.Event()
+
+            def gave_up(_: asyncio.Future, futures: list[asyncio.Future] = futures, stop: threading.Event = stop
+                        ) -> None:
+                if all(f.cancelled() for f in futures):  # nobody waits for the batch: end it at its next step
+                    stop.set()
+
+            for fut in futures:
+                fut.add_done_callback(gave_up)
+            running = self._executor.submit(self.run, [x for x, _ in batch], stop)
+            self._running = (running, stop)
             try:
-                results = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.run, [x for x, _ in batch])
+                results = await asyncio.wrap_future(running)
+            except asyncio.CancelledError:  # the batcher is closing: the thread ends the batch at its next step
+                stop.set()
+                for fut in futures:
+                    fut.cancel()
+                raise
+            except Stopped:
+                for fut in futures:
+                    fut.cancel()
+                continue
             except Exception as exc:  # the whole batch fails; each caller records it
                 for _, fut in batch:
                     if not fut.done():
@@ -84,7 +116,11 @@ class Batcher(Generic[In, Out]):
                 return
 
     async def aclose(self) -> None:
-        """Stop the batch loop (queued items that did not start are dropped with it)."""
+        """Stop the batch loop and the batch on the thread, and wait until the thread has left it; the callers of
+        that batch and of the queued items are cancelled."""
+        queued, self._queue = self._queue, []
+        for _, fut in queued:
+            fut.cancel()
         if self._worker is not None:
             self._worker.cancel()
             try:
@@ -92,3 +128,11 @@ class Batcher(Generic[In, Out]):
             except (asyncio.CancelledError, Exception):
                 pass
             self._worker = None
+        if self._running is not None:
+            running, stop = self._running
+            stop.set()
+            left = asyncio.wrap_future(running)
+            await asyncio.wait([left])
+            if not left.cancelled():
+                left.exception()  # delivered to its callers already, or nobody waits: not logged as unretrieved
+            self._running = None

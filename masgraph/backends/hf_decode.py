@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 from masgraph.backends.base import Request
+from masgraph.backends.hf_batcher import Stopped
 from masgraph.backends.hf_layout import left_pad
 
 
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
-           generators: list[torch.Generator], pad_id: int, eos_ids: set[int]
+           generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None
            ) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
 
     Every tensor lives on the model's device; each step copies its picks to the host once, the only
-    device-to-host sync of the step."""
+    device-to-host sync of the step. `stop` set (every caller gave up, or the backend is closing) ends the
+    batch before its next step with `Stopped`, so a cancelled batch frees the thread within one step."""
     device = model.device
     B = len(suffixes)
     ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
@@ -29,6 +32,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     out_lp: list[list[float]] = [[] for _ in range(B)]
     done, finish = [False] * B, ["length"] * B
     for _ in range(max(limits)):
+        if stop is not None and stop.is_set():  # a host-side flag: no device sync
+            raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (B, V)
         toks, lps = sample(logits.float(), requests, generators, done, temps)
