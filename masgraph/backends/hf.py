@@ -63,6 +63,7 @@ class HFBackend:
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
         self._rng = torch.Generator(device=self.weights.device).manual_seed(seed)
         self._prefix_kv: dict[tuple, Any] = {}
+        self._batch_stop = threading.local()  # .event: the stop flag of the batch this thread runs, if any
         self._batcher: Batcher[Request, Completion] = Batcher(
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
             error=_generate_error)
@@ -135,11 +136,19 @@ class HFBackend:
 
     def _run_batch(self, requests: list[Request], stop: threading.Event) -> list[Completion]:
         """One batch from the batcher; in deterministic mode its rows go in key order, whatever their arrival.
-        `stop` set ends it at its next decode step (`Stopped`)."""
+        `stop` set ends it at its next decode step (`Stopped`); it reaches `generate` through a thread-local, so
+        `generate(requests)` keeps its shape (callers and tests wrap it)."""
+        self._batch_stop.event = stop
+        try:
+            return self._generate_in_order(requests)
+        finally:
+            self._batch_stop.event = None
+
+    def _generate_in_order(self, requests: list[Request]) -> list[Completion]:
         if not self.deterministic:
-            return self.generate(requests, stop)
+            return self.generate(requests)
         order = sorted(range(len(requests)), key=lambda i: requests[i].key)
-        results = self.generate([requests[i] for i in order], stop)
+        results = self.generate([requests[i] for i in order])
         out: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for i, res in zip(order, results):
             out[i] = res
@@ -153,7 +162,10 @@ class HFBackend:
     def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
         """Decode a batch of requests (blocking). Rows that share adapter and static prompt prefix decode
         together on that prefix's cached KV (one at a time in deterministic mode); each group is left-padded
-        and KV-cached. `stop` set ends the batch at its next decode step with `Stopped`."""
+        and KV-cached. `stop` (default: the batcher's, when run from it) set ends the batch at its next decode
+        step with `Stopped`."""
+        if stop is None:
+            stop = getattr(self._batch_stop, "event", None)
         t0 = time.perf_counter()
         encoded = [self.layout.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
