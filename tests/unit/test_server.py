@@ -473,10 +473,8 @@ class _Disk:
         return getattr(self.file, name)
 
 
-def test_a_failing_trace_store_is_visible_and_the_server_closes_the_agent_anyway(tmp_path, caplog, monkeypatch):
-    real_append = store_module._append
-    monkeypatch.setattr(store_module, "_append", lambda file: _Disk(real_append(file)))
-    monkeypatch.setattr(_Disk, "full", False)
+def _agent_recording_close():
+    """A scripted agent whose `aclose` calls are recorded in the returned list (then run as usual)."""
     agent, closed = scripted_agent(), []
     real_aclose = agent.aclose
 
@@ -485,6 +483,14 @@ def test_a_failing_trace_store_is_visible_and_the_server_closes_the_agent_anyway
         await real_aclose()
 
     agent.aclose = aclose
+    return agent, closed
+
+
+def test_a_failing_trace_store_is_visible_and_the_server_closes_the_agent_anyway(tmp_path, caplog, monkeypatch):
+    real_append = store_module._append
+    monkeypatch.setattr(store_module, "_append", lambda file: _Disk(real_append(file)))
+    monkeypatch.setattr(_Disk, "full", False)
+    agent, closed = _agent_recording_close()
     with serving(agent, ServeConfig(store=tmp_path / "t")) as url:
         assert httpx.post(f"{url}/v1/chat/completions", json=ask("stored")).status_code == 200
         _Disk.full = True
@@ -509,14 +515,7 @@ def test_shutdown_closes_the_agent_even_when_the_store_cannot_close(tmp_path, ca
     def no_space(path, text, durable=True):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    agent, closed = scripted_agent(), []
-    real_aclose = agent.aclose
-
-    async def aclose():
-        closed.append(True)
-        await real_aclose()
-
-    agent.aclose = aclose
+    agent, closed = _agent_recording_close()
     with serving(agent, ServeConfig(store=tmp_path / "t")) as url:
         assert httpx.post(f"{url}/v1/chat/completions", json=ask("hi")).status_code == 200
         monkeypatch.setattr(store_module, "atomic_write", no_space)  # summary.json cannot be written
