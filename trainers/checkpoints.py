@@ -85,17 +85,21 @@ class Checkpoints:
         atomic_write(self.root / "latest", final.name)
         return final
 
-    def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str]) -> TrainState:
+    def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str],
+             config: Any) -> TrainState:
         """Restore adapters (weights and versions), every algorithm part's state and the RNG states; returns the
-        position to resume from. A checkpoint that is corrupt, incomplete or of another graph is a MasgraphError
-        naming what is wrong (nothing is half-applied to the algorithm's state before its files are read)."""
+        position to resume from. `config` (the `train:` section) gives the LoRA shape the adapters must have. A
+        checkpoint that is corrupt, incomplete or of another graph is a MasgraphError naming what is wrong (nothing
+        is half-applied to the algorithm's state before its files are read)."""
+        adapters = checkpoint_adapters(checkpoint)
+        check_lora_shapes(adapters, config, learner)
         state = read_train_state(checkpoint)
         if state.adapters != trained:
             raise MasgraphError(f"checkpoint {checkpoint} holds adapters {state.adapters} but this graph trains "
                                 f"{trained}; resume with the graph the run was trained with")
         parts = {part.state_file: load_torch(checkpoint / part.state_file) for part in algorithm.parts()}
         rng = load_torch(checkpoint / RNG_FILE)
-        for name, path in checkpoint_adapters(checkpoint).items():
+        for name, path in adapters.items():
             try:
                 learner.load_adapter(name, str(path), version=state.versions.get(name))
             except Exception as exc:  # safetensors / peft raise several kinds for a truncated or foreign file
@@ -115,16 +119,17 @@ class Checkpoints:
         return state
 
 
-def check_lora_shapes(checkpoint: Path, config: Any, learner: Learner) -> None:
-    """Each saved adapter has the LoRA shape the graph trains (`config`: its `train:` section): loading another
-    shape would replace the parameters the optimizers hold, and training would silently stop. Targets are
+def check_lora_shapes(adapters: dict[str, Path], config: Any, learner: Learner) -> None:
+    """Each saved adapter (name -> its PEFT directory) has the LoRA shape the graph trains (`config`: its `train:`
+    section): loading another shape would replace the parameters the optimizers hold, and training would silently
+    stop. Targets are
     compared with what the graph's `lora_targets` resolved to on this model, as the attached adapter records them
     (Phi3's `qkv_proj` for q_proj/v_proj; `all-linear` expanded to module names), which is what a checkpoint
     saves."""
     def sort(targets: Any) -> Any:  # peft keeps a list of names, or one regex string
         return sorted(targets) if isinstance(targets, (list, tuple, set)) else targets
 
-    for name, path in checkpoint_adapters(checkpoint).items():
+    for name, path in adapters.items():
         try:
             saved = json.loads((path / "adapter_config.json").read_text())
             got = (saved["r"], saved["lora_alpha"], sort(saved["target_modules"]))

@@ -29,7 +29,7 @@ from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
-from masgraph.trainers.checkpoints import Checkpoints, TrainState, check_lora_shapes, truncate_metrics
+from masgraph.trainers.checkpoints import Checkpoints, TrainState, truncate_metrics
 from masgraph.trainers.checks import LEARNABLE_BACKENDS
 from masgraph.trainers.config import TrainSpec
 from masgraph.trainers.diagnostics import step_diagnostics
@@ -294,8 +294,8 @@ class TrainLoop:
         """Restore a checkpoint written by `save` (adapter weights and versions, the algorithm's state, RNG, step,
         data cursor); a checkpoint that is corrupt, incomplete or of another graph is a MasgraphError naming what
         is wrong."""
-        check_lora_shapes(checkpoint, self.cfg, self.learner)
-        state = self.checkpoints.load(checkpoint, self.learner, self.algo, sorted(set(self.trainable.values())))
+        state = self.checkpoints.load(checkpoint, self.learner, self.algo, sorted(set(self.trainable.values())),
+                                      self.cfg)
         self._rng = self.learner.rng_state()
         self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
         self.step = state.step
