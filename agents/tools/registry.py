@@ -37,8 +37,12 @@ def register_kind(name: str, description: str, schema: dict[str, Any] | None = N
     return deco
 
 
-def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, registry: Registry | None = None):
+def register_tool(fn: Callable[..., Any] | str | None = None, *, name: str | None = None,
+                  registry: Registry | None = None):
     """Register a typed Python function as a tool kind (sync or async), in `registry` (default: the process's).
+
+    Three forms: `@register_tool` (named after the function), `@register_tool("adder")` (the form
+    `register_agent` takes) and `@register_tool(name="adder")`; the graph's `tools:` names it as `kind: adder`.
 
     The model's input is parsed as a JSON object of keyword arguments when it looks like one, otherwise
     it is passed (converted to the annotated type) as the first parameter.
@@ -51,7 +55,19 @@ def register_tool(fn: Callable[..., Any] | None = None, *, name: str | None = No
         >>> default_registry().tools["word_count"].schema["properties"]["text"]
         {'type': 'string'}
     """
+    if isinstance(fn, str):  # @register_tool("adder"): the name, positionally
+        if name is not None and name != fn:
+            raise TypeError(f"register_tool({fn!r}, name={name!r}): two names; give one")
+        fn, name = None, fn
+    if fn is not None and not callable(fn):
+        raise TypeError(f"register_tool takes a function or a tool name (str), not {type(fn).__name__} {fn!r}; "
+                        "use @register_tool, @register_tool(\"name\") or @register_tool(name=\"name\")")
+    if name is not None and not (isinstance(name, str) and name):
+        raise TypeError(f"register_tool: a tool name is a non-empty str, not {name!r}")
+
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(f):
+            raise TypeError(f"@register_tool({name!r}) decorates a function, not {type(f).__name__} {f!r}")
         sig = inspect.signature(f)
         hints = typing.get_type_hints(f)
         params = list(sig.parameters.values())

@@ -152,3 +152,42 @@ def test_a_bad_algorithm_value_is_located_not_a_traceback():
     for value in ("[flow_grpo]", "{a: 1}", "3"):
         with pytest.raises(SpecError, match="train.algorithm: unknown training algorithm"):
             parse_spec(base + f"train: {{algorithm: {value}}}\n", "g.yaml")
+
+
+TOOL_PLUGIN = """
+from masgraph.agents import register_tool
+
+@register_tool("adder")              # the form register_agent takes (issue 30, finding 7)
+def add(a: int, b: int = 0) -> int:
+    "Add two whole numbers."
+    return a + b
+"""
+
+
+def test_register_tool_takes_its_name_positionally_as_register_agent_does(tmp_path, run):
+    from masgraph.agents import register_tool
+    from masgraph.agents.tools.registry import build_tools
+    from masgraph.spec import ToolSpec
+
+    (tmp_path / "my_tools.py").write_text(TOOL_PLUGIN)
+    (tmp_path / "g.yaml").write_text("name: t\nplugins: [my_tools.py]\npolicies: {main: {backend: scripted}}\n"
+                                     "tools: {add: {kind: adder}}\n"
+                                     "nodes: {answer: {role: generator, policy: main}}\nentry: answer\nexit: answer\n")
+    graph = compile_spec(load_spec(tmp_path / "g.yaml"), str(tmp_path / "g.yaml"))
+    kind = graph.registry.tools["adder"]
+    assert kind.description == "Add two whole numbers." and kind.schema["required"] == ["a"]
+    assert run(build_tools({"add": ToolSpec(kind="adder")}, graph.registry)["add"]('{"a": 2, "b": 3}')) == "5"
+
+    @register_tool  # the other two forms still work
+    def bare(text: str) -> str:
+        return text
+
+    @register_tool(name="keyword")
+    def kw(text: str) -> str:
+        return text
+
+    assert {"bare", "keyword"} <= set(default_registry().tools)
+    with pytest.raises(TypeError, match="two names"):
+        register_tool("a", name="b")
+    with pytest.raises(TypeError, match="a function or a tool name"):
+        register_tool(42)
