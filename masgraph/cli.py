@@ -65,6 +65,11 @@ def _whole_number(text: str, least: int, most: int | None = None) -> int:
     return value
 
 
+def plural(n: int, word: str) -> str:
+    """'1 edge', '0 edges', '2 edges'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def accuracy_line(s: dict[str, Any]) -> str:
     """A run summary's accuracy (over all episodes, and over the finished ones when some failed), mean reward,
     turns, tokens and failures by kind: a timeout or error is an infrastructure failure, not a wrong answer."""
@@ -161,7 +166,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             g = _load_graph(path, check_models=not args.no_model_check)
-            print(f"ok  {path}  ({len(g.spec.nodes)} nodes, {len(g.spec.edges)} edges)")
+            print(f"ok  {path}  ({plural(len(g.spec.nodes), 'node')}, {plural(len(g.spec.edges), 'edge')})")
         except SpecError as exc:
             bad += 1
             print(str(exc), file=sys.stderr)
@@ -218,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MasgraphError(f"task {task.name!r} has no {config.split} items for seed {config.seed}; "
                             "check its generate() or pick the other --split")
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
-    print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
+    print(f"loading {graph.spec.name} ({plural(len(graph.spec.nodes), 'node')}) ...", file=sys.stderr)
     run_dir = new_run_dir(config.runs_dir, graph.spec.name)  # now: a server a backend starts logs into it
     with _removed_if_left_empty(run_dir):
         runner = Runner(graph, config, topology=topology, log_dir=run_dir, engine=_ray_engine(ray, graph, config))
@@ -501,7 +506,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=api_key, max_body_bytes=args.max_body_kb * 1024, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, max_wait_s=args.max_wait, timeout_s=args.timeout, store=store,
                          max_connections=args.max_connections)
-    print(f"loading {graph.spec.name} ({len(graph.spec.nodes)} nodes) ...", file=sys.stderr)
+    print(f"loading {graph.spec.name} ({plural(len(graph.spec.nodes), 'node')}) ...", file=sys.stderr)
     with nullcontext() if store is None else _removed_if_left_empty(store):
         agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
     if agent.topology is not None:
@@ -623,10 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("graph", help="graph YAML file (see graphs/), or a bundle written by `masgraph export`")
     r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
     r.add_argument("--n", type=item_count, default=16, help="number of items (default 16)")
-    r.add_argument("--split", default="test", choices=["train", "test"])
-    r.add_argument("--samples", type=positive_int, default=1, help="rollouts per item")
-    r.add_argument("--concurrency", type=positive_int, default=16, help="episodes in flight")
-    r.add_argument("--seed", type=non_negative_int, default=0)
+    r.add_argument("--split", default="test", choices=["train", "test"],
+                   help="which of the task's splits (default test)")
+    r.add_argument("--samples", type=positive_int, default=1, help="rollouts per item (default 1)")
+    r.add_argument("--concurrency", type=positive_int, default=16, help="episodes in flight (default 16)")
+    r.add_argument("--seed", type=non_negative_int, default=0, help="item and sampling seed (default 0)")
     r.add_argument("--deterministic", action="store_true",
                    help="bit-exact: each hf row decodes alone, per-request seeds")
     r.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")

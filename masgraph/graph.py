@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from masgraph.errors import Problem, SpecError, one_of, shorten
 from masgraph.loader import keep_source, locate, problems_from, validate_train
 from masgraph.registry import Registry, default_registry
-from masgraph.spec import EdgeSpec, GraphSpec, NodeSpec
+from masgraph.spec import EdgeSpec, GraphSpec, NodeSpec, node_fix
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,33 @@ def cycle_index(nodes: Mapping[str, Any], edges: Sequence[EdgeSpec]) -> dict[str
     return out
 
 
+def cycle_path(component: Sequence[str], edges: Sequence[EdgeSpec]) -> list[str]:
+    """One cycle of a strongly connected component as the path it takes, first node repeated at the end
+    (`a -> b -> a`): the shortest cycle through the component's first node (in `component`'s order)."""
+    members = set(component)
+    succ: dict[str, list[str]] = {n: [] for n in component}
+    for e in edges:
+        if e.source in members and e.target in members:
+            succ[e.source].append(e.target)
+    start = component[0]
+    if start in succ[start]:
+        return [start, start]
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:  # breadth-first from start, back to start
+        node = queue.popleft()
+        for nxt in succ[node]:
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if nxt not in parent and nxt != start:
+                parent[nxt] = node
+                queue.append(nxt)
+    return [*component, component[0]]  # not a cycle (never for a component cycle_index returns)
+
+
 def live_branch_sources(nodes: Mapping[str, Any], edges: Sequence[EdgeSpec], entry: str) -> dict[str, frozenset[str]]:
     """Fan-in node -> the nodes that can still feed it in the same pass: its ancestors once each loop's back edge
     is cut, so a join inside a loop never waits for its own next turn. Linear in nodes + edges per fan-in."""
@@ -304,7 +331,7 @@ def check_structure(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], en
 def _dangling(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], entry: str, exit: str) -> list[Problem]:
     ends = [("entry", entry), ("exit", exit)]
     ends += [(f"edges[{i}].{end}", getattr(e, end)) for i, e in enumerate(edges) for end in ("source", "target")]
-    return [Problem(path, f"{shorten(name)!r} is not a node", f"use one of {one_of(nodes)}")
+    return [Problem(path, f"{shorten(name)!r} is not a node", node_fix(name, nodes))
             for path, name in ends if name not in nodes]
 
 
@@ -336,8 +363,9 @@ def _reach_problems(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], en
 def _cycle_problems(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], max_turns: int | None) -> list[Problem]:
     cycle_of = cycle_index(nodes, edges)
     members: dict[int, list[str]] = {}
-    for n, c in cycle_of.items():
-        members.setdefault(c, []).append(n)
+    for n in nodes:  # in the file's order, so a cycle's path starts at its first node there
+        if n in cycle_of:
+            members.setdefault(cycle_of[n], []).append(n)
     exits_when = {c: False for c in members}
     for e in edges:
         c = cycle_of.get(e.source)
@@ -345,14 +373,17 @@ def _cycle_problems(nodes: Mapping[str, NodeSpec], edges: Sequence[EdgeSpec], ma
             exits_when[c] |= e.when is not None
     problems = []
     for c, names in members.items():
-        loop = " -> ".join(shorten(n) for n in sorted(names)[:10])
-        loop += f" ... ({len(names)} in all)" if len(names) > 10 else ""
+        path = cycle_path(names, edges)
+        loop = " -> ".join(shorten(n) for n in path[:10])
+        loop += " ..." if len(path) > 10 else ""
+        more = len(names) - len(set(path))
+        loop += f"] (and {more} more node{'s' * (more != 1)} looping with it)" if more else "]"
         if not exits_when[c]:
-            problems.append(Problem("edges", f"cycle [{loop}] has no conditional exit edge",
+            problems.append(Problem("edges", f"cycle [{loop} has no conditional exit edge",
                                     "add an edge leaving the cycle with `when:` (e.g. verifier -> generator "
                                     "when: stop)"))
         if max_turns is None:
-            problems.append(Problem("limits.max_turns", f"cycle [{loop}] is unbounded",
+            problems.append(Problem("limits.max_turns", f"cycle [{loop} is unbounded",
                                     "set `limits: {max_turns: N}` (AgentFlow trains with 3)"))
     return problems
 

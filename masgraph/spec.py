@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -280,12 +281,12 @@ class GraphSpec(_Strict):
             raise ValueError("`nodes` is empty: declare at least one node")
         for key in ("entry", "exit"):
             if getattr(self, key) not in names:
-                raise ValueError(f"{key} {shorten(getattr(self, key))!r} is not a node; use one of {one_of(names)}")
+                raise ValueError(f"{key} {shorten(getattr(self, key))!r} is not a node; {node_fix(getattr(self, key), names)}")
         for i, e in enumerate(self.edges):
             for end in ("source", "target"):
                 if getattr(e, end) not in names:
                     raise ValueError(
-                        f"edges[{i}].{end} {shorten(getattr(e, end))!r} is not a node; use one of {one_of(names)}"
+                        f"edges[{i}].{end} {shorten(getattr(e, end))!r} is not a node; {node_fix(getattr(e, end), names)}"
                     )
         for name, node in self.nodes.items():
             if node.policy is None and node.needs_policy:
@@ -308,6 +309,13 @@ class GraphSpec(_Strict):
         return self
 
 
+def node_fix(name: str, names: Any) -> str:
+    """The fix for a node name that is not a node: 'did you mean X?' for a misspelling (as for a misspelt key),
+    else the nodes there are."""
+    close = difflib.get_close_matches(name, sorted(names), n=1) if isinstance(name, str) and len(name) <= 100 else []
+    return f"did you mean {close[0]!r}?" if close else f"use one of {one_of(names)}"
+
+
 def edge_indexes(spec: GraphSpec, ref: EdgeRef) -> list[int]:
     """Indexes in `spec.edges` of the edges `ref` names (all parallel ones when it gives no `when`)."""
     return [i for i, e in enumerate(spec.edges) if e.source == ref.source and e.target == ref.target
@@ -324,15 +332,15 @@ def _check_topology(spec: GraphSpec) -> None:
                          "`slots:`, or remove the section")
     for node, prompts in topo.slots.items():
         if node not in names:
-            raise ValueError(f"topology.slots.{shorten(node)}: {shorten(node)!r} is not a node; use one of "
-                             f"{one_of(names)}")
+            raise ValueError(f"topology.slots.{shorten(node)}: {shorten(node)!r} is not a node; "
+                             f"{node_fix(node, names)}")
         if len(prompts) < 2 or len(set(prompts)) != len(prompts):
             raise ValueError(f"topology.slots.{shorten(node)}: list two or more different prompt templates "
                              f"(got {prompts})")
     seen: set[str] = set()
     for i, n in enumerate(topo.nodes):
         if n not in names:
-            raise ValueError(f"topology.nodes[{i}] {shorten(n)!r} is not a node; use one of {one_of(names)}")
+            raise ValueError(f"topology.nodes[{i}] {shorten(n)!r} is not a node; {node_fix(n, names)}")
         if n in (spec.entry, spec.exit):
             raise ValueError(f"topology.nodes[{i}] {n!r} is the graph's {'entry' if n == spec.entry else 'exit'}, "
                              "which every episode needs; gate another node")
@@ -359,7 +367,7 @@ def _check_topology(spec: GraphSpec) -> None:
     for node, targets in topo.choices.items():
         where = f"topology.choices.{shorten(node)}"
         if node not in names:
-            raise ValueError(f"{where}: {shorten(node)!r} is not a node; use one of {one_of(names)}")
+            raise ValueError(f"{where}: {shorten(node)!r} is not a node; {node_fix(node, names)}")
         if node == spec.exit:
             raise ValueError(f"{where}: {node!r} is the exit, which ends the episode: its edges never run; "
                              "put the choice on a node before it")

@@ -266,7 +266,7 @@ class FlowGRPO(TrainAlgorithm):
         n_tok = cfg.ppo_epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
             "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
-            "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok,
+            "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok + 0.0,
             "optimizer_steps": float(len(losses)), "trajectories": float(len({r.traj for r in rows}))}
 
     def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
@@ -325,7 +325,9 @@ class FlowGRPO(TrainAlgorithm):
         # device tensors until the update ends: no host sync per row
         # (each row's sum in its own dtype, the running totals in float64, as Python floats summed them before)
         totals["clip"] += ((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum()
-        totals["approx_kl"] += (ratio - 1 - log_ratio).sum().double()  # k3 of KL(old || new), as CleanRL logs it
+        # k3 of KL(old || new), as CleanRL logs it: >= 0, so expm1 (exp(x) - 1 rounds to 0 for a tiny x, leaving -x)
+        # and each token's rounding clamped at 0 (a run on-policy logged approx_kl -0.0 and tiny negatives)
+        totals["approx_kl"] += (torch.expm1(log_ratio) - log_ratio).clamp_min(0).sum().double()
         totals["kl"] += kl.detach().sum().double()
         totals["pg"] += pg.detach().sum().double()
         return pg + cfg.kl_coef * kl

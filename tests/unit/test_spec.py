@@ -106,7 +106,7 @@ def test_wrong_type_and_out_of_range_values_say_what_to_write():
 def test_unknown_node_in_edge():
     err = _errors(LOOP.replace("target: generator, when: stop", "target: genrator, when: stop"))
     [p] = err.problems
-    assert "edges[3].target 'genrator' is not a node" in p.message and "use one of" in p.message
+    assert "edges[3].target 'genrator' is not a node; did you mean 'generator'?" in p.message
     assert p.path == "edges[3].target" and p.line == 15  # located in the file, not just named
 
 
