@@ -733,10 +733,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _warnings_as_lines() -> None:
+    """masgraph's own warnings (a task whose test items were left out, ...) print as one `warning:` line on stderr,
+    not Python's 'file:line: Category: ...' with the source line; other warnings are shown as Python shows them."""
+    import warnings
+
+    from masgraph.tasks import TaskSplitWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "masgraph", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' signature)
+        if issubclass(category, TaskSplitWarning):
+            print(f"warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.masgraph = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `masgraph` command. User errors print one `error:` message (exit 2) and Ctrl-C exits 130, never with a
     traceback; a traceback means a bug in masgraph."""
     args = build_parser().parse_args(argv)
+    _warnings_as_lines()
     try:
         return args.fn(args)
     except MasgraphError as exc:  # user errors: a located message, no traceback

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from functools import cached_property, lru_cache
@@ -30,13 +31,16 @@ class Item:
 
 class Task:
     """A verifiable task. Subclass it, set `name`, implement `generate` and `score`, and register it.
+    `generate(split, ...)` gives each split its own questions (see `items` for the rule); for a fixed set of items
+    used as they are, subclass `PartitionedTask`.
 
     Example:
         >>> @register_task
         ... class Echo(Task):
         ...     name = "echo"
-        ...     def generate(self, split, n, seed):
-        ...         return [Item(f"{split}-{i}", f"Repeat {i}", str(i)) for i in range(n)]
+        ...     def generate(self, split, n, seed):  # train and test must ask different questions
+        ...         first = 0 if split == "train" else 1_000_000
+        ...         return [Item(f"{split}-{i}", f"Repeat {first + i}", str(first + i)) for i in range(n)]
         ...     def score(self, item, answer):
         ...         return float(answer.strip() == item.answer)
     """
@@ -50,21 +54,34 @@ class Task:
         raise NotImplementedError
 
     def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
-        """n items of a split ('train' | 'test'). A user task's test items are kept out of the first
-        max(4n, 256) train questions; built-in tasks (`PartitionedTask`) are disjoint by construction."""
+        """n items of a split ('train' | 'test').
+
+        The split rule: train items are `generate("train", n, seed)` as they are. Test items are the first n of
+        `generate("test", ...)` whose question is not among the first max(4n, 256) train questions, so a task
+        whose splits overlap a little is still evaluated on questions it did not train on. A `generate` that
+        ignores `split` gives the same questions for both: its first test items are all dropped, which is
+        reported (a `TaskSplitWarning`; a `MasgraphError` when no test item is left) with the way out: keep the
+        splits apart in `generate`, or subclass `PartitionedTask`, whose items are used exactly as `generate`
+        returns them (the built-in tasks are disjoint by construction)."""
         _check_split(split)
         _check_n(n)
         if split == "train":
             return self.generate("train", n, seed)
-        train = {it.question for it in self.generate("train", max(4 * n, 256), seed)}
-        out: list[Item] = []
+        train_items = self.generate("train", max(4 * n, 256), seed)
+        train = {it.question for it in train_items}
+        kept: list[int] = []  # positions in `test` of the items used
+        test: list[Item] = []
         k = n
-        while len(out) < n:
+        while len(kept) < n:
             k *= 2
-            out = [it for it in self.generate("test", k, seed) if it.question not in train][:n]
-            if k > 64 * n:
+            test = self.generate("test", k, seed)
+            kept = [i for i, it in enumerate(test) if it.question not in train][:n]
+            if k > 64 * n or len(test) < k:  # 64n asked for, or the task has no more
                 break
-        return out
+        looked = kept[-1] + 1 if len(kept) == n and n else len(test)  # the test items gone through
+        if len(kept) < looked:  # some were train items: say so, and what to do
+            _report_dropped(self, n, seed, kept, looked, test, train_items)
+        return [test[i] for i in kept]
 
     def reward(self, item: Item, trace: Trace) -> float:
         """Outcome reward in [0, 1]: the trace's final answer scored against the item."""
@@ -77,6 +94,31 @@ class Task:
         if trace.status != "ok":
             return False
         return full_reward(self.reward(item, trace) if reward is None else reward)
+
+
+class TaskSplitWarning(UserWarning):
+    """A task's test items were left out because they are also its train items (see `Task.items`)."""
+
+
+def _report_dropped(task: Task, n: int, seed: int, kept: list[int], looked: int, test: list[Item],
+                    train: list[Item]) -> None:
+    """Says which test items `Task.items` left out and why, and what to do: a warning, or (none left) an error."""
+    dropped = looked - len(kept)
+    same = bool(test) and [it.question for it in test[:8]] == [it.question for it in train[:8]]
+    why = (f"its generate() returns the same questions for 'train' and 'test' (it ignores `split`), so "
+           f"{dropped} of its first {looked} test items are train items" if same else
+           f"{dropped} of its first {looked} test items are also among its first {len(train)} train items")
+    fix = ("keep the splits apart in generate() (e.g. test = every fifth item, train = the others), or, if its items "
+           "are a fixed evaluation set, subclass masgraph.tasks.PartitionedTask instead of Task: its items are used "
+           "exactly as generate(split, n, seed) returns them")
+    name = task.name or type(task).__name__
+    if not kept:
+        raise MasgraphError(f"task {name!r} has no test items left (seed {seed}): {why}, and a test item that is "
+                            f"also a train item is left out; {fix}")
+    what = (f"only {len(kept)} of the {n} test items asked for are left" if len(kept) < n else
+            f"the {n} test items used are generate('test', ...)'s #{kept[0]}..#{kept[-1]}, not its first {n}")
+    warnings.warn(f"task {name!r} (seed {seed}): {why}; those were left out, and {what}. To use the items as "
+                  f"generate() returns them: {fix}", TaskSplitWarning, stacklevel=3)
 
 
 def full_reward(reward: float | None) -> bool:

@@ -160,3 +160,101 @@ def test_building_dir_leaves_its_target_absent_or_complete(tmp_path):
     with building_dir(out, prefix=".m-") as tmp:  # another builder finished first: its result stays
         (tmp / "weights").write_text("second")
     assert (out / "weights").read_text() == "first" and list(out.parent.iterdir()) == [out]
+
+
+# issue 30, finding 6: a user Task whose generate() ignores `split` lost its test items silently
+
+
+def _split_blind(size: int | None):
+    from masgraph.tasks import Item, Task
+
+    class Blind(Task):  # written as the README showed: generate() ignores split
+        name = "blind"
+
+        def generate(self, split, n, seed):
+            return [Item(f"q{i}", f"puzzle {i}", str(i)) for i in range(n if size is None else min(n, size))]
+
+        def score(self, item, answer):
+            return float(answer == item.answer)
+
+    return Blind()
+
+
+def test_a_task_ignoring_split_is_told_which_items_were_left_out_and_what_to_do():
+    from masgraph.tasks import TaskSplitWarning
+
+    with pytest.warns(TaskSplitWarning) as caught:  # Game of 24: 256..285 instead of 0..29, silently
+        items = _split_blind(1362).items("test", 30)
+    assert [it.question for it in items] == [f"puzzle {i}" for i in range(256, 286)]  # the rule is unchanged
+    [w] = caught
+    text = str(w.message)
+    assert "ignores `split`" in text and "256 of its first 286 test items are train items" in text, text
+    assert "#256..#285, not its first 30" in text and "masgraph.tasks.PartitionedTask" in text, text
+
+
+def test_a_task_ignoring_split_with_no_test_item_left_is_an_error_naming_partitioned_task():
+    from masgraph.errors import MasgraphError
+    from masgraph.tasks import Item, PartitionedTask
+
+    with pytest.raises(MasgraphError, match="no test items left.*ignores `split`.*PartitionedTask"):
+        _split_blind(125).items("test", 30)  # Bamboogle: 0 items
+
+    class Bamboogle(PartitionedTask):  # the way out: the items as generate() returns them
+        name = "bamboogle"
+
+        def generate(self, split, n, seed):
+            return [Item(f"q{i}", f"question {i}", str(i)) for i in range(min(n, 125))]
+
+        def score(self, item, answer):
+            return 0.0
+
+    assert [it.id for it in Bamboogle().items("test", 30)] == [f"q{i}" for i in range(30)]
+
+
+def test_a_task_whose_splits_are_apart_gets_no_warning():
+    import warnings
+
+    from masgraph.tasks import Item, Task, TaskSplitWarning
+
+    class Apart(Task):
+        name = "apart"
+
+        def generate(self, split, n, seed):
+            return [Item(f"{split}{i}", f"{split} {i}", str(i)) for i in range(n)]
+
+        def score(self, item, answer):
+            return 0.0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskSplitWarning)
+        assert len(Apart().items("test", 30)) == 30 and len(Apart().items("test", 1000)) == 1000
+
+
+def test_run_cli_prints_the_dropped_items_as_a_warning_line_and_an_empty_task_as_an_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "g.yaml").write_text("name: s\npolicies:\n  main: {backend: scripted}\n"
+                                     "nodes:\n  answer: {role: generator, policy: main}\nentry: answer\nexit: answer\n")
+    (tmp_path / "blind.py").write_text(
+        "from masgraph.tasks import Item, Task\n"
+        "class Blind(Task):\n    name = 'blind'\n    size = 1362\n"
+        "    def generate(self, split, n, seed):\n"
+        "        return [Item(f'q{i}', f'puzzle {i}', str(i)) for i in range(min(n, self.size))]\n"
+        "    def score(self, item, answer):\n        return 0.0\n"
+        "class Small(Blind):\n    size = 125\n")
+
+    def run(cls: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "masgraph.cli", "run", str(tmp_path / "g.yaml"), "--task",
+                               f"{tmp_path / 'blind.py'}:{cls}", "--n", "30", "--runs-dir", str(tmp_path / "runs")],
+                              capture_output=True, text=True, timeout=120, env=os.environ)
+
+    p = run("Blind")  # the scripted backend then stops the run: what matters is the line before
+    lines = p.stderr.splitlines()
+    [warning] = [x for x in lines if "left out" in x]
+    assert warning.startswith("warning: task 'blind' (seed 0): its generate() returns the same questions"), p.stderr
+    assert "PartitionedTask" in warning and "Traceback" not in p.stderr and "TaskSplitWarning" not in p.stderr
+    p = run("Small")
+    assert p.returncode == 2 and p.stderr.startswith("error: task 'blind' has no test items left"), p.stderr
+    assert "PartitionedTask" in p.stderr and not list((tmp_path / "runs").glob("*"))  # before the model and run dir
