@@ -13,7 +13,7 @@ export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
+.PHONY: demo test test-fast test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -65,6 +65,10 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# day-to-day: the unit tests not marked slow (under a minute here); `make test` and CI run everything
+test-fast: setup
+	$(VENV)/bin/pytest -q --durations=5 -m "not slow" tests/unit
 
 test-unit: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/unit

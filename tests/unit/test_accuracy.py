@@ -57,6 +57,7 @@ def graph():
             .set(limits={"episode_timeout_s": 0.5}).compile())
 
 
+@pytest.mark.slow
 def test_the_number_scorer_reads_8_0_as_8_and_partial_credit_is_not_correct():
     task = BasicArithmetic()
     eight = Item("i", "What is 3 + 5?", "8", {"entry": {"answer": "8"}})

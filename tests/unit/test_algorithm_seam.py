@@ -11,6 +11,7 @@ import json
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
 import torch
 
 from masgraph.graph import compile_spec
@@ -115,6 +116,7 @@ def _graph(tiny: Path, tmp_path: Path):
     return compile_spec(parse_spec(path.read_text(), str(path), registry), file=str(path), registry=registry)
 
 
+@pytest.mark.slow
 def test_a_fourth_algorithm_is_one_plugin_file_and_the_loop_drives_it(tiny, tmp_path):
     graph = _graph(tiny, tmp_path)
     assert type(graph.spec.train).__name__ == "NudgeSpec"  # the registry parsed the section with its model

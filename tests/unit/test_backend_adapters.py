@@ -40,6 +40,7 @@ def saved(tiny, tmp_path_factory) -> tuple[Path, torch.Tensor]:
     return out / "x", _logits(src, "x")
 
 
+@pytest.mark.slow
 def test_load_over_a_default_adapter_uses_the_saved_config(tiny, saved):
     path, want = saved
     b = HFBackend(str(tiny), dtype="float32")
@@ -51,6 +52,7 @@ def test_load_over_a_default_adapter_uses_the_saved_config(tiny, saved):
     assert b.versions["x"] == 1  # bumped: cached prefix KV of the old weights is not reused
 
 
+@pytest.mark.slow
 def test_fresh_and_repeated_loads_give_the_saved_model(tiny, saved):
     path, want = saved
     b = HFBackend(str(tiny), dtype="float32")

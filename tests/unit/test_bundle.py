@@ -75,6 +75,7 @@ def answers(agent: Agent) -> list[tuple[str | None, list[float]]]:
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_bundle_answers_like_its_checkpoint_from_anywhere(trained, tiny, tmp_path):
     bundle = export_bundle(trained, tmp_path / "b")
     m = json.loads((bundle / "manifest.json").read_text())
@@ -272,6 +273,7 @@ def test_export_refuses_to_overwrite_and_names_bad_sources(trained, tmp_path):
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.slow
 def test_cli_errors_for_export_and_serving_a_run_dir(trained, tmp_path):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "masgraph.cli", *args], capture_output=True, text=True)

@@ -48,6 +48,7 @@ def test_schema_command_prints_json_schema(capsys):
     assert schema["$defs"]["PolicySpec"]["properties"]["backend"]["enum"] == ["hf", "litellm", "scripted", "vllm"]
 
 
+@pytest.mark.slow
 def test_validate_subprocess_has_no_traceback(root, tmp_path):
     bad = tmp_path / "loop.yaml"
     text = (root / "graphs" / "agentflow.yaml").read_text().replace("limits: {max_turns: 3, ", "limits: {")
@@ -149,6 +150,7 @@ def openai_stub():
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_litellm_records_the_token_usage_the_server_reports(openai_stub, runner_for, run, tmp_path):
     """A text-only backend has no ids to count: the server's usage goes into every call, the trace totals, the
     call events, the episode index (the TUI's token column) and the usage an OpenAI endpoint reports."""
@@ -193,6 +195,7 @@ def test_calls_with_ids_store_no_usage_fields(scripted, runner_for, run):
     assert "completion_tokens" not in call.model_dump_json() and "prompt_tokens" not in call.model_dump_json()
 
 
+@pytest.mark.slow
 def test_litellm_backend_against_a_local_openai_compatible_server(run):
     from masgraph.backends.base import BackendError
     from masgraph.backends.litellm import LiteLLMBackend
@@ -212,6 +215,7 @@ def test_litellm_backend_against_a_local_openai_compatible_server(run):
         run(dead.complete([Request([{"role": "user", "content": "hi"}])]))
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_stops_quietly():
     """`masgraph schema | head -c 1`: the reader goes away; no traceback, exit 141 like other Unix tools."""
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "schema"], stdout=subprocess.PIPE,

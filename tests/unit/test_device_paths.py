@@ -17,6 +17,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -148,6 +149,7 @@ def whole_path(model: str, tmp_path: Path) -> DeviceRecorder:
     return recorder
 
 
+@pytest.mark.slow
 def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(tiny_model, tmp_path):
     out = tmp_path / "record.json"
     child = subprocess.run([sys.executable, __file__, str(tiny_model("qwen2")), str(tmp_path), str(out)],
@@ -177,6 +179,7 @@ class HostSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_the_decode_loop_syncs_with_the_host_once_per_step_whatever_the_batch(tiny_model):
     from transformers import DynamicCache
 

@@ -92,6 +92,7 @@ class Watcher:
         return False
 
 
+@pytest.mark.slow
 def test_a_watcher_in_another_process_sees_steps_of_an_unfinished_episode(tmp_path):
     runs = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(runs)], stdout=subprocess.PIPE,

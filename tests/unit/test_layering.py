@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("masgraph.agents", "masgraph.trainers")
 
@@ -35,6 +37,7 @@ def forbidden(imports: list[tuple[str, int, str]]) -> list[str]:
     return [f"{f}:{line}: {m}" for f, line, m in imports if m.startswith(FORBIDDEN) or m in ("agents", "trainers")]
 
 
+@pytest.mark.slow
 def test_core_imports_nothing_from_agents_or_trainers():
     imports = core_imports()
     assert len(imports) > 100  # the walk sees the code base

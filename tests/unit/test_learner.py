@@ -57,6 +57,7 @@ def test_backend_serves_the_learners_model_without_a_copy(pair):
     assert sync() == []  # nothing moved, nothing published
 
 
+@pytest.mark.slow
 def test_publishing_a_new_version_serves_the_new_weights_and_drops_the_old_prefix_kv(pair):
     learner, backend, sync = pair
     sync()

@@ -132,6 +132,7 @@ def _oom_on_update(monkeypatch, at_update: int):
     monkeypatch.setattr(HFLearner, "sequence_logprobs", patched)
 
 
+@pytest.mark.slow
 def test_an_update_out_of_memory_names_the_knobs_and_keeps_the_last_checkpoint(tiny_model, tmp_path, monkeypatch):
     graph = compile_spec(parse_spec(GRAPH.format(model=tiny_model("llama")), "oom.yaml"))
     _oom_on_update(monkeypatch, at_update=2)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import venv
 
+import pytest
+
 
 def test_no_generic_top_level_names_in_this_process():
     assert importlib.util.find_spec("agents") is None
@@ -17,6 +19,7 @@ def test_no_generic_top_level_names_in_this_process():
     assert masgraph.agents.__name__ == "masgraph.agents" and masgraph.trainers.__name__ == "masgraph.trainers"
 
 
+@pytest.mark.slow
 def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAPH = str(ROOT / "graphs/agentflow.yaml")
 
@@ -17,6 +19,7 @@ def run_cli(args: list[str], block_ray: bool = False) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_local_runs_and_training_import_no_ray():
     code = ("import sys; import masgraph.cli, masgraph.runner, masgraph.trainers.loop, masgraph.ray_rollouts; "
             "print('ray' in sys.modules)")
@@ -25,6 +28,7 @@ def test_local_runs_and_training_import_no_ray():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_ray_flag_without_ray_installed_is_an_error_line(tmp_path):
     proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--n", "1", "--ray", "--runs-dir", str(tmp_path)],
                    block_ray=True)
@@ -33,6 +37,7 @@ def test_ray_flag_without_ray_installed_is_an_error_line(tmp_path):
     assert not list(tmp_path.iterdir())  # found before a run dir is made
 
 
+@pytest.mark.slow
 def test_worker_flags_need_ray(tmp_path):
     proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--ray", "--gpus-per-worker", "1.5"])
     assert proc.returncode == 2 and "error: --gpus-per-worker 1.5: Ray shares a GPU" in proc.stderr
@@ -43,6 +48,7 @@ def test_worker_flags_need_ray(tmp_path):
     assert proc.returncode == 2 and "--workers" in proc.stderr
 
 
+@pytest.mark.slow
 def test_asking_for_more_gpus_than_the_ray_cluster_has_is_an_error_line_not_a_hang(tmp_path):
     """An actor that reserves a GPU the cluster lacks stays pending for ever; this is found before any waits."""
     proc = run_cli(["run", GRAPH, "--task", "basic_arithmetic", "--n", "1", "--ray", "--workers", "2",
@@ -52,6 +58,7 @@ def test_asking_for_more_gpus_than_the_ray_cluster_has_is_an_error_line_not_a_ha
     assert not list(tmp_path.iterdir())  # and no run dir is left behind
 
 
+@pytest.mark.slow
 def test_an_address_no_ray_cluster_answers_at_fails_in_seconds_with_the_fix(tmp_path):
     """`ray.init` waits minutes for an address nothing (or no GCS) answers at; these fail before any run dir."""
     import http.server

@@ -58,6 +58,7 @@ for path in {[str(t) for t in targets]!r}:
     assert not any(os.path.exists(t) for t in targets)
 
 
+@pytest.mark.slow
 def test_killing_the_parent_and_the_host_leaves_the_host_alive(run):
     out = hostile(run, f"""
 import os, signal
@@ -104,6 +105,7 @@ print(started)
     assert procs.with_cmdline(token) == []
 
 
+@pytest.mark.slow
 def test_fork_bomb_is_contained_and_killed(run, token, procs):
     code = f"import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass  # {token}"
     start = time.monotonic()
@@ -118,6 +120,7 @@ def test_huge_allocation_fails_inside(run):
         run(run_python("x = bytearray(10 * 1024 ** 3)", limits=LIMITS))
 
 
+@pytest.mark.slow
 def test_infinite_loop_is_killed_on_time(run):
     start = time.monotonic()
     with pytest.raises(ToolError, match="exceeded 1.0s"):

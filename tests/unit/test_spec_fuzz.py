@@ -224,6 +224,7 @@ def _mutate(data: st.DataObject, doc: dict, holes: list[str]) -> None:
         parent[key] = value
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=500)
 @given(st.data())
 def test_mutated_documents_are_accepted_or_refused_with_located_problems(data):
@@ -237,6 +238,7 @@ def test_mutated_documents_are_accepted_or_refused_with_located_problems(data):
     validate(text)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=380)
 @given(st.data())
 def test_mutated_texts_are_accepted_or_refused_with_located_problems(data):

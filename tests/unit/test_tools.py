@@ -81,6 +81,7 @@ def test_python_runs_and_prints(run):
                                         ("import math\nmath.sqrt(16)", "4.0"), ("'hi'", "'hi'"),
                                         ("for i in range(2):\n    i", "(no output; print() the result)"),
                                         ("None", "(no output; print() the result)")])
+@pytest.mark.slow
 def test_python_shows_the_last_expression_like_a_notebook_cell(run, code, shown):
     assert run(run_python(code)) == shown
 
@@ -91,6 +92,7 @@ def test_python_traceback_points_at_the_snippet(run):
     assert "<module>" in str(info.value) and "main()" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_python_infinite_loop_is_killed(run):
     with pytest.raises(ToolError, match="exceeded 1.0s"):
         run(run_python("while True: pass", timeout_s=1.0))

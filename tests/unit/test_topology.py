@@ -41,6 +41,7 @@ def _perturb(policy: TopologyPolicy, rng: random.Random) -> None:
             p.copy_(torch.tensor([rng.gauss(0, 2) for _ in range(p.numel())]).reshape(p.shape))
 
 
+@pytest.mark.slow
 def test_shipped_supergraph_samples_are_valid_graphs():
     graph = compile_spec(load_spec(ROOT / "graphs/router.yaml"))
     space = DecisionSpace(graph)
@@ -62,6 +63,7 @@ def test_shipped_supergraph_samples_are_valid_graphs():
     assert len(seen) == 7  # direct, or one of 3 executors x verifier or not (skipped decisions take a fixed option)
 
 
+@pytest.mark.slow
 def test_random_specs_every_sample_compiles():
     """Random DAGs with random gates and choices, fan-ins only sometimes merged: every sample's sub-graph passes
     the compile rules (the masks make invalid options unreachable), over 10,000 samples."""
@@ -109,6 +111,7 @@ def _hand_graph():
                     merge={"e"}).set(topology={"nodes": ["d"], "choices": {"a": ["b", "c", "x"]}}).compile()
 
 
+@pytest.mark.slow
 def test_log_probs_hand_checked():
     space = DecisionSpace(_hand_graph())
     assert [d.name for d in space.decisions] == ["choice:a", "node:d"]

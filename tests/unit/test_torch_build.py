@@ -259,6 +259,7 @@ def _cli(tmp_path: Path, *args: str, fake_torch: bool | None = None, **env: str)
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CPU_BUILD, reason="needs the venv's torch to be the CPU build")
 def test_cli_check_refuses_the_cpu_build_under_a_gpu_and_accepts_it_when_cpu_is_asked(tmp_path):
     out = _cli(tmp_path, "check")

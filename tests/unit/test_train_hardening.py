@@ -99,6 +99,7 @@ def _losses_and_weights(run_dir: Path) -> tuple[dict[int, float], dict[str, torc
     return {m["step"]: m["loss/total"] for m in lines}, load_file(str(weights))
 
 
+@pytest.mark.slow
 def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(tiny, tmp_path):
     asyncio.run(_loop(tiny, tmp_path / "a").run())  # uninterrupted reference
     events = ListSink()
@@ -232,6 +233,7 @@ def test_a_checkpoint_with_the_old_backend_rng_still_resumes(tiny, tmp_path, che
         (c / "adapters" / "answer" / "adapter_config.json").read_text().replace('"r": 16', '"r": 8')),
      r"rank, alpha, targets \(8, 32, \['q_proj', 'v_proj'\]\) but the graph trains \(16,"),
 ])
+@pytest.mark.slow
 def test_broken_checkpoint_is_a_masgraph_error_with_the_path_and_a_fix(tiny, tmp_path, checkpoint, damage, match):
     damage(checkpoint)
     loop = _loop(tiny, tmp_path / "run")

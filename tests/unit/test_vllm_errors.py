@@ -45,6 +45,7 @@ def test_the_server_gets_the_gpus_named_by_masgraph_vllm_devices(tmp_path, monke
     assert "CUDA_VISIBLE_DEVICES=1,2" in (tmp_path / "env.txt").read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_masgraph_run_with_backend_vllm_and_no_vllm_prints_an_error_line(tmp_path):
     env = {"MASGRAPH_VLLM_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
            "XDG_CACHE_HOME": str(ROOT / ".cache")}
@@ -64,6 +65,7 @@ def test_unknown_backend_flag_is_an_error_line(tmp_path):
     assert proc.returncode == 2 and "error: --backend vlm: not a registered backend" in proc.stderr
 
 
+@pytest.mark.slow
 def test_an_attached_server_that_is_not_there_or_not_vllm_is_an_error_line_and_leaves_no_run_dir(tmp_path):
     import http.server
     import threading
@@ -99,6 +101,7 @@ input()  # until killed
 """
 
 
+@pytest.mark.slow
 def test_a_server_started_by_a_process_that_is_sigkilled_goes_down_with_everything_it_started(procs):
     """A vLLM server (here a sleeper with a child that ignores SIGTERM) must not outlive masgraph, even after
     kill -9: the reaper sees its pipe close and takes the server's whole process group down."""
@@ -119,6 +122,7 @@ def test_a_server_started_by_a_process_that_is_sigkilled_goes_down_with_everythi
         starter.kill()
 
 
+@pytest.mark.slow
 def test_what_a_server_leaves_behind_when_it_ends_on_its_own_is_taken_down(procs):
     """The command exits (crashed, or stopped) with a stuck child still in its group: the reaper clears it."""
     from masgraph.backends.vllm_server import spawn_reaped

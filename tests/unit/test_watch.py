@@ -199,6 +199,7 @@ async def test_graph_view_shows_nodes_counts_and_edges(run_dir):
         check_snapshot(app, "graph")
 
 
+@pytest.mark.slow
 async def test_episodes_view_lists_filters_searches_and_sorts(run_dir):
     app = WatchApp(run_dir)
     async with app.run_test(size=SIZE) as pilot:
@@ -227,6 +228,7 @@ async def test_episodes_view_lists_filters_searches_and_sorts(run_dir):
         assert len(table.rows) == 6
 
 
+@pytest.mark.slow
 async def test_episode_view_shows_the_step_timeline_prompts_and_token_logprobs(run_dir):
     app = WatchApp(run_dir)
     async with app.run_test(size=(100, 60)) as pilot:
@@ -257,6 +259,7 @@ async def test_episode_view_shows_the_step_timeline_prompts_and_token_logprobs(r
         assert not isinstance(app.screen, EpisodeScreen)
 
 
+@pytest.mark.slow
 async def test_episode_view_snapshot(run_dir):
     app = WatchApp(run_dir)
     async with app.run_test(size=SIZE) as pilot:
@@ -266,6 +269,7 @@ async def test_episode_view_snapshot(run_dir):
         check_snapshot(app, "episode")
 
 
+@pytest.mark.slow
 async def test_training_view_shows_curves_progress_nodes_checkpoints(train_dir):
     app = WatchApp(train_dir)
     async with app.run_test(size=(100, 70)) as pilot:
@@ -286,6 +290,7 @@ async def test_training_view_shows_curves_progress_nodes_checkpoints(train_dir):
         assert "choice:planner" in text and "python          0.62" in text
 
 
+@pytest.mark.slow
 async def test_training_view_snapshot(train_dir):
     app = WatchApp(train_dir)
     async with app.run_test(size=SIZE) as pilot:
@@ -307,6 +312,7 @@ async def test_help_lists_the_keys(run_dir):
 
 # -- live ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_appended_events_appear_while_the_app_runs(run_dir, tmp_path):
     """A run written while the app watches: a running step lights its node, finished episodes join the table."""
     live = tmp_path / "live"
@@ -346,6 +352,7 @@ async def test_appended_events_appear_while_the_app_runs(run_dir, tmp_path):
         assert "6/6 episodes" in text and "ended" in text and "running" not in text
 
 
+@pytest.mark.slow
 async def test_a_store_written_live_is_followed(tmp_path):
     """The RunStore writer and the app in one process: what the store writes shows up."""
     from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished, StepStarted
@@ -373,6 +380,7 @@ async def test_a_store_written_live_is_followed(tmp_path):
 
 # -- the command line ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_watch_without_a_terminal_is_an_error_line(run_dir):
     for argv in (["watch", str(run_dir)], ["watch", str(run_dir / "nope")],
                  ["run", "graphs/agentflow.yaml", "--task", "basic_arithmetic", "--watch"]):
@@ -414,6 +422,7 @@ def test_a_run_file_that_is_not_a_regular_file_is_an_error_line_up_front(run_dir
     assert "interactive terminal" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.json", "spec.yaml"])
 def test_a_fifo_read_when_the_index_opens_is_an_error_line_not_a_hang(run_dir, name):
     """HEAD: RunIndex() read config.json / spec.yaml whole: blocked on a FIFO for ever (a subprocess here, so a
@@ -504,6 +513,7 @@ async def test_a_spec_yaml_that_is_not_utf8_is_left_out_with_a_warning(run_dir):
         assert "(no readable spec.yaml: nodes as the steps name them)" in text and "planner" in text
 
 
+@pytest.mark.slow
 async def test_malformed_metric_and_index_lines_are_skipped_and_counted(train_dir):
     """Lines whose fields have the wrong type are bad lines like cut ones; HEAD: ValueError / TypeError /
     OverflowError tracebacks from the training view, the table or the index."""
@@ -547,6 +557,7 @@ def _v2_run(tmp_path: Path, run_dir: Path, copies: int) -> Path:
     return big
 
 
+@pytest.mark.slow
 def test_a_large_events_file_is_read_in_bounded_chunks(tmp_path, run_dir, monkeypatch):
     """Peak memory of reading a 20 MB events.jsonl stays a fraction of it (chunks of 1 MiB here); HEAD read it
     whole (and split it into lines beside it): a 1 GB file took 2.3 GB."""
