@@ -280,14 +280,12 @@ class GraphSpec(_Strict):
         if not names:
             raise ValueError("`nodes` is empty: declare at least one node")
         for key in ("entry", "exit"):
-            if getattr(self, key) not in names:
-                raise ValueError(f"{key} {shorten(getattr(self, key))!r} is not a node; {node_fix(getattr(self, key), names)}")
+            if (node := getattr(self, key)) not in names:
+                raise ValueError(f"{key} {shorten(node)!r} is not a node; {node_fix(node, names)}")
         for i, e in enumerate(self.edges):
             for end in ("source", "target"):
-                if getattr(e, end) not in names:
-                    raise ValueError(
-                        f"edges[{i}].{end} {shorten(getattr(e, end))!r} is not a node; {node_fix(getattr(e, end), names)}"
-                    )
+                if (node := getattr(e, end)) not in names:
+                    raise ValueError(f"edges[{i}].{end} {shorten(node)!r} is not a node; {node_fix(node, names)}")
         for name, node in self.nodes.items():
             if node.policy is None and node.needs_policy:
                 raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {one_of(self.policies)})")
