@@ -457,11 +457,51 @@ def _policy_problems(spec: GraphSpec, registry: Registry, check_models: bool) ->
             problems.append(Problem(f"policies.{pname}.backend",
                                     f"trainable policy uses backend {pol.backend!r}, which returns no token "
                                     "ids/logprobs", f"use one of {tokens} or set trainable: false"))
-        if check_models and kind.local_models and pol.model not in registry.models and not _is_dir(pol.model):
-            problems.append(Problem(f"policies.{pname}.model", f"model {shorten(pol.model)!r} is not installed",
-                                    f"use one of {one_of(registry.models)} (embedded) or a local HF model "
-                                    "directory"))
+        if check_models and kind.local_models and pol.model not in registry.models:
+            problem = model_dir_problem(pol.model, registry)
+            if problem is not None:
+                problems.append(Problem(f"policies.{pname}.model", *problem))
     return problems
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+"""What a Hugging Face model directory holds its weights in (one of them, beside config.json)."""
+
+
+def model_dir_problem(model: str, registry: Registry) -> tuple[str, str] | None:
+    """(message, fix) when `model` (not an embedded model) is no loadable local HF model directory: one that does
+    not exist, a file, an empty directory, one without config.json or without weights; None when it looks loadable.
+    A relative path starts at the current directory, as when the model loads."""
+    embedded = f"use one of {one_of(registry.models)} (embedded)"
+    saved = "the directory save_pretrained wrote: config.json, the weights, the tokenizer files"
+    try:
+        path = Path(model).expanduser()
+        exists, is_dir = path.exists(), path.is_dir()
+    except (OSError, ValueError):  # a name too long for the file system, or one holding a NUL byte
+        exists = is_dir = False
+    name = shorten(model)
+    if not exists:
+        if any(c in model for c in "/\\") or model.startswith((".", "~")):
+            where = "" if path.is_absolute() else f" (relative to the current directory {shorten(str(Path.cwd()))})"
+            return (f"model directory {name!r} does not exist{where}",
+                    f"fix the path to the model directory, or {embedded}")
+        return (f"model {name!r} is not installed: it is not an embedded model, and no directory of that name exists",
+                f"{embedded} or the path of a local HF model directory (masgraph never downloads weights)")
+    if not is_dir:
+        return f"model {name!r} is a file, not a model directory", f"point `model:` at {saved}"
+    try:
+        if next(path.iterdir(), None) is None:
+            return (f"model directory {name!r} is empty",
+                    f"copy a saved model there (config.json, the weights, the tokenizer files), or {embedded}")
+        if not (path / "config.json").is_file():
+            return (f"model directory {name!r} has no config.json, so it is not a Hugging Face model directory",
+                    f"point `model:` at {saved}")
+        if not any(next(path.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
+            return (f"model directory {name!r} has config.json but no weights (*.safetensors or pytorch_model*.bin)",
+                    f"copy the weights there, or point `model:` at {saved}")
+    except OSError as exc:
+        return f"model directory {name!r} cannot be read: {exc.strerror or exc}", "check its permissions"
+    return None
 
 
 def _folder_of(file: str | None) -> Path | None:
@@ -470,13 +510,6 @@ def _folder_of(file: str | None) -> Path | None:
         return Path(file).parent if file and Path(file).is_file() else None
     except (OSError, ValueError):
         return None
-
-
-def _is_dir(path: str) -> bool:
-    try:
-        return Path(path).is_dir()
-    except (OSError, ValueError):  # a name too long for the file system, or one holding a NUL byte
-        return False
 
 
 def _registry_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:

@@ -262,3 +262,43 @@ def test_validate_dev_zero_is_an_error_not_a_memory_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "masgraph.cli", "validate", "/dev/zero"], capture_output=True,
                        text=True, timeout=120, preexec_fn=limit)
     assert p.returncode == 1 and "larger than 16 MiB" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_validate_checks_a_model_directory_and_run_stops_before_loading(tmp_path):
+    """Issue 30, finding 10: validate passed a policy whose `model:` was an empty directory (run then failed after
+    16 s of loading), and a directory that does not exist was 'not installed'. Each is now a located problem."""
+    graph = "name: m\npolicies:\n  main: {model: %s}\nnodes:\n  answer: {role: generator, policy: main}\n" \
+            "entry: answer\nexit: answer\n"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "nojson").mkdir()
+    (tmp_path / "nojson" / "weights.gguf").write_text("x")
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text("{}")
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "config.json").write_text("{}")
+    (tmp_path / "ok" / "model.safetensors").write_text("")
+    (tmp_path / "a_file").write_text("")
+    cases = {"empty": "model directory './empty' is empty",
+             "missing": "model directory './models/missing' does not exist (relative to the current directory",
+             "bare": "model 'qwen7b' is not installed: it is not an embedded model, and no directory of that name",
+             "file": "model './a_file' is a file, not a model directory",
+             "nojson": "model directory './nojson' has no config.json",
+             "noweights": "model directory './noweights' has config.json but no weights"}
+    models = {"empty": "./empty", "missing": "./models/missing", "bare": "qwen7b", "file": "./a_file",
+              "nojson": "./nojson", "noweights": "./noweights", "ok": "./ok"}
+    for name, model in models.items():
+        (tmp_path / f"{name}.yaml").write_text(graph % model)
+    p = subprocess.run([sys.executable, "-m", "masgraph.cli", "validate", *(f"{n}.yaml" for n in models)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1 and p.stdout == "ok  ok.yaml  (1 node, 0 edges)\n", (p.stdout, p.stderr)
+    for name, message in cases.items():
+        assert f"{name}.yaml:3:10: policies.main.model: {message}" in p.stderr, (name, p.stderr)
+    assert p.stderr.count("not installed") == 1 and "Traceback" not in p.stderr  # the bare name only
+
+    t0 = time.perf_counter()  # run: the same located error, before anything loads, and no run dir
+    p = subprocess.run([sys.executable, "-m", "masgraph.cli", "run", "empty.yaml", "--task", "basic_arithmetic",
+                        "--n", "1", "--runs-dir", "runs"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "empty.yaml:3:10: policies.main.model: model directory './empty' is empty" \
+        in p.stderr and "loading" not in p.stderr, p.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    assert time.perf_counter() - t0 < 60

@@ -136,7 +136,7 @@ def test_trainable_policy_needs_token_backend():
 def test_missing_model_is_a_located_error():
     err = _errors(LOOP.replace("p: {backend: scripted}", "p: {backend: hf, model: /no/such/model}"))
     [p] = err.problems
-    assert p.path == "policies.p.model" and "not installed" in p.message
+    assert p.path == "policies.p.model" and "model directory '/no/such/model' does not exist" in p.message
 
 
 def test_unregistered_tool_kind_and_agent():
