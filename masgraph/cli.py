@@ -494,6 +494,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
+    check_port(args.host, args.port)  # a port in use: an error line now, not after the model has loaded
     graph, bundle = open_source(args.graph)
     graph = with_device(graph, args.device, args.graph)
     if args.topology and graph.spec.topology is None:
@@ -516,8 +517,73 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving model {graph.spec.name!r} at http://{host}:{args.port}/v1 (OpenAI-compatible chat completions"
           f"{'; bearer key required' if api_key else ''}); Ctrl-C stops", file=sys.stderr)
-    serve(agent, graph.spec.name, args.host, args.port, config, log_level=args.log_level)
+    try:
+        serve(agent, graph.spec.name, args.host, args.port, config, log_level=args.log_level)
+    except SystemExit as exc:  # uvicorn could not start (logged above): the port was taken while the model loaded
+        if exc.code != STARTUP_FAILURE:
+            raise
+        if store is not None:
+            _remove_unused_store(store)
+        raise MasgraphError(f"the server could not start at http://{host}:{args.port} (uvicorn's message above; "
+                            f"{_port_fix(args.port)})") from None
     return 0
+
+
+STARTUP_FAILURE = 3
+"""uvicorn's exit status when its server could not start (e.g. the port is in use)."""
+
+
+def check_port(host: str, port: int) -> None:
+    """A MasgraphError unless `host`:`port` can be bound now, as uvicorn binds it (asyncio's create_server: every
+    address the host resolves to, SO_REUSEADDR), so a port in use is one error line before the model loads.
+
+    The check closes its sockets: a process that takes the port while the model loads is still possible (then the
+    server's start fails and `cmd_serve` reports it). Handing the bound socket to uvicorn would close that window,
+    but masgraph.server.serve takes no socket (it would need a `sock` argument passed on as
+    uvicorn.Server(uvicorn.Config(app, ...)).run(sockets=[sock]))."""
+    import errno
+    import socket
+
+    if port == 0:  # any free port
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise MasgraphError(f"--host {host}: not an address of this machine ({exc.strerror}); use e.g. 127.0.0.1 "
+                            "(this machine only) or 0.0.0.0 (every interface)") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's create_server does
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                why = {errno.EADDRINUSE: "another process is listening there",
+                       errno.EACCES: "a port below 1024 needs root",
+                       errno.EADDRNOTAVAIL: "--host is not an address of this machine"}.get(exc.errno, "")
+                raise MasgraphError(f"cannot serve at {host}:{port}: {exc.strerror or exc}"
+                                    f"{f' ({why})' if why else ''}; {_port_fix(port)}") from None
+
+
+def _port_fix(port: int) -> str:
+    return f"pick another --port, or stop what uses port {port} (`ss -ltnp 'sport = :{port}'` shows it)"
+
+
+def _remove_unused_store(store: Path) -> None:
+    """Removes the trace dir of a server that never started: only what RunStore writes, and no episode in it."""
+    from masgraph.store import INDEX
+
+    files = {"spec.yaml", "config.json", "summary.json", "events.jsonl", INDEX}
+    try:
+        entries = list(store.iterdir())
+        if all(p.name in files and p.is_file() for p in entries) and not any(
+                p.stat().st_size for p in entries if p.name in ("events.jsonl", INDEX)):
+            for p in entries:
+                p.unlink()
+            store.rmdir()
+    except OSError:
+        pass
 
 
 def cmd_export(args: argparse.Namespace) -> int:
