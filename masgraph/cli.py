@@ -326,31 +326,127 @@ def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
 
 
 class TrainProgress:
-    """Prints one progress line per training step to stderr (a sink of `TrainStep` events)."""
+    """Training progress on stderr (a sink of the loop's events): one line per training step, and, inside a step,
+    what it does: rollouts and evaluations (episodes done of the total, tokens/s) and the update (time so far).
 
-    def __init__(self, steps: int, out: TextIO | None = None):
-        self.steps, self._out = steps, out
+    On a terminal the in-step status is one line redrawn in place (once a second and as episodes finish). Otherwise
+    (a log file, a pipe) there are no carriage returns: a status line is printed when `every_s` seconds have passed
+    since the last line, so a log gets one line per `every_s` during a long phase and none for a quick one."""
+
+    def __init__(self, steps: int, out: TextIO | None = None, every_s: float = 30.0, tty: bool | None = None):
+        import threading
+
+        self.steps, self._out, self.every_s, self._tty = steps, out, every_s, tty
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._phase: tuple[str, int, int, float] | None = None  # name, step, total, start
+        self.done = self.tokens = 0
+        self._shown = False  # a terminal shows a status line the next print must clear
+        self._last = time.perf_counter()  # when a line was last printed
 
     @property
     def out(self) -> TextIO:
         return self._out or sys.stderr
 
-    def emit(self, event: Event) -> None:
-        from masgraph.events import TrainStep
+    @property
+    def tty(self) -> bool:
+        if self._tty is None:
+            try:
+                self._tty = self.out.isatty()
+            except (AttributeError, ValueError):
+                self._tty = False
+        return self._tty
 
+    def phase(self, name: str, step: int, total: int) -> None:
+        """A phase of `step` starts (called by the training loop): 'rollouts', 'resampling', 'evaluation' (of
+        `total` episodes) or 'update' (of `total` episodes)."""
+        with self._lock:
+            self._phase, self.done, self.tokens = (name, step, total, time.perf_counter()), 0, 0
+            if self.tty:
+                self._draw()
+        if self._ticker is None:  # the update blocks the event loop: a thread keeps the status going
+            import threading
+
+            self._ticker = threading.Thread(target=self._tick, name="masgraph-train-progress", daemon=True)
+            self._ticker.start()
+
+    def emit(self, event: Event) -> None:
+        from masgraph.events import LLMCallFinished, TrainStep
+
+        if isinstance(event, LLMCallFinished):
+            with self._lock:
+                self.tokens += event.completion_tokens
+            return
+        if isinstance(event, EpisodeFinished):
+            with self._lock:
+                self.done += 1
+                if self.tty:
+                    self._draw()
+            return
         if not isinstance(event, TrainStep):
             return
+        with self._lock:
+            self._phase = None
+            self._print(self._step_line(event))
+
+    def close(self) -> None:
+        """Stops the status line (clearing it on a terminal)."""
+        self._stop.set()
+        with self._lock:
+            self._phase = None
+            self._clear()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
+
+    def status(self) -> str:
+        """The in-step status line ('' between phases)."""
+        if self._phase is None:
+            return ""
+        name, step, total, t0 = self._phase
+        elapsed = time.perf_counter() - t0
+        clock = f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
+        if name == "update":
+            return f"step {step}/{self.steps}  update on {total} episodes  {clock}"
+        return (f"step {step}/{self.steps}  {name} {self.done}/{total} episodes  "
+                f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s  {clock}")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(min(1.0, self.every_s)):
+            with self._lock:
+                if self._phase is None:
+                    continue
+                if self.tty:
+                    self._draw()
+                elif time.perf_counter() - self._last >= self.every_s:
+                    self._print(self.status())
+
+    def _draw(self) -> None:  # a terminal: the status line, redrawn in place
+        self.out.write(f"\r{self.status()}\x1b[K")
+        self.out.flush()
+        self._shown = True
+
+    def _clear(self) -> None:
+        if self._shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = False
+
+    def _print(self, line: str) -> None:
+        self._clear()
+        print(line, file=self.out, flush=True)
+        self._last = time.perf_counter()
+
+    def _step_line(self, event: Any) -> str:
         m = event.metrics
         test = f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""
         if event.step == 0:
-            print(f"step 0/{self.steps}  (untrained){test}", file=self.out, flush=True)
-            return
+            return f"step 0/{self.steps}  (untrained){test}"
         nodes = (f"kl {m.get('kl', 0):.4f}  loss {m.get('loss/total', 0):+.4f}  rows {m.get('rows', 0):.0f}  "
                  if "loss/total" in m or "topology/loss" not in m else "")
-        print(f"step {event.step}/{self.steps}  reward {m.get('reward/mean', m.get('topology/reward', 0)):.3f}  "
-              f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  {nodes}{_topology_summary(m)}"
-              f"{m['tokens_per_s']:.1f} tok/s  {m['time/train_s'] / 60:.1f} min",
-              file=self.out, flush=True)
+        return (f"step {event.step}/{self.steps}  reward {m.get('reward/mean', m.get('topology/reward', 0)):.3f}  "
+                f"acc(train) {m.get('accuracy/train', 0):.3f}{test}  {nodes}{_topology_summary(m)}"
+                f"{m['tokens_per_s']:.1f} tok/s  {m['time/train_s'] / 60:.1f} min")
 
 
 def _topology_summary(m: dict) -> str:
@@ -422,9 +518,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
+    progress = None if args.watch else TrainProgress(train.steps, every_s=args.progress_every)
     with nullcontext() if args.resume else _removed_if_left_empty(run_dir):
-        loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[] if args.watch else [TrainProgress(train.steps)],
-                       ray=ray)
+        loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[progress] if progress else [], ray=ray)
     learner = loop.learner
     if hasattr(learner, "device"):
         from masgraph.device import describe
@@ -445,7 +541,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         code = watch_while(run_dir, run_training)
     else:
-        code = _run_cancellable(run_training)
+        try:
+            code = _run_cancellable(run_training)
+        finally:
+            if progress is not None:
+                progress.close()
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
@@ -729,6 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
     t.add_argument("--runs-dir", default="runs")
     t.add_argument("--watch", action="store_true", help="watch the training live in the TUI (see `masgraph watch`)")
+    t.add_argument("--progress-every", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="when stderr is not a terminal (a log, a pipe): a progress line at most this often during a "
+                        "step's rollouts, update and evaluation (default 30; a terminal gets one live line)")
     _backend_args(t)
     _ray_args(t)
     t.set_defaults(fn=cmd_train)

@@ -170,6 +170,9 @@ class TrainLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[Sink] = [MetricsSink(self.run_dir / "metrics.jsonl"), *sinks]
         self._emit = Emitter(self.sinks)
+        self._progress: list[Sink] = [s for s in sinks if callable(getattr(s, "phase", None))]
+        """Sinks that follow progress inside a step (a `phase(name, step, total)` method, e.g. the CLI's
+        TrainProgress): told each phase as it starts, and sent the episodes of the rollouts and evaluations."""
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -208,6 +211,15 @@ class TrainLoop:
         """Events a sink failed to take (counted, never fatal)."""
         return self._emit.errors
 
+    def _phase(self, name: str, step: int, total: int) -> None:
+        """Tells the progress sinks that a phase of `step` starts: 'rollouts' / 'resampling' / 'evaluation' (of
+        `total` episodes) or 'update' (of `total` episodes' calls). A sink that raises is counted, never fatal."""
+        for sink in self._progress:
+            try:
+                sink.phase(name, step, total)  # type: ignore[attr-defined]
+            except Exception:
+                self._emit.errors += 1
+
     def _record(self, record: dict[str, Any]) -> None:
         """A step's metrics to the sinks (metrics.jsonl's line is `{"step": ..., **metrics}`)."""
         self._emit(TrainStep(step=record["step"], metrics={k: v for k, v in record.items() if k != "step"}))
@@ -230,7 +242,9 @@ class TrainLoop:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
         cursor = self.cursor + self.cfg.queries_per_step
-        traces = (await self.rollouts.run_items(self.task, self.items[self.cursor:cursor], sinks=[store],
+        items = self.items[self.cursor:cursor]
+        self._phase("rollouts", self.step + 1, len(items) * self.group_size)
+        traces = (await self.rollouts.run_items(self.task, items, sinks=[store, *self._progress],
                                                 store=False)).traces
         rounds = 0
         while (missing := self.algo.extra_queries(traces, rounds)) > 0:
@@ -238,9 +252,12 @@ class TrainLoop:
             if not extra:
                 break
             cursor += len(extra)
-            traces += (await self.rollouts.run_items(self.task, extra, sinks=[store], store=False)).traces
+            self._phase("resampling", self.step + 1, len(extra) * self.group_size)
+            traces += (await self.rollouts.run_items(self.task, extra, sinks=[store, *self._progress],
+                                                     store=False)).traces
             rounds += 1
         t_roll = time.perf_counter() - t0
+        self._phase("update", self.step + 1, len(traces))
         self._updating = True  # no await until the commit: a cancellation cannot land in between
         metrics = self.algo.train_step(traces, self.step)
         self.sync()  # later rollouts use the adapters' new versions (and are stamped with them)
@@ -263,8 +280,9 @@ class TrainLoop:
         score the same; the RNG states are put back afterwards, so evaluating (or not) never changes what training
         samples next. Emits `EvalFinished`."""
         rng = self.learner.rng_state()
+        self._phase("evaluation", self.step, self.cfg.eval_n)
         try:
-            result = await self.evaluator.run_task(self.task, store=False)
+            result = await self.evaluator.run_task(self.task, sinks=self._progress, store=False)
         finally:
             self.learner.set_rng_state(rng)
         summary = result.summary
