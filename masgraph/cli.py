@@ -11,9 +11,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.events import EpisodeFinished, Event
@@ -258,12 +259,19 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
     if watch and run_dir is None:
         run_dir = new_run_dir(runner.config.runs_dir, runner.graph.spec.name)
     bar = None if watch else ProgressBar(len(items) * runner.config.samples)
+    closed = True
 
     async def run() -> None:
+        nonlocal closed
         try:
             await runner.run_items(task, items, sinks=[bar] if bar else [], run_dir=run_dir)
-        finally:
+        except asyncio.CancelledError:  # Ctrl-C or SIGTERM: what finished is saved (run_items); do not wait long
+            closed = await _closed_within(runner.aclose(), CLOSE_GRACE_S)  # for a model batch still computing
+            raise
+        except BaseException:
             await runner.aclose()
+            raise
+        await runner.aclose()
 
     try:
         if watch:
@@ -275,6 +283,9 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
     finally:
         if bar is not None:
             bar.close()
+    if not closed:
+        print(f"note: not waiting for the backends to close (still busy after {CLOSE_GRACE_S:g} s: a model batch "
+              "computing on its thread)", file=sys.stderr)
     result = runner.last_result
     if result is None:
         print("interrupted before the run started", file=sys.stderr)
@@ -296,33 +307,85 @@ def _warn_sink_errors(n: int) -> None:
               "check the disk: the run's files may be incomplete", file=sys.stderr)
 
 
+CLOSE_GRACE_S = 2.0
+"""After Ctrl-C or SIGTERM: how long a run waits for its backends to close (a model batch computing on its thread
+stops at its next decode step, but a long prefill on a busy machine took 12-36 s) before it exits without them."""
+
+
+async def _closed_within(close: Coroutine[Any, Any, None], seconds: float) -> bool:
+    """Awaits `close` for up to `seconds`: whether it finished (if not, it is left, and cancelled with the event
+    loop's other tasks)."""
+    task = asyncio.ensure_future(close)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if task in done:
+        task.result()
+    return task in done
+
+
+class _Executor(ThreadPoolExecutor):
+    """The event loop's default executor (asyncio.to_thread: tool calls, plain-def agents): once the run is
+    interrupted, the loop's shutdown no longer waits for its threads (a sandboxed tool may run to its time limit)."""
+
+    abandon = False
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=wait and not self.abandon, cancel_futures=cancel_futures or self.abandon)
+
+
+_interrupted = False
+"""Set when `_run_cancellable`'s run was stopped by Ctrl-C or SIGTERM: `main` then exits at once (`_exit_now`)."""
+
+
 def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     """asyncio.run(main()); Ctrl-C or SIGTERM cancels it (its `finally` blocks run). Returns 0, 130 or 143."""
+    global _interrupted
     terminated = False
+    executor = _Executor(thread_name_prefix="masgraph-io")
 
     async def guarded() -> None:
         loop, this = asyncio.get_running_loop(), asyncio.current_task()
+        loop.set_default_executor(executor)
 
         def on_sigterm() -> None:
             nonlocal terminated
-            terminated = True
+            terminated = executor.abandon = True
             this.cancel()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         try:
             await main()
+        except asyncio.CancelledError:
+            executor.abandon = True  # Ctrl-C (asyncio.run cancels this task) or SIGTERM
+            raise
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
     try:
         asyncio.run(guarded())
     except KeyboardInterrupt:
+        _interrupted = True
         return 130
     except asyncio.CancelledError:
         if not terminated:
             raise
+        _interrupted = True
         return 143
     return 0
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process after an interrupted run, whose results are saved by now: runs the atexit hooks (a vLLM
+    server's stop, log flushing) and exits without joining worker threads still computing (a model batch, a tool
+    call: Python's exit would wait for each) or the interpreter's teardown (seconds on a busy machine)."""
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 class TrainProgress:
@@ -929,7 +992,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _warnings_as_lines()
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        if _interrupted and argv is None:  # the `masgraph` command (not a call from Python): exit now
+            _exit_now(code)
+        return code
     except MasgraphError as exc:  # user errors: a located message, no traceback
         print(f"error: {exc}", file=sys.stderr)
     except BrokenPipeError:  # the reader went away (`masgraph ... | head`): stop quietly, as Unix tools do
