@@ -19,6 +19,7 @@ from masgraph.engine import BackendOptions, Engine
 from masgraph.errors import MasgraphError
 from masgraph.events import Sink
 from masgraph.graph import Graph
+from masgraph.streaming import AnswerStream, answer_node
 from masgraph.trace import Trace
 
 __all__ = ["Agent", "Answer", "load_agent", "open_source"]
@@ -84,9 +85,10 @@ class Agent:
     def name(self) -> str:
         return self.graph.spec.name
 
-    async def aask(self, question: str, *, sinks: Sequence[Sink] = (), meta: dict | None = None) -> Answer:
+    async def aask(self, question: str, *, sinks: Sequence[Sink] = (), meta: dict | None = None,
+                   stream: AnswerStream | None = None) -> Answer:
         """Answer one question (an episode on this agent's engine); never raises for a failed episode — the
-        trace says what failed."""
+        trace says what failed. `stream` (`self.answer_stream()`) receives the answer as it decodes."""
         if not isinstance(question, str) or not question.strip():
             raise MasgraphError("the question is empty; ask something")
         topology = choice = None
@@ -94,8 +96,15 @@ class Agent:
             greedy = self.mode == "greedy"
             picked = self.topology.sample(question, seed=None if greedy else random.getrandbits(31), greedy=greedy)
             topology, choice = picked.topology, picked.choice
-        trace = await self.engine.episode(question, topology=topology, choice=choice, sinks=sinks, meta=meta)
+        extra = {} if stream is None else {"stream": stream}  # an engine without streaming takes no `stream`
+        trace = await self.engine.episode(question, topology=topology, choice=choice, sinks=sinks, meta=meta,
+                                          **extra)
         return Answer(trace.answer if trace.status == "ok" else None, trace)
+
+    def answer_stream(self) -> AnswerStream:
+        """A stream for one `aask` call: iterate it for the answer's text as it decodes (only the built-in
+        generator's answer streams; see masgraph/streaming.py), then `rest(answer.answer)` completes it."""
+        return AnswerStream(answer_node(self.graph.spec))
 
     def ask(self, question: str) -> Answer:
         """`aask` from synchronous code (runs on the agent's own event loop thread)."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from masgraph.events import Sink
 from masgraph.graph import Graph, Topology
 from masgraph.registry import Registry, default_registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
+from masgraph.streaming import CURRENT, AnswerStream
 from masgraph.tools import build_tools, tool_descriptions
 from masgraph.trace import TopologyChoice, Trace
 
@@ -98,14 +101,24 @@ class Engine:
 
     async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
                       choice: TopologyChoice | None = None, sinks: Sequence[Sink] = (), seed: int = 0,
-                      meta: dict[str, Any] | None = None) -> Trace:
+                      meta: dict[str, Any] | None = None, stream: AnswerStream | None = None) -> Trace:
         """Run one episode now (concurrent calls batch their LLM calls together); its id is unique. `topology`
-        is the sub-graph to run, `choice` the topology policy's decisions behind it (kept in the trace)."""
+        is the sub-graph to run, `choice` the topology policy's decisions behind it (kept in the trace).
+        `stream` receives the answer node's text as it decodes (see masgraph/streaming.py); it is closed when
+        the episode ends."""
         episode_id = uuid.uuid4().hex[:16]
         self._started += 1  # the sample index: repeated queries sample afresh (seeds derive from it)
         ep = EpisodeInput(item_id or episode_id, query, sample=self._started, meta=meta or {}, topology=topology,
                           choice=choice, episode_id=episode_id)
-        return await self.scheduler(sinks, seed=seed).run_episode(ep)
+        run = self.scheduler(sinks, seed=seed).run_episode(ep)
+        if stream is None:
+            return await run
+        context = contextvars.copy_context()  # the episode's own: its backends' calls find the stream there
+        context.run(CURRENT.set, stream)
+        try:  # awaiting the task: cancelling this call cancels the episode
+            return await asyncio.get_running_loop().create_task(run, context=context)
+        finally:
+            stream.close()
 
     async def aclose(self) -> None:
         for b in self.backends.values():

@@ -1,6 +1,7 @@
 """`masgraph serve`: an agent behind an OpenAI-compatible HTTP endpoint (FastAPI on uvicorn).
 
-    POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE)
+    POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE: the
+                                built-in generator's answer streams as it decodes, see masgraph/streaming.py)
     GET  /v1/models             the one model served (the graph's name)
     GET  /health                liveness, load and the trace store's state (no auth)
     GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens, queue
@@ -65,6 +66,7 @@ from masgraph.openai_api import (
     validation_message,
 )
 from masgraph.store import RunStore
+from masgraph.streaming import AnswerStream
 from masgraph.trace import Trace
 
 __all__ = ["ServeConfig", "check_bind", "create_app", "serve", "uvicorn_options"]
@@ -347,15 +349,35 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
 
     async def _stream(req: ChatRequest, question: str, rid: str, ticket: _Ticket) -> AsyncIterator[str]:
+        """The SSE events of a streaming request: the role, the answer's text as the answer node decodes it, the
+        rest of the answer when the episode ends (all of it when nothing streamed), the finish chunk, usage if
+        asked, [DONE]. A failure after the first event is an OpenAI-style error event, then [DONE]."""
+        stream = agent.answer_stream()
+        answering = asyncio.ensure_future(_answer(question, rid, ticket, None, stream))
+        answering.add_done_callback(lambda _: stream.close())  # also when it failed before its episode began
         try:
             yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
-            try:  # a disconnect cancels this generator (Starlette listens for it), and with it the episode
-                ans = await _answer(question, rid, ticket, None)
+            async for text in stream:  # a disconnect cancels this generator (Starlette listens for it) and the episode
+                yield _sse(chunk(rid, model, {"content": text}))
+            try:
+                ans = await answering
             except ApiError as exc:
                 yield _sse(exc.body)
                 yield "data: [DONE]\n\n"
                 return
-            yield _sse(chunk(rid, model, {"content": ans.answer or ""}))
+            except Exception as exc:  # a bug: its traceback in the log, an error event to the client
+                _log.error("POST /v1/chat/completions (stream): unexpected error", exc_info=exc)
+                yield _sse(error_body(f"internal server error ({type(exc).__name__}); the server log has the "
+                                      "details", "server_error", code="internal_error"))
+                yield "data: [DONE]\n\n"
+                return
+            rest = stream.rest(ans.answer or "")
+            if rest is None:
+                _log.warning("stream %s (trace %s): the answer node's final answer does not continue the text "
+                             "streamed (it wrote a second answer, or its step was retried); the stream kept what "
+                             "it had sent", rid, ans.trace.episode_id)
+            elif rest:
+                yield _sse(chunk(rid, model, {"content": rest}))
             final = chunk(rid, model, {}, "stop")
             if req.masgraph.trace:
                 final["masgraph"] = extension(ans.trace, _store_path())
@@ -364,13 +386,17 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                 yield _sse(chunk(rid, model, {}, usage_=usage(ans.trace), choices=False))
             yield "data: [DONE]\n\n"
         finally:
+            answering.cancel()  # a client gone: the episode is cancelled
+            with suppress(asyncio.CancelledError):
+                await asyncio.gather(answering, return_exceptions=True)
             ticket.release()
 
-    async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None) -> Answer:
+    async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None,
+                      stream: AnswerStream | None = None) -> Answer:
         """The episode of one request, run as its own task: queued, then run within the timeout; cancelled when
-        the client goes away (watched here for a non-streaming `request`)."""
+        the client goes away (watched here for a non-streaming `request`). `stream` gets the answer's text."""
         t0 = time.perf_counter()
-        episode = asyncio.ensure_future(_episode(question, rid, ticket))
+        episode = asyncio.ensure_future(_episode(question, rid, ticket, stream))
         episode.add_done_callback(_retrieved)
         waits = {episode}
         if request is not None:
@@ -386,14 +412,14 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             metrics.latency.observe(time.perf_counter() - t0)
         return _outcome(episode)
 
-    async def _episode(question: str, rid: str, ticket: _Ticket) -> Answer:
+    async def _episode(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None) -> Answer:
         """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
         try:
             await ticket.start()
             limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
             try:
                 async with limit:
-                    return await agent.aask(question, sinks=sinks, meta={"request_id": rid})
+                    return await agent.aask(question, sinks=sinks, meta={"request_id": rid}, stream=stream)
             except TimeoutError:
                 if not limit.expired():
                     raise

@@ -3,7 +3,9 @@ token ids and per-token logprobs for every completion."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import logging
 import tempfile
 import threading
 import time
@@ -18,6 +20,7 @@ from masgraph.backends.hf_dtype import pick_dtype
 from masgraph.backends.hf_layout import TokenLayout, prefill
 from masgraph.backends.hf_model import HFModel
 from masgraph.learner import LoraConfigSpec
+from masgraph.streaming import TextSink, sink_for
 
 if TYPE_CHECKING:
     from masgraph.learner import AdapterSource
@@ -64,6 +67,8 @@ class HFBackend:
         self._rng = torch.Generator(device=self.weights.device).manual_seed(seed)
         self._prefix_kv: dict[tuple, Any] = {}
         self._batch_stop = threading.local()  # .event: the stop flag of the batch this thread runs, if any
+        self._streamed: dict[int, _TokenText] = {}
+        """id(request) -> where its tokens go as they decode, for the requests whose text streams."""
         self._batcher: Batcher[Request, Completion] = Batcher(
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
             error=_generate_error)
@@ -129,7 +134,20 @@ class HFBackend:
 
     # ---- serving --------------------------------------------------------------------------------
     async def complete(self, requests: list[Request]) -> list[Completion]:
-        return await self._batcher.submit(requests)
+        """Completions of `requests` (batched with every other caller's); a request whose text streams (see
+        masgraph/streaming.py) has its tokens sent to its sink as they decode."""
+        streamed = {}
+        for r in requests:
+            if (sink := sink_for(r)) is not None:
+                streamed[id(r)] = _TokenText(asyncio.get_running_loop(), self.tokenizer, self.layout.eos_ids, sink)
+        if not streamed:
+            return await self._batcher.submit(requests)
+        self._streamed.update(streamed)
+        try:
+            return await self._batcher.submit(requests)
+        finally:
+            for key in streamed:
+                self._streamed.pop(key, None)
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
@@ -231,8 +249,43 @@ class HFBackend:
         device = self.weights.device
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]
+        streamed = [self._streamed.get(id(r)) for r in requests]
+        on_token = [t.token if t is not None else None for t in streamed] if any(streamed) else None
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
-                      stop)
+                      stop, on_token)
+
+
+class _TokenText:
+    """One streamed request: each token the decode thread picks is handed to the event loop, which detokenizes
+    the tokens so far as the completion's text is (EOS and special tokens left out) and gives it to the sink.
+    A text ending in a partial UTF-8 character waits for the next token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer: Any, eos_ids: set[int], sink: TextSink):
+        self.loop, self.tokenizer, self.eos_ids, self.sink = loop, tokenizer, eos_ids, sink
+        self.ids: list[int] = []
+        self.broken = False
+
+    def token(self, tok: int) -> None:
+        """On the decode thread: one call into the loop, nothing else (the step's time is the batch's)."""
+        if self.broken:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._add, tok)
+        except RuntimeError:  # the loop has closed: nobody reads the stream
+            self.broken = True
+
+    def _add(self, tok: int) -> None:
+        if self.broken or tok in self.eos_ids:
+            return
+        self.ids.append(tok)
+        try:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):
+                self.sink.update(text)
+        except Exception as exc:  # streaming is a view: the completion goes on without it
+            self.broken = True
+            logging.getLogger(__name__).warning("streaming a completion's text failed (%s: %s); the answer "
+                                                "arrives whole", type(exc).__name__, exc)
 
 
 def _generate_error(exc: Exception) -> BackendError:

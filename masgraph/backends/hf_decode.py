@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,15 +14,16 @@ from masgraph.backends.hf_layout import left_pad
 
 
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
-           generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None
-           ) -> list[tuple[list[int], list[float], str]]:
+           generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
+           on_token: Sequence[Callable[[int], None] | None] | None = None) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
 
     Every tensor lives on the model's device; each step copies its picks to the host once, the only
     device-to-host sync of the step. `stop` set (every caller gave up, or the backend is closing) ends the
-    batch before its next step with `Stopped`, so a cancelled batch frees the thread within one step."""
+    batch before its next step with `Stopped`, so a cancelled batch frees the thread within one step.
+    `on_token[i]`, where given, is called with each token of row i as it is picked (from the host copy)."""
     device = model.device
     B = len(suffixes)
     ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
@@ -45,6 +47,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
             tok = int(tok)
             out_ids[i].append(tok)
             out_lp[i].append(lp)
+            if on_token is not None and (emit := on_token[i]) is not None:
+                emit(tok)
             if tok in eos_ids:
                 done[i], finish[i] = True, "stop"
             elif len(out_ids[i]) >= limits[i]:

@@ -774,3 +774,135 @@ def test_the_serve_flags_set_admission_and_default_to_serve_config():
     serve_help = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
     text = serve_help.format_help()
     assert "429" in text and "Retry-After" in text and "--max-wait" in text and "--max-connections" in text
+
+
+# ---- streaming (issue 30, finding 4: the answer streamed as one chunk at the episode's end) -------------------
+
+STREAMED = """\
+name: drip
+policies:
+  main: {backend: scripted, model: none}
+nodes:
+  think: {role: generator, policy: main}
+  answer: {role: generator, policy: main}
+edges: [{source: think, target: answer}]
+entry: think
+exit: answer
+"""
+
+
+class Dripping:
+    """A backend that writes each reply a word at a time, `step_s` apart, feeding the answer node's stream as a
+    streaming backend does (`sink_for`, asked before its first await); records when each node's call ended and
+    whether a call was cancelled. `fail_at`: the word at which the answer node's call raises."""
+
+    returns_tokens = True
+
+    def __init__(self, replies: dict[str, str], step_s: float = 0.05, fail_at: int | None = None):
+        self.replies, self.step_s, self.fail_at = replies, step_s, fail_at
+        self.ended: dict[str, float] = {}
+        self.events: list[str] = []
+
+    async def complete(self, requests):
+        from masgraph.backends.base import BackendError, Completion
+        from masgraph.streaming import sink_for
+
+        [req] = requests
+        node, sink = req.key[1], sink_for(req)
+        text = ""
+        try:
+            for i, word in enumerate(re.findall(r"\s*\S+", self.replies[node])):
+                await asyncio.sleep(self.step_s)
+                if node == "answer" and i == self.fail_at:
+                    raise BackendError("the model fell over mid-answer")
+                text += word
+                if sink is not None:
+                    sink.update(text)
+        except asyncio.CancelledError:
+            self.events.append(f"cancelled {node}")
+            raise
+        self.ended[node] = time.monotonic()
+        ids = list(text.encode())
+        return [Completion(text, [1], ids, [0.0] * len(ids))]
+
+    async def aclose(self) -> None:
+        return None
+
+
+def dripping_agent(backend: Dripping) -> Agent:
+    graph = compile_spec(parse_spec(STREAMED, "drip.yaml"))
+    return Agent(graph, engine=Engine(graph, backends={"scripted": backend}))
+
+
+def timed_chunks(url: str, model: str = "drip") -> list[tuple[float, object]]:
+    """(arrival time, chunk) of a streamed answer, read with the official client."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "q"}], stream=True,
+                                            stream_options={"include_usage": True})
+    return [(time.monotonic(), c) for c in stream]
+
+
+def content_of(chunks) -> list[str]:
+    return [c.choices[0].delta.content for _, c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_the_answer_streams_as_the_generator_decodes_and_equals_the_whole_answer():
+    """The first content chunk arrives while the exit node's LLM call is still writing (before the episode's
+    last node finishes); only the answer node's text streams (the first node also writes an `Answer:` line);
+    the streamed text is the parsed answer, equal to the non-streamed one, with no text twice."""
+    words = " ".join(f"w{i}" for i in range(20))
+    backend = Dripping({"think": "Answer: thinking aloud", "answer": f"Sure.\nAnswer: {words}\nMore text"})
+    with serving(dripping_agent(backend), model="drip") as url:
+        chunks = timed_chunks(url)
+        answer_done = backend.ended["answer"]
+        whole = openai.OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+            model="drip", messages=[{"role": "user", "content": "q"}]).choices[0].message.content
+    content = content_of(chunks)
+    first = next(t for t, c in chunks if c.choices and c.choices[0].delta.content)
+    assert first < answer_done  # streamed while the answer node was still decoding
+    assert len(content) >= 10  # word by word, not one chunk
+    assert "".join(content) == whole == words
+    assert not any("thinking" in c for c in content)  # the first node's text never streams
+    assert chunks[0][1].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for _, c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1][1].usage.total_tokens > 0
+
+
+def test_an_answer_that_cannot_stream_arrives_whole_at_the_end():
+    """No `Answer:` line (the parser falls back to the last line): nothing streams early, the answer comes in one
+    chunk, equal to the non-streamed one."""
+    backend = Dripping({"think": "x", "answer": "I think it is\n42"}, step_s=0.01)
+    with serving(dripping_agent(backend), model="drip") as url:
+        content = content_of(timed_chunks(url))
+    assert content == ["42"]
+
+
+def test_an_error_mid_stream_ends_it_with_an_openai_error_event(caplog):
+    backend = Dripping({"think": "x", "answer": "Answer: one two three four five six"}, step_s=0.02, fail_at=4)
+    with serving(dripping_agent(backend), model="drip") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError, match="fell over") as failed:
+            for c in client.chat.completions.create(model="drip", messages=[{"role": "user", "content": "q"}],
+                                                    stream=True):
+                got.append(c.choices[0].delta.content or "")
+        raw = httpx.post(f"{url}/v1/chat/completions", json=ask("q", "drip", stream=True)).text
+    assert "".join(got) == "one two three"  # what had streamed, then the error
+    assert failed.value.body["code"] == "episode_error" and "trace" in failed.value.body["message"]
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert tracebacks(caplog) == []
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_the_episode():
+    backend = Dripping({"think": "x", "answer": "Answer: " + " ".join(["word"] * 400)}, step_s=0.02)
+    with serving(dripping_agent(backend), model="drip") as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=ask("q", "drip", stream=True)) as r:
+            for line in r.iter_lines():
+                if '"content": "word' in line:
+                    break  # the first words arrived; the client hangs up
+        deadline = time.monotonic() + 10
+        while not backend.events and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert backend.events == ["cancelled answer"] and "answer" not in backend.ended
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0
