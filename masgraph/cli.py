@@ -593,11 +593,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
 
+    closed = True
+
     async def run_training() -> None:
+        nonlocal closed
         try:
-            await loop.run()
-        finally:
-            await loop.aclose()  # a vLLM server it started
+            await loop.run()  # an interrupted run saves its last completed step before this returns
+        except asyncio.CancelledError:  # Ctrl-C or SIGTERM: do not wait long for a model batch still computing
+            closed = await _closed_within(loop.aclose(), CLOSE_GRACE_S)
+            raise
+        except BaseException:
+            await loop.aclose()
+            raise
+        await loop.aclose()  # a vLLM server it started
 
     if args.watch:
         from masgraph.watch import watch_while
@@ -609,6 +617,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.close()
+    if not closed:
+        print(f"note: not waiting for the backends to close (still busy after {CLOSE_GRACE_S:g} s: a model batch "
+              "computing on its thread)", file=sys.stderr)
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
