@@ -12,6 +12,8 @@ export RAY_AUTH_MODE := disabled
 export XDG_CACHE_HOME := $(CURDIR)/.cache
 export MPLCONFIGDIR := $(CURDIR)/.cache/mpl
 export TOKENIZERS_PARALLELISM := false
+# torch's CPU threads sleep when they wait, so a busy machine does not collapse decoding (masgraph/__init__.py)
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test test-fast test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 

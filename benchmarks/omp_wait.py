@@ -1,0 +1,91 @@
+"""How torch's CPU threads wait, on a quiet and on a busy machine: passive (masgraph's default) vs libgomp's own.
+
+torch's CPU kernels run on OpenMP threads. libgomp's default makes a thread that reaches a barrier spin for
+300,000 iterations before it sleeps; when every core is taken by other work, the spinning threads hold the cores
+the thread they wait for needs, and each barrier costs a scheduler time slice. `OMP_WAIT_POLICY=PASSIVE` (set by
+`import masgraph` unless the user set a policy or GOMP_SPINCOUNT) makes waiting threads sleep at once.
+
+Each arm decodes the same requests on the embedded model in a fresh process (the policy is read once, when
+libgomp loads): one batch of 8 rows (the batched path) and the same 8 rows one at a time (deterministic mode's
+path), `--tokens` new tokens each; the load is `--busy` spinning processes beside it. Arms alternate; every
+repeat is printed; the ratio is default / passive wall time (> 1: passive is faster).
+
+    .venv/bin/python benchmarks/omp_wait.py [--busy 0 2 6] [--repeats 3] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ARMS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+        "libgomp default": {"GOMP_SPINCOUNT": "300000"}}  # libgomp's default spin; masgraph leaves it alone
+CHILD = r"""
+import json, sys, time
+from masgraph.backends.base import Request
+from masgraph.backends.hf import HFBackend
+from masgraph.spec import SamplingSpec
+tokens = int(sys.argv[1])
+out = {}
+for deterministic in (False, True):
+    b = HFBackend(deterministic=deterministic)
+    reqs = [Request([{"role": "user", "content": f"What is {i} + {3 * i}? Explain."}], "p", None,
+                    SamplingSpec(max_tokens=tokens, temperature=1.0), seed=i, key=(i,)) for i in range(8)]
+    b.generate(reqs[:1])  # warm
+    t = time.perf_counter()
+    b.generate(reqs)
+    out["one at a time" if deterministic else "batch of 8"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def child(env: dict[str, str], tokens: int, timeout: float) -> dict[str, float] | None:
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    try:
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(tokens)], env={**base, **env}, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the decode child failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--busy", type=int, nargs="+", default=[0, 2, 6], help="spinning processes beside each arm")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds before an arm counts as did-not-finish")
+    args = ap.parse_args()
+    print(f"cores {os.cpu_count()}, {args.tokens} new tokens x 8 rows, embedded model, {args.repeats} repeats")
+    for busy in args.busy:
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            time.sleep(1 if busy else 0)
+            walls: dict[str, dict[str, list[float]]] = {arm: {} for arm in ARMS}
+            for r in range(args.repeats):
+                for arm, env in (ARMS.items() if r % 2 == 0 else reversed(ARMS.items())):
+                    got = child(env, args.tokens, args.timeout)
+                    shown = ({k: round(v, 2) for k, v in got.items()} if got
+                             else f"did not finish in {args.timeout:g} s")
+                    print(f"  busy {busy}, repeat {r + 1}, {arm}: {shown}", flush=True)
+                    for k, v in (got or {"batch of 8": args.timeout, "one at a time": args.timeout}).items():
+                        walls[arm].setdefault(k, []).append(v)
+            for path in ("batch of 8", "one at a time"):
+                p, d = (statistics.median(walls[a][path]) for a in ARMS)
+                print(f"busy {busy}: {path}: passive {p:.2f} s, libgomp default {d:.2f} s (median), "
+                      f"default/passive {d / p:.2f}x")
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+
+
+if __name__ == "__main__":
+    main()
