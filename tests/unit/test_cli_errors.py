@@ -145,6 +145,7 @@ def test_resume_from_a_bad_state_json_is_an_error_line(root, tmp_path, capsys):
     assert "unreadable state.json" in capsys.readouterr().err  # HEAD: JSONDecodeError traceback
 
 
+@pytest.mark.slow
 def test_scripted_backend_from_the_cli_is_an_error_line(graph_file, capsys):
     assert main(["run", graph_file, "--task", "basic_arithmetic", "--n", "2"]) == 2
     err = capsys.readouterr().err
@@ -158,6 +159,7 @@ def test_an_os_error_on_a_user_path_is_an_error_line(tmp_path, capsys):
     assert "error: No such file or directory" in capsys.readouterr().err  # HEAD: FileNotFoundError traceback
 
 
+@pytest.mark.slow
 def test_a_cancelled_run_summary_counts_what_finished(tmp_path):
     graph = GraphBuilder("g").add_policy("main", backend="scripted").add_node("answer", role="generator",
                                                                                policy="main").compile()
@@ -180,6 +182,7 @@ def test_a_cancelled_run_summary_counts_what_finished(tmp_path):
     assert summary["cancelled"] == 20 - summary["episodes"] > 0 and summary["interrupted"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signalled_cli_run_stops_cleanly_with_a_summary(tmp_path, sig, code):
     (tmp_path / "entry.py").write_text(ENTRY)
@@ -251,6 +254,7 @@ def test_validate_refuses_a_graph_file_over_the_size_cap_without_reading_it(tmp_
     assert "the file is larger than 16 MiB, the most a graph file may be" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_validate_dev_zero_is_an_error_not_a_memory_error(tmp_path):
     """HEAD read /dev/zero whole: MemoryError traceback (here under a 1 GiB address-space limit, so a regression
     fails fast instead of eating the machine's memory)."""
@@ -264,6 +268,7 @@ def test_validate_dev_zero_is_an_error_not_a_memory_error(tmp_path):
     assert p.returncode == 1 and "larger than 16 MiB" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_validate_checks_a_model_directory_and_run_stops_before_loading(tmp_path):
     """Issue 30, finding 10: validate passed a policy whose `model:` was an empty directory (run then failed after
     16 s of loading), and a directory that does not exist was 'not installed'. Each is now a located problem."""

@@ -77,6 +77,7 @@ def test_run_help_shows_the_defaults_of_samples_and_concurrency():
     assert "rollouts per item (default 1)" in out and "episodes in flight (default 16)" in out, out
 
 
+@pytest.mark.slow
 def test_validate_counts_in_the_singular_for_one(tmp_path, root):
     one_edge = tmp_path / "two.yaml"
     one_edge.write_text("name: two\npolicies: {p: {backend: scripted}}\nnodes:\n  a: {role: generator, policy: p}\n"

@@ -59,6 +59,7 @@ def test_atomic_write_replaces_whole_files_and_leaves_no_temporary(tmp_path, dur
     assert target.read_bytes() == b"\x00\xff" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
+@pytest.mark.slow
 def test_splits_are_deterministic_and_disjoint():
     for name in ("basic_arithmetic", "chain_sum", "countdown", "gsm_symbolic", "lookup"):
         task = get_task(name)
@@ -230,6 +231,7 @@ def test_a_task_whose_splits_are_apart_gets_no_warning():
         assert len(Apart().items("test", 30)) == 30 and len(Apart().items("test", 1000)) == 1000
 
 
+@pytest.mark.slow
 def test_run_cli_prints_the_dropped_items_as_a_warning_line_and_an_empty_task_as_an_error(tmp_path):
     import os
     import subprocess

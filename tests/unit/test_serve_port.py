@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 PLUGIN = """
 import os, socket
 from masgraph.agents import register_agent
@@ -26,7 +28,8 @@ async def echo(ctx):
     return NodeOutput(text=ctx.query, answer=ctx.query)
 """
 
-GRAPH = "name: echo\nplugins: [echo_agent.py]\nnodes:\n  answer: {role: custom, agent: echo}\nentry: answer\nexit: answer\n"
+GRAPH = ("name: echo\nplugins: [echo_agent.py]\nnodes:\n  answer: {role: custom, agent: echo}\n"
+         "entry: answer\nexit: answer\n")
 
 
 def _serve(tmp_path: Path, port: int, **env: str) -> subprocess.CompletedProcess:
@@ -49,6 +52,7 @@ def _runs(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "runs").iterdir()) if (tmp_path / "runs").is_dir() else []
 
 
+@pytest.mark.slow
 def test_serve_on_a_port_in_use_is_one_error_line_before_anything_loads(tmp_path, free_port):
     port = free_port()
     with _listening(port):
@@ -61,6 +65,7 @@ def test_serve_on_a_port_in_use_is_one_error_line_before_anything_loads(tmp_path
     assert _runs(tmp_path) == [] and time.perf_counter() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_port_taken_while_the_graph_loads_is_an_error_line_and_leaves_no_run_dir(tmp_path, free_port):
     port = free_port()
     p = _serve(tmp_path, port, TAKE_PORT=str(port))

@@ -82,6 +82,7 @@ GRAPHS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph", sorted(GRAPHS))
 def test_sigterm_exits_within_seconds_with_the_finished_episodes_saved(tmp_path, graph):
     (tmp_path / "parts.py").write_text(PARTS)

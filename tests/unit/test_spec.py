@@ -243,6 +243,7 @@ def test_check_structure_is_pure_and_fast_on_every_shipped_graph(graph_files):
     assert {p.path for p in problems} == {"nodes.generator", "exit", "edges"}
 
 
+@pytest.mark.slow
 def test_compile_is_near_linear_on_a_20k_node_chain():
     n = 20_000
     spec = GraphSpec.model_validate({
@@ -264,6 +265,7 @@ def test_compile_is_near_linear_on_a_20k_node_chain():
 @settings(max_examples=200, derandomize=True, database=None, deadline=None)
 @given(st.integers(1, 10).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.tuples(st.integers(0, n - 1),
                                                                                     st.integers(0, n - 1))))))
+@pytest.mark.slow
 def test_cycle_index_matches_networkx(graph):
     import networkx as nx
 

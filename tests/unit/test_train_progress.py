@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from masgraph.cli import TrainProgress
 from masgraph.events import EpisodeFinished, LLMCallFinished, TrainStep
 from masgraph.trace import Trace
@@ -84,6 +86,7 @@ class Slow(Task):
 """
 
 
+@pytest.mark.slow
 def test_masgraph_train_in_a_log_shows_rollout_progress_on_stderr_and_keeps_stdout(tiny, tmp_path):
     (tmp_path / "slow.py").write_text(TASK)
     (tmp_path / "g.yaml").write_text(f"""\
