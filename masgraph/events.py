@@ -54,6 +54,8 @@ class LLMCallFinished(NodeEvent):
     latency_s: float = 0.0
     batch_size: int = 1
     """Rows decoded together with this one (1 for backends that do not batch)."""
+    queue_s: float = 0.0
+    """Of `latency_s`, the time the call waited in the backend's queue (see `LLMCall.queue_s`)."""
 
 
 class ToolCallFinished(NodeEvent):

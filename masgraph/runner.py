@@ -221,4 +221,5 @@ def summarize(traces: list[Trace], planned: int | None = None) -> dict[str, Any]
         "parse_error_rate": mean(s.parse_error is not None for s in steps),
         "tool_error_rate": mean(tool.error is not None for tool in tools),
         "duration_s_mean": mean(t.duration_s for t in done),
+        "queue_s_mean": mean(t.queue_s for t in done),  # of duration_s: waiting in the backend's queue, not timed
     }

@@ -1,5 +1,10 @@
 """The episode loop: plan the ready nodes, run them concurrently, route their outputs, repeat — for many
-episodes at once. It emits typed events to sinks and knows nothing of training, storage or UIs."""
+episodes at once. It emits typed events to sinks and knows nothing of training, storage or UIs.
+
+Time limits measure work (masgraph/workclock.py): a node's `timeout_s` and the episode's `episode_timeout_s`
+do not count the time an LLM call waits in the backend's queue (recorded as `queue_s` on the call, the step and
+the trace), and count a call's time in a batch of n rows as 1/n (what they counted: `work_s` on the step and
+the trace); a wall-clock ceiling (10x the limit, at least 600 s) still ends a step or episode that only waits."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from masgraph.backends.base import Backend, Request
-from masgraph.eager import _Resumed, await_within, gather_eager
+from masgraph.eager import _Resumed, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
     EpisodeFinished,
@@ -31,6 +36,7 @@ from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
 from masgraph.trace import LLMCall, Step, TopologyChoice, Trace
+from masgraph.workclock import WAITER, CallWait, WorkClock
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,21 @@ class _BlockedLoop(Exception):
 T = TypeVar("T")
 
 
-async def _within(coro: Awaitable[T], timeout_s: float) -> T:
-    """`await_within` for an agent's step, closing the two ways an async agent escapes its timeout: a result
+async def _within(coro: Awaitable[T], clock: WorkClock) -> T:
+    """Await an agent's step under its node's work clock (its timer is armed only if the coroutine suspends, as
+    `await_within` does), closing the two ways an async agent escapes its timeout: a result
     returned after the timer fired (the agent caught the CancelledError) is a TimeoutError, and an agent whose
     own code held the event loop longer than `timeout_s` (e.g. `time.sleep` in an `async def`: the timer cannot
     fire while the loop is blocked) is `_BlockedLoop`, whatever it returned. Only the time spent inside the
     agent's coroutine counts, so an agent delayed by another one blocking the loop is not blamed."""
+    timeout_s = clock.limit_s
     if not isinstance(coro, Coroutine):
-        return await await_within(coro, timeout_s)
+        async with asyncio.timeout_at(clock.deadline()) as timer:
+            clock.timer = timer
+            try:
+                return await coro
+            finally:
+                clock.timer = None
     clocked = _Clocked(coro)
     steps = clocked.__await__()
     try:
@@ -118,8 +131,12 @@ async def _within(coro: Awaitable[T], timeout_s: float) -> T:
     except BaseException:
         steps.close()
         raise
-    async with asyncio.timeout(timeout_s) as timer:
-        value = await _Resumed(steps, first)  # type: ignore[arg-type]  (a generator: send, throw, close)
+    async with asyncio.timeout_at(clock.deadline()) as timer:  # rescheduled as the clock stops and starts
+        clock.timer = timer
+        try:
+            value = await _Resumed(steps, first)  # type: ignore[arg-type]  (a generator: send, throw, close)
+        finally:
+            clock.timer = None
     if timer.expired():  # it fired, and the agent swallowed the cancellation
         raise TimeoutError
     clocked.check(timeout_s)
@@ -212,6 +229,7 @@ class Scheduler:
         self._emit(EpisodeStarted(episode_id=trace.episode_id, item_id=ep.item_id, query=ep.query,
                                   started=time.time()))
         t0 = time.perf_counter()
+        clock = WorkClock(self._spec.limits.episode_timeout_s, highest=True)  # working while any node step works
         try:
             if ep.topology is None and self._spec.topology is not None:
                 raise _StepFailed(f"graph {self._spec.name!r} declares a `topology:`, so an episode runs one of its "
@@ -221,25 +239,29 @@ class Scheduler:
             if view.problems:
                 raise _StepFailed("the episode's topology is not a valid graph: "
                                   + "; ".join(f"{p.path}: {p.message}" for p in view.problems))
-            async with asyncio.timeout(self._spec.limits.episode_timeout_s):
-                await self._loop(ep, trace, index, view)
+            async with asyncio.timeout_at(clock.deadline()) as timer:  # the episode's work clock
+                clock.timer = timer
+                try:
+                    await self._loop(ep, trace, index, view, clock)
+                finally:
+                    clock.timer = None
         except TimeoutError:
-            trace.status, trace.error = "timeout", f"episode exceeded {self._spec.limits.episode_timeout_s}s"
+            trace.status, trace.error = "timeout", clock.describe("episode")
         except asyncio.CancelledError:
             trace.status, trace.error = "cancelled", "run interrupted"
-            trace.duration_s = time.perf_counter() - t0
+            trace.duration_s, trace.queue_s, trace.work_s = time.perf_counter() - t0, clock.waited_s(), clock.work_s()
             self._emit(EpisodeFinished(trace=trace))
             raise
         except _StepFailed as exc:
             trace.status, trace.error = "error", str(exc)
         except Exception as exc:  # a bug in an agent or sink must not take the run down
             trace.status, trace.error = "error", f"{type(exc).__name__}: {exc}"
-        trace.duration_s = time.perf_counter() - t0
+        trace.duration_s, trace.queue_s, trace.work_s = time.perf_counter() - t0, clock.waited_s(), clock.work_s()
         apply_score(self.score, ep, trace)
         self._emit(EpisodeFinished(trace=trace))
         return trace
 
-    async def _loop(self, ep: EpisodeInput, trace: Trace, index: int, view: GraphView) -> None:
+    async def _loop(self, ep: EpisodeInput, trace: Trace, index: int, view: GraphView, clock: WorkClock) -> None:
         spec, limits = self._spec, self._spec.limits
         memory = ActionLog(spec.memory.max_actions, spec.memory.max_result_chars)
         runs: Counter[str] = Counter()
@@ -259,9 +281,9 @@ class Scheduler:
                         reads.received(spec.nodes[node].merge, inputs)
                 if len(ready) == 1:
                     [(node, inputs)] = ready.items()
-                    results = [await self._step(ep, trace, index, node, runs[node], inputs, memory)]
+                    results = [await self._step(ep, trace, index, node, runs[node], inputs, memory, clock)]
                 else:
-                    results = await gather_eager([self._step(ep, trace, index, n, runs[n], inp, memory)
+                    results = await gather_eager([self._step(ep, trace, index, n, runs[n], inp, memory, clock)
                                                   for n, inp in ready.items()])
                 nxt = waiting  # a waiting fan-in node keeps the inputs it has so far
                 answer = None
@@ -289,39 +311,45 @@ class Scheduler:
             trace.unused_steps = reads.unused(trace.steps, spec.exit, memory)
 
     async def _step(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int,
-                    inputs: list[tuple[str, NodeOutput]], memory: ActionLog) -> tuple[str, NodeOutput, Step]:
+                    inputs: list[tuple[str, NodeOutput]], memory: ActionLog, episode: WorkClock
+                    ) -> tuple[str, NodeOutput, Step]:
         nspec = self._spec.nodes[node]
         started, t0 = time.time(), time.perf_counter()
         self._emit(fast(StepStarted, episode_id=trace.episode_id, node=node, turn=turn, started=started))
         agent, merged = self.agents[node], _merge(nspec.merge, inputs)
-        out, error, calls, attempt = NodeOutput(), None, [], 0
+        out, error, calls, attempt, queue_s, work_s = NodeOutput(), None, [], 0, 0.0, 0.0
         for attempt in range(1, nspec.retries + 2):  # noqa: B007 (the last attempt's number is recorded)
             calls = []  # only the last attempt's LLM calls are part of the step
+            clock = WorkClock(nspec.timeout_s, episode)  # this attempt's work clock, one of the episode's steps
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
-                              self._generator(ep, trace, index, node, turn, calls), self._node_tools[node],
+                              self._generator(ep, trace, index, node, turn, calls, clock), self._node_tools[node],
                               self.tool_descriptions, _slot_prompt(ep.topology, node))
             try:
-                out = await _within(agent(ctx), nspec.timeout_s)  # no task per step, unlike wait_for
+                out = await _within(agent(ctx), clock)  # no task per step, unlike wait_for
                 error = None
                 break
             except _BlockedLoop as exc:  # not retried: it would stall every episode again
                 error = str(exc)
                 break
             except TimeoutError:
-                error = f"node timed out after {nspec.timeout_s}s"
+                error = clock.describe("node")
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
+            finally:
+                clock.close()
+                queue_s, work_s = queue_s + clock.stopped_s, work_s + clock.worked_s
         # built once at the end: pydantic attribute assignment costs ~2 µs each on this hot path
         step = Step(episode_id=trace.episode_id, index=0, node=node, role=nspec.role, turn=turn,
                     route=out.route, sources=[src for src, _ in inputs], text=out.text, llm=calls, tool=out.tool,
                     parse_error=out.parse_error, error=error, attempts=attempt, started=started,
-                    duration_s=time.perf_counter() - t0)
+                    duration_s=time.perf_counter() - t0, queue_s=queue_s, work_s=work_s)
         if out.tool is not None:
             self._emit(fast(ToolCallFinished, episode_id=trace.episode_id, node=node, turn=turn, tool=out.tool.tool,
                             ok=out.tool.error is None, duration_s=out.tool.duration_s))
         return node, out, step
 
-    def _generator(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int, calls: list[LLMCall]):
+    def _generator(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int, calls: list[LLMCall],
+                   clock: WorkClock):
         policy_name = self._spec.nodes[node].policy
 
         async def generate(messages: list[dict[str, str]]):
@@ -333,6 +361,8 @@ class Scheduler:
             req = Request(messages, policy_name, policy.spec.adapter, policy.spec.sampling, seed,
                           key=(index, node, turn, k))
             t0 = time.perf_counter()
+            wait = CallWait(clock)  # the backend's queue charges the call's wait to it, not to the node's clock
+            WAITER.set(wait)  # (not reset: this may resume in another context, see eager.py; a stale one is inert)
             [c] = await policy.backend.complete([req])
             latency = time.perf_counter() - t0
             calls.append(LLMCall(
@@ -340,11 +370,11 @@ class Scheduler:
                 prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p,
                 finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency,
-                prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens))
+                prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, queue_s=wait.queue_s))
             self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
                             adapter=policy.spec.adapter, prompt_tokens=c.n_prompt,
                             completion_tokens=c.n_completion, latency_s=latency,
-                            batch_size=getattr(c, "batch_size", 1)))
+                            batch_size=getattr(c, "batch_size", 1), queue_s=wait.queue_s))
             return c
 
         return generate

@@ -34,6 +34,11 @@ class LLMCall(Record):
     prompt_truncated: bool = False
     """True when the prompt outgrew the context and older memory was dropped."""
     latency_s: float = 0.0
+    """Wall time of the call, from the request to the completion (`queue_s` included)."""
+    queue_s: float = Field(0.0, exclude_if=lambda v: v == 0.0)
+    """Of `latency_s`, the time the call waited in the backend's queue before it was served (the hf batcher:
+    until its batch started); not counted by the node's or the episode's time limit. 0 for a backend with no
+    queue of its own (a remote server's queue is part of the call's time); left out of the stored trace when 0."""
     prompt_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
     """Prompt length the server reported, for a call to a backend that returns text only (no ids to count);
     left out of the stored trace when None, as it is for every call that has its ids."""
@@ -87,6 +92,13 @@ class Step(Record):
     attempts: int = 1
     started: float = 0.0
     duration_s: float = 0.0
+    """Wall time of the step, every attempt."""
+    queue_s: float = Field(0.0, exclude_if=lambda v: v == 0.0)
+    """Of `duration_s`, the time the node's clock was stopped because its LLM calls waited in the backend's
+    queue: not counted by its `timeout_s` (see masgraph/workclock.py); left out of the stored trace when 0."""
+    work_s: float | None = Field(None, exclude_if=lambda v: v is None)
+    """What the node's `timeout_s` counted, every attempt: `duration_s` less `queue_s`, with the time its calls
+    were computed in a batch of n rows counted as 1/n of it (None in traces recorded before it was)."""
 
 
 class TopologyChoice(Record):
@@ -118,6 +130,12 @@ class Trace(Record):
     status: Literal["ok", "error", "timeout", "cancelled"] = "ok"
     error: str | None = None
     duration_s: float = 0.0
+    """Wall time of the episode."""
+    queue_s: float = Field(0.0, exclude_if=lambda v: v == 0.0)
+    """Of `duration_s`, the time the episode's clock was stopped, every node step it ran waiting in the backend's
+    queue: not counted by `episode_timeout_s`; left out of the stored trace when 0."""
+    work_s: float | None = Field(None, exclude_if=lambda v: v is None)
+    """What `episode_timeout_s` counted (see `Step.work_s`; None in traces recorded before it was)."""
     topology: TopologyChoice | None = None
     """The decisions of a topology policy this episode ran (None: the whole graph, or a topology given directly)."""
     unused_steps: list[int] = Field(default_factory=list)

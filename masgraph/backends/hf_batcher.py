@@ -1,4 +1,8 @@
-"""Dynamic batching: requests from many coroutines are queued and run together on one worker thread."""
+"""Dynamic batching: requests from many coroutines are queued and run together on one worker thread.
+
+Each item tells its caller's `masgraph.workclock` waiter how it is served: waiting in the queue until its batch
+starts (the node's work clock stops; the call records it as `queue_s`), then computed in a batch of n rows (the
+clock runs at 1/n: the call's share of the batch); see masgraph/workclock.py for why."""
 
 from __future__ import annotations
 
@@ -6,10 +10,26 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from masgraph.workclock import Queued
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+_batch = threading.local()  # .rows_started: the running batch's callback, on the batch thread
+
+
+def rows_started(items: list[Any]) -> None:
+    """Called by a batch's `run` (on the batch thread) when it starts computing `items` (objects of its batch)
+    together, and has finished the items it reported before. With `Batcher(reports_starts=True)` an item waits
+    until then (and again after its rows are done, until the batch ends) instead of sharing the whole batch, so a
+    row decoded after other rows of its batch (another adapter or prompt prefix, or one row at a time in
+    deterministic mode) is charged its own decode only. A no-op outside a batch."""
+    report = getattr(_batch, "rows_started", None)
+    if report is not None:
+        report(items)
 
 
 class Stopped(Exception):
@@ -28,6 +48,10 @@ class Batcher(Generic[In, Out]):
     a long `run` checks it (e.g. once per decode step) and raises `Stopped`, and its items' callers that still
     wait are cancelled. Otherwise the thread would run the batch to its end after everyone gave up.
 
+    An item counts as waiting (`masgraph.workclock.Queued`: its caller's node clock stops) from `submit` until its
+    batch starts, then as served in a batch of len(batch) rows until the batch ends; with `reports_starts=True`,
+    as `run` reports with `rows_started` (waiting until its rows start, served with the rows reported with it).
+
     Example:
         >>> batcher = Batcher(lambda xs, stop: [x * 2 for x in xs], max_batch_size=8, wait_ms=3.0)
         >>> asyncio.run(batcher.submit([1, 2]))
@@ -36,9 +60,10 @@ class Batcher(Generic[In, Out]):
 
     def __init__(self, run: Callable[[list[In], threading.Event], list[Out]], max_batch_size: int = 32,
                  wait_ms: float = 3.0, error: Callable[[Exception], Exception] = lambda exc: exc,
-                 thread_name: str = "masgraph-batch"):
+                 thread_name: str = "masgraph-batch", reports_starts: bool = False):
         self.run, self.max_batch_size, self.wait_ms, self.error = run, max_batch_size, wait_ms, error
-        self._queue: list[tuple[In, asyncio.Future]] = []
+        self.reports_starts = reports_starts
+        self._queue: list[tuple[In, asyncio.Future, Queued]] = []
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._running: tuple[Future, threading.Event] | None = None
@@ -53,14 +78,19 @@ class Batcher(Generic[In, Out]):
         if self._worker is None or self._worker.done():
             self._wake = asyncio.Event()
             self._worker = loop.create_task(self._loop())
-        futures = []
+        futures, waits = [], []
         for item in items:
-            fut = loop.create_future()
-            self._queue.append((item, fut))
+            fut, wait = loop.create_future(), Queued()
+            self._queue.append((item, fut, wait))
             futures.append(fut)
+            waits.append(wait)
         assert self._wake is not None
         self._wake.set()
-        return list(await asyncio.gather(*futures))
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:  # served, failed, or cancelled while queued: the queue is done with it
+            for wait in waits:
+                wait.done()
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -70,10 +100,16 @@ class Batcher(Generic[In, Out]):
             batch, self._queue = self._queue[:self.max_batch_size], self._queue[self.max_batch_size:]
             if not self._queue:
                 self._wake.clear()
-            batch = [(x, f) for x, f in batch if not f.cancelled()]
+            for _, f, w in batch:
+                if f.cancelled():
+                    w.done()
+            batch = [(x, f, w) for x, f, w in batch if not f.cancelled()]
             if not batch:
                 continue
-            futures, stop = [f for _, f in batch], threading.Event()
+            if not self.reports_starts:
+                for _, _, w in batch:
+                    w.serving(len(batch))
+            futures, stop = [f for _, f, _ in batch], threading.Event()
 
             def gave_up(_: asyncio.Future, futures: list[asyncio.Future] = futures, stop: threading.Event = stop
                         ) -> None:
@@ -82,7 +118,11 @@ class Batcher(Generic[In, Out]):
 
             for fut in futures:
                 fut.add_done_callback(gave_up)
-            running = self._executor.submit(self.run, [x for x, _ in batch], stop)
+            items = [x for x, _, _ in batch]
+            if self.reports_starts:
+                running = self._executor.submit(self._run_reporting, items, stop, self._reporter(batch))
+            else:
+                running = self._executor.submit(self.run, items, stop)
             self._running = (running, stop)
             try:
                 results = await asyncio.wrap_future(running)
@@ -96,13 +136,41 @@ class Batcher(Generic[In, Out]):
                     fut.cancel()
                 continue
             except Exception as exc:  # the whole batch fails; each caller records it
-                for _, fut in batch:
+                for _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(self.error(exc))
                 continue
-            for (_, fut), res in zip(batch, results):
+            for (_, fut, _), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result(res)
+
+    def _run_reporting(self, items: list[In], stop: threading.Event, report: Callable[[list[Any]], None]
+                       ) -> list[Out]:
+        _batch.rows_started = report
+        try:
+            return self.run(items, stop)
+        finally:
+            _batch.rows_started = None
+
+    def _reporter(self, batch: list[tuple[In, asyncio.Future, Queued]]) -> Callable[[list[Any]], None]:
+        """`rows_started` for a batch: from the batch thread, (on the loop) the items reported before wait again and
+        the items named are served together; `submit`'s finally ends them all when the batch does."""
+        loop = asyncio.get_running_loop()
+        waits: dict[int, list[Queued]] = {}
+        for x, _, w in batch:
+            waits.setdefault(id(x), []).append(w)
+        serving: list[Queued] = []
+
+        def started(items: list[Any]) -> None:
+            for w in serving:
+                w.waiting()
+            serving[:] = [w for x in items for w in waits.get(id(x), ())]
+            for w in serving:
+                w.serving(len(serving))
+
+        def report(items: list[Any]) -> None:
+            loop.call_soon_threadsafe(started, list(items))
+        return report
 
     async def _gather_more(self) -> None:
         """Wait briefly for more items: until the batch is full or `wait_ms` passes with no arrival."""
@@ -119,8 +187,9 @@ class Batcher(Generic[In, Out]):
         """Stop the batch loop and the batch on the thread, and wait until the thread has left it; the callers of
         that batch and of the queued items are cancelled."""
         queued, self._queue = self._queue, []
-        for _, fut in queued:
+        for _, fut, wait in queued:
             fut.cancel()
+            wait.done()
         if self._worker is not None:
             self._worker.cancel()
             try:

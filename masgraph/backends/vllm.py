@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from masgraph.backends.base import BackendError, Completion, Request
 from masgraph.backends.vllm_server import VLLMServer
+from masgraph.workclock import Queued
 
 if TYPE_CHECKING:
     from masgraph.learner import AdapterSource, LoraConfigSpec
@@ -142,8 +143,15 @@ class VLLMBackend:
     async def _one(self, req: Request) -> Completion:
         if self._one_at_a_time is None:
             return await self._call(req)
-        async with self._one_at_a_time:
+        wait = Queued()  # waiting for the gate is queue time, not the node's work (masgraph/workclock.py)
+        try:
+            await self._one_at_a_time.acquire()
+        finally:
+            wait.done()
+        try:
             return await self._call(req)
+        finally:
+            self._one_at_a_time.release()
 
     def payload(self, req: Request) -> tuple[dict[str, Any], list[int], bool]:
         """The /v1/completions body for a request, with its prompt ids and whether they were truncated."""
