@@ -91,7 +91,9 @@ class _NodeBase(_Strict):
     prompt: str | None = None
     """Prompt template file name under agents/prompts (default: the agent's own)."""
     timeout_s: float = Field(120.0, gt=0)
-    """Per-attempt time limit for the node's step."""
+    """Limit on one attempt of the node's step, in work: agent code and tools in full, an LLM call's share of its
+    batch, not the time it waits in masgraph's queue (masgraph/workclock.py); a wall-clock ceiling of 10x (at
+    least 600 s) backs it."""
     retries: int = Field(0, ge=0, le=10)
     """Extra attempts after a failed step (exception or timeout)."""
     merge: Literal["concat", "vote", "first"] | None = None
@@ -227,7 +229,8 @@ class Limits(_Strict):
     max_turns: int | None = Field(None, ge=1, le=1000)
     """Most passes through any cycle per episode; required when the graph has a cycle."""
     episode_timeout_s: float = Field(600.0, gt=0)
-    """Wall-clock limit per episode."""
+    """Limit on the episode, in work (counted at the rate of its busiest running node; see `timeout_s`), with a
+    wall-clock ceiling of 10x (at least 600 s)."""
     max_steps: int = Field(200, ge=1)
     """Most node steps per episode (a last-resort bound)."""
 
