@@ -424,6 +424,7 @@ def sync_sleeper(ctx):
     return NodeOutput(text="done", answer=f"{ctx.query}@{time.monotonic()}")
 
 
+@pytest.mark.slow
 def test_sync_agent_does_not_block_other_episodes(run):
     from masgraph.scheduler import Scheduler
 
@@ -434,6 +435,7 @@ def test_sync_agent_does_not_block_other_episodes(run):
     assert float(fast.answer.split("@")[1]) < float(slow.answer.split("@")[1]) - 0.5  # done while slow slept
 
 
+@pytest.mark.slow
 def test_sync_agent_node_timeout_is_enforced(run):
     graph = GraphBuilder("sync").add_node("solo", role="custom", agent="sync-sleeper", timeout_s=0.1).compile()
     tr = run_one(graph, run, query="slow")

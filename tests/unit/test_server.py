@@ -143,6 +143,7 @@ async def until(condition, seconds: float = 60) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_openai_client_sync_streaming_and_the_trace_extension():
     with serving(scripted_agent()) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
@@ -260,6 +261,7 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_requests_succeed(capl
     assert not tracebacks(caplog)
 
 
+@pytest.mark.slow
 def test_a_slow_episode_times_out_with_504_and_is_cancelled():
     EVENTS.clear()
     with serving(scripted_agent(SLOW), ServeConfig(timeout_s=0.5), model="slow") as url:
@@ -269,6 +271,7 @@ def test_a_slow_episode_times_out_with_504_and_is_cancelled():
         assert httpx.get(f"{url}/health").json()["in_flight"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_cancels_its_episode(stream, tmp_path):
     EVENTS.clear()
@@ -311,6 +314,7 @@ def test_public_address_without_key_is_refused():
             check_bind(host, None, False)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_public_bind_before_loading_anything(root):
     r = subprocess.run([sys.executable, "-m", "masgraph.cli", "serve", str(root / "graphs" / "single.yaml"),
                         "--host", "0.0.0.0"], capture_output=True, text=True, env={**os.environ,
@@ -331,6 +335,7 @@ SERVE_SCRIPT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, free_port, wait_healthy):
     port = free_port()
     script = tmp_path / "serve.py"
@@ -611,6 +616,7 @@ def test_a_head_too_large_or_malformed_is_an_openai_style_400():
             assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
 
 
+@pytest.mark.slow
 def test_a_keyless_server_takes_only_json_posts_sent_to_a_loopback_name():
     """A cross-site page can POST text/plain or a form without a preflight, and a DNS-rebinding page reaches the
     server under its own name; neither gets an episode run or the metrics read."""
@@ -654,6 +660,7 @@ def test_a_keyless_public_bind_that_was_asked_for_takes_any_host(monkeypatch):
 # --- admission: the time limit runs from the episode's start, a queue wait is bounded, errors are OpenAI's ----
 
 
+@pytest.mark.slow
 def test_the_time_limit_starts_when_the_episode_starts_not_when_the_request_arrived():
     """One slot, limit T: two requests of 0.6 T each; the second waits 0.6 T for the slot, so 1.2 T after it
     arrived, but only 0.6 T after its episode started, it is answered, not timed out. T is scaled from a
@@ -670,6 +677,7 @@ def test_the_time_limit_starts_when_the_episode_starts_not_when_the_request_arri
         assert [r.status_code for r in asyncio.run(main())] == [200, 200]
 
 
+@pytest.mark.slow
 def test_a_request_waits_in_the_queue_at_most_max_wait_then_gets_a_503():
     with serving(scripted_agent(GATED), ServeConfig(max_concurrency=1, max_wait_s=0.2), model="gated") as url:
         async def main():
@@ -846,6 +854,7 @@ def content_of(chunks) -> list[str]:
     return [c.choices[0].delta.content for _, c in chunks if c.choices and c.choices[0].delta.content]
 
 
+@pytest.mark.slow
 def test_the_answer_streams_as_the_generator_decodes_and_equals_the_whole_answer():
     """The first content chunk arrives while the exit node's LLM call is still writing (before the episode's
     last node finishes); only the answer node's text streams (the first node also writes an `Answer:` line);

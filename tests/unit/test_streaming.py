@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,6 +99,7 @@ exit: last
     assert exit_role("{role: custom, agent: stream-echo}") is None  # a custom agent: its answer arrives whole
 
 
+@pytest.mark.slow
 def test_hf_backend_hands_each_token_to_the_loop_while_the_batch_decodes(tiny, monkeypatch):
     """The real HFBackend on the tiny model: a streamed request's sink sees its text grow token by token, each a
     beginning of the completion's text, while the batch is still decoding; other requests in the batch do not."""

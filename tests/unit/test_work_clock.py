@@ -100,6 +100,7 @@ def plan() -> tuple[float, float, int]:
     return d, limit, int(1.5 * limit / BATCH_S) + 2
 
 
+@pytest.mark.slow
 def test_a_call_queued_longer_than_its_node_limit_completes_and_records_its_queue_time():
     d, limit, n = plan()  # each call's own batch: ~d of work, far inside the limit; the last waits > 1.5 x limit
     backend, sink = SlowBatched(), ListSink()
@@ -137,6 +138,7 @@ def test_calls_batched_together_are_each_charged_their_share_of_the_batch():
         assert step.work_s < limit and t.work_s == pytest.approx(step.work_s, abs=d)
 
 
+@pytest.mark.slow
 def test_an_episode_queued_longer_than_its_episode_limit_completes():
     d, limit, n = plan()
     traces = run_episodes(graph_with(60, episode_timeout_s=limit), SlowBatched(), ["q"] * n)
@@ -151,6 +153,7 @@ def test_a_node_that_hangs_after_its_call_still_times_out_at_its_work_limit():
     assert tr.steps[0].duration_s < 30
 
 
+@pytest.mark.slow
 def test_a_hanging_node_queued_first_is_charged_only_its_work():
     """Queued behind others for longer than its limit, then hanging: it times out after its limit of work, and
     the message says how long it also waited."""
@@ -163,6 +166,7 @@ def test_a_hanging_node_queued_first_is_charged_only_its_work():
     assert all(t.status == "ok" for t in traces[:-1])
 
 
+@pytest.mark.slow
 def test_a_batch_that_never_ends_times_out_its_calls_and_the_ceiling_ends_those_queued_behind(monkeypatch):
     """A backend that never answers: the call in the hung batch is working (its batch runs), so its work limit
     fires; the call queued behind it never starts, so only the wall-clock ceiling ends it."""
