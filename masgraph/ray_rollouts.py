@@ -123,6 +123,11 @@ def connect(ray: Any, config: RayConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at niceness 15, below the driver; here the workers do the run's work and the driver
+    # waits, so on a machine with other work they got ~3 % of a core each (measured beside two busy loops) and
+    # episodes crawled into their time limits. A local Ray's raylet reads this when it starts; a cluster started
+    # with `ray start` keeps its own setting (start it with RAY_worker_niceness=0).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         if config.address:
             ray.init(address=config.address, log_to_driver=False)

@@ -13,6 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+# before any test module imports torch, so its threads wait passively on a busy machine (masgraph/__init__.py)
+import masgraph  # noqa: E402, F401, I001
+
 ROOT = Path(__file__).resolve().parents[1]
 
 REPLIES = {
@@ -200,6 +203,27 @@ class Processes:
 @pytest.fixture(scope="session")
 def procs() -> Processes:
     return Processes()
+
+
+@pytest.fixture
+def busy():
+    """`with busy(n):` runs n processes that spin on a core each beside the block (a busy machine, as users have):
+    exactness and resume checks run under it, so a result that depends on timing fails here, not for a user."""
+    import contextlib
+    import subprocess
+    import sys
+
+    @contextlib.contextmanager
+    def loops(n: int = 2):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        try:
+            yield spinners
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
+
+    return loops
 
 
 # ---- tiny random-weight models of real architectures (no download) --------------------------------------------
