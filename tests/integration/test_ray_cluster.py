@@ -31,7 +31,8 @@ def head(free_port):
     port = free_port()
     tmpdir = tempfile.mkdtemp(prefix="mgray")  # short: Ray's socket paths live under it
     temp = os.path.join(tmpdir, "ray")  # Ray's default temp dir when $RAY_TMPDIR is `tmpdir`
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_worker_niceness": "0"}  # as the README says to start a cluster: workers not starved by other work
     proc = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp}",
                              "--include-dashboard=false", "--disable-usage-stats"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
