@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 # torch's CPU threads sleep when they wait, so a busy machine does not collapse decoding (masgraph/__init__.py)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-fast test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
+.PHONY: demo test test-fast test-slow test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -62,8 +62,14 @@ demo: setup
 	$(VENV)/bin/masgraph topology "$$(ls -td runs/router-train-* | head -1)"
 	VENV=$(VENV) scripts/serve_demo.sh
 
+# every unit test and the integration tests not marked slow (~7 min here); CI also runs test-slow and test-vllm
 test: setup
-	$(VENV)/bin/pytest -q --durations=15 tests --ignore=tests/vllm
+	$(VENV)/bin/pytest -q --durations=15 -m "not (integration and slow)" tests --ignore=tests/vllm
+
+# the long real-model integration tests (SIGKILL + resume beside busy processes, Ray workers, a served bundle,
+# 100 concurrent requests, whole training steps): ~10 min here; .ci/run runs them after `make test`
+test-slow: setup
+	$(VENV)/bin/pytest -q --durations=10 -m "integration and slow" tests/integration
 
 lint: setup
 	$(VENV)/bin/ruff check .

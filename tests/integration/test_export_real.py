@@ -25,6 +25,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 def test_an_exported_bundle_served_elsewhere_answers_like_run_checkpoint(root, tmp_path, free_port, wait_healthy):
     work = tmp_path / "work"
     work.mkdir()

@@ -26,6 +26,7 @@ class AlternatingReward(BasicArithmetic):
         return float(trace.meta["sample"] % 2)
 
 
+@pytest.mark.slow
 def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for, run):
     from masgraph.backends.hf import HFBackend
     from masgraph.backends.hf_learner import HFLearner

@@ -21,8 +21,9 @@ from masgraph.runner import RunConfig, Runner
 from masgraph.store import read_traces
 from masgraph.tasks import get_task
 
+pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = {"latency_s", "started", "duration_s"}
+TIMING = {"latency_s", "started", "duration_s", "queue_s", "work_s"}
 N = 6
 
 
@@ -70,6 +71,7 @@ class KillOnFirstFinish:
             os.kill(self.killed, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [False, True], ids=["two-workers", "a-worker-killed"])
 def test_two_ray_workers_give_the_one_process_results(graph, one_process, ray_session, tmp_path, kill, busy):
     from masgraph.ray_rollouts import RayConfig, RayEngine
@@ -103,6 +105,7 @@ def test_two_ray_workers_give_the_one_process_results(graph, one_process, ray_se
         assert engine.pool.stats == {"episodes": 2 * N, "reruns": 0, "replaced": 0}
 
 
+@pytest.mark.slow
 def test_train_with_ray_workers_publishes_each_version(tmp_path, rollout_versions):
     """`masgraph train --ray --workers 2`: each step's rollouts ran on the adapter version the updates before it
     made (published to the workers through the object store)."""

@@ -86,6 +86,7 @@ def test_litellm_talks_to_it(server):
     assert r.choices[0].message.content and r.usage.completion_tokens > 0
 
 
+@pytest.mark.slow
 def test_100_concurrent_requests_complete_with_zero_errors(server):
     url, _ = server
 

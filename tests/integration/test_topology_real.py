@@ -171,6 +171,7 @@ def _lora(loop: TrainLoop, adapter: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in loop.learner.parameters(adapter)]
 
 
+@pytest.mark.slow
 def test_one_joint_step_moves_the_topology_and_two_adapters_and_resume_is_exact(tmp_path):
     a = _loop(tmp_path, JOINT, "a")
     asyncio.run(a.run())  # 2 steps, a checkpoint after each
@@ -212,6 +213,7 @@ def _same(x: object, y: object, path: str = "") -> None:
         assert x == y, path
 
 
+@pytest.mark.slow
 def test_sigkill_mid_joint_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     """kill -9 during step 2 of a joint run (after step 1's checkpoint), then `masgraph train --resume`: step 2's
     topology policy with its optimizer, and both adapters, equal those of an uninterrupted run."""

@@ -82,6 +82,7 @@ def _only_run(parent: Path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, busy):
     graph = tmp_path / "tiny.yaml"
     graph.write_text(GRAPH)
