@@ -65,12 +65,12 @@ def test_openai_streaming_and_async_clients(server):
     assert whole.choices[0].message.content
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0)
-        rs = await asyncio.gather(*(client.chat.completions.create(
-            model="agentflow", messages=[{"role": "user", "content": q}]) for q in QUESTIONS))
-        stream = await client.chat.completions.create(model="agentflow", stream=True,
-                                                      messages=[{"role": "user", "content": QUESTIONS[2]}])
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0) as client:
+            rs = await asyncio.gather(*(client.chat.completions.create(
+                model="agentflow", messages=[{"role": "user", "content": q}]) for q in QUESTIONS))
+            stream = await client.chat.completions.create(model="agentflow", stream=True,
+                                                          messages=[{"role": "user", "content": QUESTIONS[2]}])
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         return rs, text
 
     rs, text = asyncio.run(main())
@@ -91,10 +91,10 @@ def test_100_concurrent_requests_complete_with_zero_errors(server):
     url, _ = server
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0, timeout=600)
-        return await asyncio.gather(*(client.chat.completions.create(
-            model="agentflow", messages=[{"role": "user", "content": f"What is {i} + {i + 1}?"}])
-            for i in range(100)), return_exceptions=True)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model="agentflow", messages=[{"role": "user", "content": f"What is {i} + {i + 1}?"}])
+                for i in range(100)), return_exceptions=True)
 
     results = asyncio.run(main())
     errors = [r for r in results if isinstance(r, BaseException)]
