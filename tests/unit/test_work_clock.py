@@ -185,24 +185,27 @@ def test_a_batch_that_never_ends_times_out_its_calls_and_the_ceiling_ends_those_
     assert time.perf_counter() - t0 < 30
 
 
+class NeverServed:
+    """A backend whose queue never moves: every call waits in it for ever."""
+
+    returns_tokens = True
+
+    async def complete(self, requests):
+        wait = Queued()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            wait.done()
+
+    async def aclose(self):
+        pass
+
+
 def test_the_ceiling_ends_a_call_that_is_never_served(monkeypatch):
     monkeypatch.setattr(workclock, "CEILING_FACTOR", 4.0)
     monkeypatch.setattr(workclock, "MIN_CEILING_S", 0.0)
     d = measured_batch_s()
     limit = round(2 * d, 3)
-
-    class NeverServed:  # a queue that never moves: the call waits forever
-        returns_tokens = True
-
-        async def complete(self, requests):
-            wait = Queued()
-            try:
-                await asyncio.Event().wait()
-            finally:
-                wait.done()
-
-        async def aclose(self):
-            pass
 
     t0 = time.perf_counter()
     [tr] = run_episodes(graph_with(limit), NeverServed(), ["q"])
@@ -216,19 +219,6 @@ def test_the_ceiling_ends_a_call_that_is_never_served(monkeypatch):
 def test_the_episode_ceiling_ends_an_episode_that_only_waits(monkeypatch):
     monkeypatch.setattr(workclock, "CEILING_FACTOR", 4.0)
     monkeypatch.setattr(workclock, "MIN_CEILING_S", 0.0)
-
-    class NeverServed:
-        returns_tokens = True
-
-        async def complete(self, requests):
-            wait = Queued()
-            try:
-                await asyncio.Event().wait()
-            finally:
-                wait.done()
-
-        async def aclose(self):
-            pass
 
     [tr] = run_episodes(graph_with(60, episode_timeout_s=0.1), NeverServed(), ["q"])
     assert tr.status == "timeout" and "episode timed out at its wall-clock ceiling of 0.4s" in tr.error
