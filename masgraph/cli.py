@@ -273,19 +273,9 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
             raise
         await runner.aclose()
 
-    try:
-        if watch:
-            from masgraph.watch import watch_while
-
-            code = watch_while(run_dir, run)
-        else:
-            code = _run_cancellable(run)
-    finally:
-        if bar is not None:
-            bar.close()
+    code = _drive(run, run_dir, watch, bar)
     if not closed:
-        print(f"note: not waiting for the backends to close (still busy after {CLOSE_GRACE_S:g} s: a model batch "
-              "computing on its thread)", file=sys.stderr)
+        print(NOT_CLOSED, file=sys.stderr)
     result = runner.last_result
     if result is None:
         print("interrupted before the run started", file=sys.stderr)
@@ -334,6 +324,24 @@ class _Executor(ThreadPoolExecutor):
 
 _interrupted = False
 """Set when `_run_cancellable`'s run was stopped by Ctrl-C or SIGTERM: `main` then exits at once (`_exit_now`)."""
+
+
+NOT_CLOSED = (f"note: not waiting for the backends to close (still busy after {CLOSE_GRACE_S:g} s: a model batch "
+              "computing on its thread)")
+
+
+def _drive(main: Callable[[], Coroutine[Any, Any, None]], run_dir: Path, watch: bool, display: Any) -> int:
+    """`main` under the TUI when watching, else with Ctrl-C / SIGTERM handled (`_run_cancellable`); the progress
+    display (None when watching) is closed afterwards. Shared by run and train."""
+    try:
+        if watch:
+            from masgraph.watch import watch_while
+
+            return watch_while(run_dir, main)
+        return _run_cancellable(main)
+    finally:
+        if display is not None:
+            display.close()
 
 
 def _run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
@@ -607,19 +615,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise
         await loop.aclose()  # a vLLM server it started
 
-    if args.watch:
-        from masgraph.watch import watch_while
-
-        code = watch_while(run_dir, run_training)
-    else:
-        try:
-            code = _run_cancellable(run_training)
-        finally:
-            if progress is not None:
-                progress.close()
+    code = _drive(run_training, run_dir, args.watch, progress)
     if not closed:
-        print(f"note: not waiting for the backends to close (still busy after {CLOSE_GRACE_S:g} s: a model batch "
-              "computing on its thread)", file=sys.stderr)
+        print(NOT_CLOSED, file=sys.stderr)
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)
