@@ -9,18 +9,22 @@ evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
 - `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
 - `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
 - `policy`    Flow-GRPO alone on the best fixed route (the plain graph of the rule's best single route)
+- `staged`    joint, `schedule: staged`: HRPO alone on greedy-node rollouts for `--topology-steps` steps, then
+              Flow-GRPO alone with the topology held (`hrpo.no_signal: skip` for any later joint step)
 
 Every HRPO arm uses `hrpo.lr: --hrpo-lr`.
 
 The fixed-route references (best single route, oracle router) come from `benchmarks/topology_rule.py`, which must
-have run first (it writes runs/bench-topology/rule.json); both use the same held-out items and greedy decoding.
+have run first on the same task (it writes runs/bench-topology/rule-TASK.json); both use the same held-out items
+and greedy decoding. `--task` picks the mixed task (`mixed_routes`, `mixed_skills`); runs go under
+runs/bench-topology/TASK/[TAG/].
 
-    .venv/bin/python benchmarks/topology.py all --minutes 10     # every arm, two seeds, then the report
+    .venv/bin/python benchmarks/topology.py all --minutes 10     # every arm, three seeds, then the report
     .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 10
     .venv/bin/python benchmarks/topology.py report [--tag T] [--no-record]
 
-`all` runs the two seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
-after arm. Each run writes runs/bench-topology/[<tag>/]<arm>-s<seed>.json; `report` prints the four
+`all` runs the seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
+after arm. Each run writes runs/bench-topology/<task>/[<tag>/]<arm>-s<seed>.json; `report` prints the four
 comparisons for one tag and appends them to benchmarks/RESULTS.md.
 """
 
@@ -43,9 +47,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = ROOT / "runs" / "bench-topology"
 GRAPH = "graphs/mixed_router.yaml"
-TASK = "mixed_routes"
-ARMS = ("topology", "gptswarm", "cost", "joint", "policy")
+TASK = "mixed_routes"  # --task sets it (main)
+ARMS = ("topology", "gptswarm", "cost", "joint", "staged", "policy")
 TEST_SEED = 0  # every arm and seed is evaluated on the same held-out items (those of the rule's test split)
+
+
+def rule_path() -> Path:
+    """The rule's measurement of the task (benchmarks/topology_rule.py --task TASK writes it)."""
+    return OUT / f"rule-{TASK}.json"
 
 
 def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
@@ -60,6 +69,8 @@ def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
             "gptswarm": {"algorithm": "hrpo", "hrpo": {**hrpo, "baseline": "moving_average"}},
             "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": s.cost_lambda}},
             "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous"},
+            "staged": {"algorithm": "joint", "hrpo": {**hrpo, "no_signal": "skip"}, "schedule": "staged",
+                       "stages": {"topology_steps": s.topology_steps}},
             "policy": {"algorithm": "flow_grpo"}}[arm] | common
 
 
@@ -111,7 +122,7 @@ def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
 
     raw = yaml.safe_load((ROOT / GRAPH).read_text())
     if arm == "policy":
-        rule = json.loads((OUT / "rule.json").read_text())
+        rule = json.loads(rule_path().read_text())
         raw = fixed_route_yaml(raw, rule["routes"][rule["best_single"]]["decisions"])
     raw["train"] = train_section(arm, seed, s)
     graph = compile_spec(parse_spec(yaml.safe_dump(raw, sort_keys=False), GRAPH), GRAPH)
@@ -125,7 +136,7 @@ def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
                 print(f"[{arm} s{seed}] step {event.step}  acc(train) {m.get('accuracy/train', 0):.3f}  "
                       f"tokens {m.get('tokens', 0):.0f}  {m.get('time/train_s', 0) / 60:.1f} min", flush=True)
 
-    out = OUT / s.tag
+    out = OUT / TASK / s.tag
     run_dir = out / f"{arm}-s{seed}"
     loop = TrainLoop(graph, get_task(TASK), run_dir, sinks=[Keep()])
     t0 = time.perf_counter()
@@ -140,6 +151,7 @@ def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
               "train_s": loop.train_seconds, "hrpo_lr": s.hrpo_lr if arm != "policy" else None,
               "wall_s": wall, "eval_s": time.perf_counter() - t1, "eval": result, "curve": rows,
               "cost_lambda": s.cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
+              "topology_steps": s.topology_steps if arm == "staged" else None,
               "policy_probabilities": _per_type_probabilities(rows)}
     (out / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
     a = result["all"]
@@ -175,42 +187,59 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _sd(xs: list[float]) -> float:
+    """Sample standard deviation (0 for one value)."""
+    m = _mean(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+
+
 def report(record: bool, tag: str = "") -> str:
-    rule = json.loads((OUT / "rule.json").read_text())
+    rule = json.loads(rule_path().read_text()) if rule_path().exists() else None
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for path in sorted((OUT / tag).glob("*-s*.json")):
+    for path in sorted((OUT / TASK / tag).glob("*-s*.json")):
         r = json.loads(path.read_text())
         runs[r["arm"]].append(r)
-    types = sorted(k for k in rule["routes"][rule["best_single"]]["test"] if k != "all")
-    single, oracle = rule["single_acc"], rule["oracle_acc"]
-    best = rule["routes"][rule["best_single"]]["test"]["all"]
-    out = [f"Held-out: {best[2]} items of `{TASK}` ({', '.join(types)}), greedy, batched decoding. Fixed routes from "
-           f"runs/bench-topology/rule.json: best single route `{rule['best_single']}` {single:.1%} "
-           f"({best[1]:.0f} tokens/episode); oracle router {oracle:.1%} (per type: {rule['oracle']}).\n",
+    if not runs:
+        raise SystemExit(f"error: no finished runs under {OUT / TASK / tag}")
+    first = next(iter(runs.values()))[0]["eval"]
+    types = sorted(k for k in first if k != "all")
+    if rule is not None:
+        single, oracle = rule["single_acc"], rule["oracle_acc"]
+        best = rule["routes"][rule["best_single"]]["test"]["all"]
+        head = (f"Held-out: {best[2]} items of `{TASK}` ({', '.join(types)}), greedy, batched decoding. Fixed routes "
+                f"from {rule_path().relative_to(ROOT)}: best single route `{rule['best_single']}` {single:.1%} "
+                f"({best[1]:.0f} tokens/episode); oracle router {oracle:.1%} (per type: {rule['oracle']}).\n")
+    else:
+        head = (f"Held-out: {first['all']['n']} items of `{TASK}` ({', '.join(types)}), greedy, batched decoding. "
+                f"No fixed-route references ({rule_path().relative_to(ROOT)} absent: benchmarks/topology_rule.py not "
+                "run for this task).\n")
+    out = [head,
            "| arm | seed | steps | train min | held-out acc | " + " | ".join(types)
            + " | tokens/episode | parse-failed episodes | route taken per type (share) |",
            "|---|---|---|---|---|" + "---|" * len(types) + "---|---|---|"]
-    for arm in ARMS:
-        for r in sorted(runs.get(arm, []), key=lambda r: r["seed"]):
-            e = r["eval"]
-            routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
-                                                    for rt, c in list(e[k]["routes"].items())[:2]) for k in types)
-            out.append(f"| {arm}{' λ=' + str(r['cost_lambda']) if r['cost_lambda'] else ''} | {r['seed']} | "
-                       f"{r['steps']} | {r['train_s'] / 60:.1f} | **{e['all']['acc']:.1%}** | "
-                       + " | ".join(f"{e[k]['acc']:.0%}" for k in types)
-                       + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
     acc = {arm: [r["eval"]["all"]["acc"] for r in runs.get(arm, [])] for arm in ARMS}
+    out += ["", "| arm | seeds | mean held-out acc | sd | min | max |", "|---|---|---|---|---|---|"]
+    out += [f"| {arm} | {len(a)} | **{_mean(a):.1%}** | {100 * _sd(a):.1f} points | {min(a):.1%} | {max(a):.1%} |"
+            for arm, a in acc.items() if a]
     verdicts = []
-    if acc["topology"]:
+    if acc["topology"] and rule is not None:
         rec = [(a - single) / (oracle - single) if oracle > single else float("nan") for a in acc["topology"]]
         verdicts.append(f"1. Topology-only recovers {', '.join(f'{x:.0%}' for x in rec)} of the oracle's headroom "
                         f"({100 * (oracle - single):+.1f} points over the best single route) per seed; target ≥ 50 %: "
                         f"{'MET' if min(rec) >= 0.5 else 'MISSED'}.")
-    if acc["joint"] and acc["policy"] and acc["topology"]:
-        j, p, t = _mean(acc["joint"]), _mean(acc["policy"]), _mean(acc["topology"])
-        verdicts.append(f"2. Joint {j:.1%} vs policy-only {p:.1%} vs topology-only {t:.1%} (means over seeds); "
-                        f"target joint ≥ max + 3 points: {'MET' if j >= max(p, t) + 0.03 else 'MISSED'} "
-                        f"({100 * (j - max(p, t)):+.1f} points).")
+    for arm in ("joint", "staged"):
+        if not (acc[arm] and acc["topology"]):
+            continue
+        j, t = _mean(acc[arm]), _mean(acc["topology"])
+        parts = [("topology-only", t)] + ([("policy-only", _mean(acc["policy"]))] if acc["policy"] else [])
+        top = max(v for _, v in parts)
+        worst = min(acc[arm]) - t
+        verdicts.append(f"2. {arm} {j:.1%} vs " + " vs ".join(f"{n} {v:.1%}" for n, v in parts) + " (means over "
+                        f"seeds); target ≥ max + 3 points: {'MET' if j >= top + 0.03 else 'MISSED'} "
+                        f"({100 * (j - top):+.1f} points"
+                        + ("" if acc["policy"] else "; policy-only not measured in this tag") + "); no seed more "
+                        f"than 3 points below topology-only's mean: {'MET' if worst >= -0.03 else 'MISSED'} "
+                        f"(worst seed {100 * worst:+.1f} points).")
     if acc["gptswarm"] and acc["topology"]:
         parts = []
         for arm in ("topology", "gptswarm"):
@@ -219,7 +248,7 @@ def report(record: bool, tag: str = "") -> str:
                          f"accuracy {[s for s, _ in st]} (final windowed train acc "
                          f"{', '.join(f'{f:.1%}' for _, f in st)}), held-out {', '.join(f'{a:.1%}' for a in acc[arm])}")
         verdicts.append("3. " + "; ".join(parts) + ".")
-    if acc["cost"] and acc["topology"]:
+    if acc["cost"] and acc["topology"] and rule is not None:
         tok = {arm: _mean([r["eval"]["all"]["tokens"] for r in runs[arm]]) for arm in ("cost", "topology")}
         most = max(rule["routes"].values(), key=lambda v: v["test"]["all"][1])["test"]["all"]
         ratio, loss = tok["cost"] / tok["topology"], _mean(acc["topology"]) - _mean(acc["cost"])
@@ -241,21 +270,24 @@ def report(record: bool, tag: str = "") -> str:
         lams = sorted({r["cost_lambda"] for r in runs.get("cost", [])})
         flags = (f"--minutes {minutes[0] if len(minutes) == 1 else minutes} --clock {'/'.join(clock)} --hrpo-lr "
                  f"{'/'.join(map(str, lrs))}" + (f" --cost-lambda {'/'.join(map(str, lams))}" if lams else "")
+                 + (f" --topology-steps {runs['staged'][0]['topology_steps']}" if runs.get("staged") else "")
                  + (f" --tag {tag}" if tag else ""))
         with open(HERE / "RESULTS.md", "a") as f:
             f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-                    f"`python benchmarks/topology.py all --arms {' '.join(a for a in ARMS if a in runs)} {flags}` — "
-                    f"each arm {minutes} min of training ({'/'.join(clock)} clock) per seed, two seeds side by side, "
+                    f"`python benchmarks/topology.py all --task {TASK} --arms "
+                    f"{' '.join(a for a in ARMS if a in runs)} {flags}` — "
+                    f"each arm {minutes} min of training ({'/'.join(clock)} clock) per seed, its seeds side by side, "
                     f"one CPU thread each. {text}")
     return text
 
 
 def run_all(args: argparse.Namespace) -> int:
     """Each arm's seeds as side-by-side processes with one thread each, arm after arm; then the report."""
-    out = OUT / args.tag
+    out = OUT / TASK / args.tag
     out.mkdir(parents=True, exist_ok=True)
-    if not (OUT / "rule.json").exists():
-        print("error: runs/bench-topology/rule.json is missing; run benchmarks/topology_rule.py first", file=sys.stderr)
+    if "policy" in args.arms and not rule_path().exists():
+        print(f"error: the policy arm trains the rule's best single route, but {rule_path().relative_to(ROOT)} is "
+              f"missing; run benchmarks/topology_rule.py --task {TASK} first", file=sys.stderr)
         return 2
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for arm in args.arms:
@@ -264,7 +296,8 @@ def run_all(args: argparse.Namespace) -> int:
             log = open(out / f"{arm}-s{seed}.log", "w")
             cmd = [sys.executable, __file__, "run", arm, "--seed", str(seed), "--minutes", str(args.minutes),
                    "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda), "--clock", args.clock,
-                   "--hrpo-lr", str(args.hrpo_lr), "--tag", args.tag]
+                   "--hrpo-lr", str(args.hrpo_lr), "--topology-steps", str(args.topology_steps), "--tag", args.tag,
+                   "--task", TASK]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         print(f"{arm}: seeds {args.seeds} running (logs in {out.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
         codes = [p.wait() for p, _ in procs]
@@ -287,7 +320,7 @@ def main() -> int:
             s.add_argument("--seed", type=int, default=0)
         else:
             s.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-            s.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+            s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
             s.add_argument("--no-record", action="store_true")
         s.add_argument("--minutes", type=float, default=10.0)
         s.add_argument("--eval-n", type=int, default=210)
@@ -296,14 +329,21 @@ def main() -> int:
         s.add_argument("--hrpo-lr", type=float, default=0.1, help="`hrpo.lr` of every topology arm")
         s.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                        help="what --minutes counts: the process's CPU time (default) or wall-clock")
-        s.add_argument("--tag", default="", help="write (and report) runs under runs/bench-topology/TAG/")
+        s.add_argument("--topology-steps", type=int, default=20,
+                       help="`stages.topology_steps` of the `staged` arm (HRPO alone first, for this many steps)")
+        s.add_argument("--tag", default="", help="write (and report) runs under runs/bench-topology/TASK/TAG/")
     r = sub.add_parser("report")
     r.add_argument("--no-record", action="store_true")
     r.add_argument("--tag", default="")
+    for q in (*sub.choices.values(),):
+        q.add_argument("--task", default="mixed_routes", choices=("mixed_routes", "mixed_skills"),
+                       help="the mixed task (default mixed_routes)")
     args = p.parse_args()
+    global TASK
+    TASK = args.task
     OUT.mkdir(parents=True, exist_ok=True)
     if args.cmd == "run":
-        (OUT / args.tag).mkdir(parents=True, exist_ok=True)
+        (OUT / TASK / args.tag).mkdir(parents=True, exist_ok=True)
         run_arm(args.arm, args.seed, args)
         return 0
     if args.cmd == "all":

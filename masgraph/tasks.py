@@ -405,6 +405,49 @@ class MixedRoutes(PartitionedTask):
         return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
 
 
+@register_task
+class MixedSkills(PartitionedTask):
+    """A second mixed task whose three query types want three different executors (each item's `meta["type"]`):
+    `job` (what a person of the shipped KB does: only search knows), `letters` (how many letters a made-up word
+    has: code counts them, a calculator cannot, a 135M model guesses), `product` (two two-digit numbers
+    multiplied: a calculator). The types alternate; train and test are disjoint (KB people split as in `lookup`,
+    the other questions by `is_test_question`). benchmarks/topology_rule.py checks it needs routing."""
+
+    name = "mixed_skills"
+    TYPES = ("job", "letters", "product")
+    SYLLABLES = ("ka", "lo", "mi", "ra", "ten", "vor", "sa", "dul", "quen", "ix", "bra", "nol", "fe", "zan", "tor")
+
+    def generate(self, split: str, n: int, seed: int) -> list[Item]:
+        k = -(-n // 3)
+        people = [p for i, p in enumerate(load_kb()["people"]) if (i % 5 == 0) == (split == "test")]
+        rng = random.Random(split_seed(self.name, split, seed))
+        rng.shuffle(people)
+        jobs = [Item(f"{self.name}-{split}-{seed}-job-{i}", f"What is the job of {p['name']}?", p["job"])
+                for i, p in enumerate(people[i % len(people)] for i in range(k))]
+        letters: list[Item] = []
+        products: list[Item] = []
+        while len(letters) < k or len(products) < k:
+            word = "".join(rng.choice(self.SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
+            q = f"How many letters are in the word {word}?"
+            if len(letters) < k and is_test_question(q) == (split == "test"):
+                letters.append(Item(f"{self.name}-{split}-{seed}-letters-{len(letters)}", q, str(len(word))))
+            a, b = rng.randint(11, 99), rng.randint(11, 99)
+            q = f"What is {a} times {b}?"
+            if len(products) < k and is_test_question(q) == (split == "test"):
+                products.append(Item(f"{self.name}-{split}-{seed}-product-{len(products)}", q, str(a * b)))
+        out = []
+        for triple in zip(jobs, letters, products):
+            for kind, it in zip(self.TYPES, triple):
+                out.append(Item(it.id, it.question, it.answer, {**it.meta, "type": kind}))
+        return out[:n]
+
+    def score(self, item: Item, answer: str) -> float:
+        if item.meta["type"] == "job":
+            return float(item.answer.lower() in re.sub(r"[^a-z ]", " ", answer.lower()).split())
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", answer.replace(",", ""))
+        return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
+
+
 @lru_cache(maxsize=1)
 def load_kb() -> dict[str, Any]:
     """The shipped knowledge base, read once per process (callers must not mutate it)."""

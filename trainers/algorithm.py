@@ -64,6 +64,12 @@ class TrainAlgorithm(ABC):
         default. Evaluation always uses the graph as written."""
         return spec
 
+    def rollout_spec_at(self, spec: GraphSpec, step: int) -> GraphSpec:
+        """The graph as step `step` (0-based) rolls it out: `rollout_spec(spec)` at every step by default. A staged
+        algorithm explores differently per stage (e.g. greedy nodes while only the topology learns); the loop keeps
+        one runner per distinct graph returned."""
+        return self.rollout_spec(spec)
+
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         """How many more queries this step wants rolled out before its update (after `rounds` extra rounds so far),
         e.g. to replace groups that carry no signal; 0 by default."""

@@ -185,6 +185,21 @@ class HRPOTrainSpec(TrainSpec):
     """Topology trainer knobs (G = `hrpo.group_size` topologies per query)."""
 
 
+class StagesConfig(BaseModel):
+    """`schedule: staged` (see trainers/joint.py): the topology first on greedy-node rollouts, then the nodes with
+    the topology held, then both."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    topology_steps: int = Field(10, ge=0)
+    """Steps of HRPO alone, its rollouts decoding the nodes as the graph writes them (greedy by default), as
+    topology-only training does: each route is judged by what its nodes do when deployed."""
+    node_steps: int | None = Field(None, ge=0)
+    """Then steps of Flow-GRPO alone (nodes sampled at `flow_grpo.temperature`, topology sampled but not
+    updated), so the nodes learn on the routes the topology chose; None: the rest of the run. Steps after both
+    stages update both (`simultaneous`)."""
+
+
 class JointTrainSpec(TrainSpec):
     """`algorithm: joint` — the same rollouts train the topology policy (HRPO) and every trainable node's LoRA
     (Flow-GRPO); G = `flow_grpo.group_size` episodes per query for both."""
@@ -193,6 +208,9 @@ class JointTrainSpec(TrainSpec):
     """The RL algorithm."""
     hrpo: HRPOConfig = Field(default_factory=HRPOConfig)
     """Topology trainer knobs (its `group_size` is not used: the groups are Flow-GRPO's)."""
-    schedule: Literal["simultaneous", "alternate"] = "simultaneous"
+    schedule: Literal["simultaneous", "alternate", "staged"] = "simultaneous"
     """`simultaneous`: both update after every step's rollouts; `alternate`: odd steps update the node policies,
-    even steps the topology (each learns against the other held fixed)."""
+    even steps the topology (each learns against the other held fixed); `staged`: the topology first, then the
+    nodes, then both (`stages`; the reasoning is in trainers/joint.py)."""
+    stages: StagesConfig = Field(default_factory=StagesConfig)
+    """Stage lengths of `schedule: staged`."""

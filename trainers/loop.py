@@ -149,10 +149,14 @@ class TrainLoop:
         self.sync()  # the rollout backends serve every trained adapter from the start
         kind = rollout_kind(spec)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
-        self.rollouts = Runner(train_graph, RunConfig(split="train", samples=self.group_size, **common),
-                               backends={kind: self.backend}, topology=self.topology, engine=self.serving.ray_engine)
+        self._rollout_config = RunConfig(split="train", samples=self.group_size, **common)
+        self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
+                               engine=self.serving.ray_engine)
+        self._runners: list[tuple[GraphSpec, Runner]] = [(rollout_spec, self.rollouts)]
+        """Each rollout graph an algorithm has asked for (`rollout_spec_at`), with its runner on the shared backend."""
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
                                 backends={kind: self.eval_backend}, topology=self.topology)
+        self._rollouts_at(0)  # an algorithm whose first rollouts the serving cannot run fails here, not after loading
         wanted = self.cfg.steps * self.cfg.queries_per_step * (1 + self.algo.max_extra_rounds)
         self.items = task.items("train", wanted, self.cfg.seed)
         if not self.items:
@@ -243,8 +247,9 @@ class TrainLoop:
             torch.cuda.reset_peak_memory_stats(device)
         cursor = self.cursor + self.cfg.queries_per_step
         items = self.items[self.cursor:cursor]
+        rollouts = self._rollouts_at(self.step)
         self._phase("rollouts", self.step + 1, len(items) * self.group_size)
-        traces = (await self.rollouts.run_items(self.task, items, sinks=[store, *self._progress],
+        traces = (await rollouts.run_items(self.task, items, sinks=[store, *self._progress],
                                                 store=False)).traces
         rounds = 0
         while (missing := self.algo.extra_queries(traces, rounds)) > 0:
@@ -253,7 +258,7 @@ class TrainLoop:
                 break
             cursor += len(extra)
             self._phase("resampling", self.step + 1, len(extra) * self.group_size)
-            traces += (await self.rollouts.run_items(self.task, extra, sinks=[store, *self._progress],
+            traces += (await rollouts.run_items(self.task, extra, sinks=[store, *self._progress],
                                                      store=False)).traces
             rounds += 1
         t_roll = time.perf_counter() - t0
@@ -272,6 +277,22 @@ class TrainLoop:
                 "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
                 "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
                 **({"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if on_gpu else {})}
+
+    def _rollouts_at(self, step: int) -> Runner:
+        """The runner of the graph the algorithm rolls step `step` out as (one per distinct graph, all on the same
+        rollout backend, so a staged algorithm changes how rollouts sample without loading anything again)."""
+        spec = self.algo.rollout_spec_at(self.graph.spec, step)
+        for known, runner in self._runners:
+            if known is spec or known == spec:
+                return runner
+        if self.serving.ray_engine is not None:
+            raise MasgraphError(f"the {self.cfg.algorithm} algorithm rolls out step {step + 1} with another graph "
+                                "than step 1 (a staged schedule), but Ray rollout workers are built for one graph; "
+                                "train without Ray, or use a schedule that keeps one rollout graph")
+        runner = Runner(compile_spec(spec), self._rollout_config, backends={rollout_kind(self.graph.spec):
+                                                                             self.backend}, topology=self.topology)
+        self._runners.append((spec, runner))
+        return runner
 
     async def evaluate(self) -> dict[str, float]:
         """Held-out accuracy with the graph's own (greedy) sampling, and how often its outputs failed to parse.

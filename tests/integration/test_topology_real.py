@@ -192,6 +192,51 @@ def test_one_joint_step_moves_the_topology_and_two_adapters_and_resume_is_exact(
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(_lora(a, name), _lora(b, name))), name
 
 
+STAGED = JOINT.replace("  seed: 3\n", "  seed: 3\n  schedule: staged\n  stages: {topology_steps: 1, node_steps: 1}\n"
+                        ).replace("steps: 2\n  queries", "steps: 3\n  queries")
+
+
+class Temperatures:
+    """A progress sink: the temperatures trainable policy `first` decoded at in each step's rollouts."""
+
+    def __init__(self):
+        self.steps: dict[int, set[float]] = {}
+        self.current: int | None = None
+
+    def phase(self, name: str, step: int, total: int) -> None:
+        self.current = step if name in ("rollouts", "resampling") else None
+
+    def emit(self, event) -> None:
+        trace = getattr(event, "trace", None)
+        if trace is not None and self.current is not None:
+            self.steps.setdefault(self.current, set()).update(
+                c.temperature for st in trace.steps for c in st.llm if c.policy == "first")
+
+
+@pytest.mark.slow
+def test_staged_joint_learns_the_topology_on_greedy_nodes_then_the_nodes_then_both(tmp_path):
+    (tmp_path / "plugin.py").write_text(PLUGIN)
+    (tmp_path / "tasks.py").write_text(TASKS)
+    (tmp_path / "graph.yaml").write_text(STAGED)
+    graph = compile_spec(load_spec(tmp_path / "graph.yaml"), str(tmp_path / "graph.yaml"))
+    seen = Temperatures()
+    loop = TrainLoop(graph, load_task_file(str(tmp_path / "tasks.py:Alternating")), tmp_path / "s", dtype="float32",
+                     sinks=[seen])
+    state = [(loop.topology.logits[0].detach().clone(), _lora(loop, "first"), _lora(loop, "second"))]
+    for _ in range(3):  # one step at a time, to see what each step moved
+        loop.cfg.steps = loop.step + 1
+        asyncio.run(loop.run())
+        state.append((loop.topology.logits[0].detach().clone(), _lora(loop, "first"), _lora(loop, "second")))
+    moved = [[not torch.equal(prev[0], cur[0])] + [any(not torch.equal(p, q) for p, q in zip(prev[k], cur[k]))
+                                                   for k in (1, 2)] for prev, cur in zip(state, state[1:])]
+    # [topology, adapter first, adapter second] per step: the topology alone, then the nodes alone, then both
+    assert moved == [[True, False, False], [False, True, True], [True, True, True]], moved
+    # step 1 rolled the graph out as written (greedy), later steps sampled the trainable nodes (flow_grpo.temperature)
+    assert seen.steps == {1: {0.0}, 2: {1.0}, 3: {1.0}}, seen.steps
+    rows = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["joint/stage"] for r in rows] == [0.0, 1.0, 2.0]
+
+
 def _train_cli(tmp: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "masgraph.cli", "train", str(tmp / "graph.yaml"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
