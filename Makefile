@@ -112,15 +112,19 @@ bench-learn: setup
 
 bench-serve: setup
 	$(PY) benchmarks/serve_throughput.py
+	$(PY) benchmarks/serve_load.py
 
 # the TUI: open 100k episodes (writes a ~1 GB run dir to a temp dir), follow at 50 episodes/s, watched-run cost
 bench-watch: setup
 	$(PY) benchmarks/watch.py all
 
-# topology benchmarks (issue 10): the task rule first (~35 min), then five arms x two seeds (~1.5 h on 2 cores)
+# topology benchmarks (issues 10, 25): per mixed task, the task rule first (~1 h), then every arm x three seeds
+# (hours on 2 cores)
 bench-topology: setup
-	$(PY) benchmarks/topology_rule.py --graph graphs/mixed_router.yaml --n-train 60 --n-test 210
-	$(PY) benchmarks/topology.py all --minutes 10 --eval-n 210
+	for t in mixed_routes mixed_skills; do \
+	  $(PY) benchmarks/topology_rule.py --graph graphs/mixed_router.yaml --task $$t --n-train 60 --n-test 210 && \
+	  $(PY) benchmarks/topology.py all --task $$t --minutes 15 --clock cpu --hrpo-lr 0.03 --eval-n 210 || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache runs

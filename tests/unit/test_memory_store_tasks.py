@@ -147,6 +147,36 @@ def test_mixed_routes_types_alternate_and_splits_are_disjoint():
     assert task.score(by_type["arith"], by_type["arith"].answer) == 1.0
 
 
+def test_mixed_skills_types_alternate_splits_are_disjoint_and_answers_are_right():
+    from masgraph.tasks import get_task, load_kb
+
+    task = get_task("mixed_skills")
+    train, test = task.items("train", 90, 0), task.items("test", 90, 0)
+    assert [it.meta["type"] for it in train[:6]] == ["job", "letters", "product"] * 2
+    assert not {it.question for it in train} & {it.question for it in test}
+    people = load_kb()["people"]
+    test_people = {p["name"] for i, p in enumerate(people) if i % 5 == 0}
+    jobs = {p["name"]: p["job"] for p in people}
+    for it in train + test:
+        if it.meta["type"] == "job":  # held-out people are never asked about in training
+            name = it.question.removeprefix("What is the job of ").removesuffix("?")
+            assert jobs[name] == it.answer and (name in test_people) == (it in test)
+        elif it.meta["type"] == "letters":
+            assert it.answer == str(len(it.question.split()[-1].rstrip("?")))
+        else:
+            a, b = map(int, it.question.removeprefix("What is ").removesuffix("?").split(" times "))
+            assert it.answer == str(a * b)
+    assert task.items("test", 90, 1) != test  # seeds give independent streams
+    by_type = {it.meta["type"]: it for it in test}
+    job, letters, product = by_type["job"], by_type["letters"], by_type["product"]
+    assert task.score(job, f"They work as a {job.answer.capitalize()}.") == 1.0
+    assert task.score(job, f"{job.answer}s") == 0.0  # a whole word, not a prefix
+    assert task.score(letters, f"It has {letters.answer} letters.") == 1.0
+    assert task.score(letters, str(int(letters.answer) + 1)) == 0.0
+    assert task.score(product, f"{int(product.answer):,}") == 1.0  # thousands separators read as one number
+    assert task.score(product, f"{product.answer}.0") == 1.0
+
+
 def test_building_dir_leaves_its_target_absent_or_complete(tmp_path):
     from masgraph.files import building_dir
 
