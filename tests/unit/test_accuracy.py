@@ -41,18 +41,20 @@ class Lenient(Arith):
         return trace.status == "ok" and (self.reward(item, trace) if reward is None else reward) >= 0.5
 
 
+async def by_query(ctx):
+    """Answers each of `GOLD`'s queries as its name says (any other query: "0")."""
+    q = ctx.query
+    if q == "q-slow":
+        await asyncio.sleep(5)  # past the episode timeout
+    if q == "q-boom":
+        raise RuntimeError("boom")
+    answer = {"q-partial": "-528", "q-float": "8.0", "q-exact": "7", "q-format": "11"}.get(q, "0")
+    return NodeOutput(text=answer, answer=answer, parse_error="no Answer: line" if q == "q-format" else None)
+
+
 @pytest.fixture
 def graph():
-    @register_agent("by-query")
-    async def by_query(ctx):
-        q = ctx.query
-        if q == "q-slow":
-            await asyncio.sleep(5)  # past the episode timeout
-        if q == "q-boom":
-            raise RuntimeError("boom")
-        answer = {"q-partial": "-528", "q-float": "8.0", "q-exact": "7", "q-format": "11"}[q]
-        return NodeOutput(text=answer, answer=answer, parse_error="no Answer: line" if q == "q-format" else None)
-
+    register_agent("by-query")(by_query)
     return (GraphBuilder("acc").add_policy("p", backend="scripted").add_node("solo", role="custom", agent="by-query")
             .set(limits={"episode_timeout_s": 0.5}).compile())
 
@@ -124,3 +126,48 @@ def test_a_trace_without_a_recorded_verdict_needs_full_reward():
     assert summarize([scorer_failed])["failures"]["error"] == 1 and summarize([scorer_failed])["finished"] == 0
     assert summarize([], planned=2) == {"episodes": 0, "cancelled": 2,
                                         "failures": {"timeout": 0, "error": 0, "cancelled": 2, "parse": 0}}
+
+
+class ArithSplit(Arith):
+    """`Arith`'s items held out; training asks other questions (the split rule keeps them apart)."""
+
+    name = "arith-split-test"
+
+    def generate(self, split, n, seed):
+        if split == "test":
+            return super().generate(split, n, seed)
+        return [Item(f"t{i}", f"q-train-{i}", "0", {"entry": {"answer": "0"}}) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_training_evaluation_and_the_exported_bundle_count_what_run_counts(tiny, tmp_path):
+    """The same six held-out answers (partial credit, 8.0 for 8, a timeout, an error, a parse failure) through a
+    training run's evaluation and the bundle exported from it: 3 of 6 correct, as `run`'s summary says above."""
+    from masgraph.bundle import export_bundle
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+    from masgraph.trainers.loop import TrainLoop
+
+    register_agent("by-query")(by_query)
+    text = f"""\
+name: acc
+policies:
+  main: {{model: "{tiny}", adapter: main, trainable: true}}
+nodes:
+  solo: {{role: custom, agent: by-query, policy: main}}
+entry: solo
+exit: solo
+limits: {{episode_timeout_s: 0.5}}
+train: {{steps: 1, queries_per_step: 1, eval_every: 1, eval_n: 6, checkpoint_every: 1,
+         flow_grpo: {{group_size: 2}}}}
+"""
+    (tmp_path / "acc.yaml").write_text(text)
+    loop = TrainLoop(compile_spec(parse_spec(text, str(tmp_path / "acc.yaml")), str(tmp_path / "acc.yaml")),
+                     ArithSplit(), tmp_path / "run", dtype="float32")
+    last = asyncio.run(loop.run())
+    assert last["accuracy/test"] == 0.5 and last["accuracy_finished/test"] == 0.75
+    assert last["failures/test/timeout"] == 1 and last["failures/test/error"] == 1
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accuracy/test"] for r in rows] == [0.5, 0.5]  # the untrained evaluation and the step's
+    manifest = json.loads((export_bundle(tmp_path / "run", tmp_path / "bundle") / "manifest.json").read_text())
+    assert manifest["evaluation"]["accuracy"] == 0.5 and manifest["evaluation"]["step"] == 1
