@@ -124,9 +124,9 @@ def _load_graph(path: str, check_models: bool = True):
 
 
 def _load_task(name: str):
-    from masgraph.tasks import get_task, load_task_file
+    from masgraph.tasks import resolve_task
 
-    return load_task_file(name) if ":" in name else get_task(name)
+    return resolve_task(name)
 
 
 def with_device(graph: Graph, device: str | None, file: str) -> Graph:

@@ -216,8 +216,19 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise MasgraphError(f"unknown task {name!r}; built-in: {', '.join(sorted(TASKS))} (or FILE.py:ClassName)")
+        raise MasgraphError(f"unknown task {name!r}; built-in: {', '.join(sorted(TASKS))} (or FILE.py:ClassName, or "
+                            "data:FILE.jsonl / data:TASK.yaml)")
     return TASKS[name]()
+
+
+def resolve_task(ref: str) -> Task:
+    """The task a `--task` / `train.task` value names: `data:PATH` (a data or task file, masgraph/datatask.py),
+    `FILE.py:ClassName`, or a registered name."""
+    if ref.startswith("data:"):
+        from masgraph.datatask import load_data_task
+
+        return load_data_task(ref.removeprefix("data:"))
+    return load_task_file(ref) if ":" in ref else get_task(ref)
 
 
 def load_task_file(ref: str) -> Task:

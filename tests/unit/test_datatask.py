@@ -1,0 +1,124 @@
+"""Tasks from data files (`--task data:PATH`, masgraph/datatask.py) and their scorers (masgraph/scorers.py):
+hand-computed scores, the split rule, and a located error for every bad file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from masgraph.errors import MasgraphError
+from masgraph.scorers import alternatives, choice, contains, exact, game24, number
+from masgraph.tasks import resolve_task
+
+AGENTFLOW = Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "agentflow"
+
+
+@pytest.mark.parametrize("gold,expected", [
+    ("['james madison']", ["james madison"]), (["a", "b"], ["a", "b"]), ("Paris", ["Paris"]), (42, ["42"]),
+    ("[not a list", ["[not a list"]), ("[]", ["[]"]), ("[__import__('os')]", ["[__import__('os')]"]),
+])
+def test_gold_alternatives_are_read_as_literals_only(gold, expected):
+    assert alternatives(gold) == expected
+
+
+@pytest.mark.parametrize("scorer,answer,gold,item,score", [
+    (exact, " Paris ", ["paris"], {}, 1.0), (exact, "Paris, France", ["paris"], {}, 0.0),
+    (contains, "It was James Madison.", ["james madison"], {}, 1.0),
+    (contains, "The answer: the Beatles!", ["Beatles"], {}, 1.0),
+    (contains, "madisonian", ["madison"], {}, 0.0),  # whole words only
+    (contains, "anything", [""], {}, 0.0),  # an empty gold answer matches nothing
+    (number, "so it is 1,234.", ["1234"], {}, 1.0), (number, "8.0", ["8"], {}, 1.0), (number, "3/4", ["0.75"], {}, 1.0),
+    (number, "12 then 13", ["12"], {}, 0.0),  # the last number counts
+    (number, "no digits", ["1"], {}, 0.0),
+    (choice, "The answer is (B).", ["B. 0.7"], {"choices": "['A. 0.9', 'B. 0.7']"}, 1.0),
+    (choice, "A", ["B. 0.7"], {"choices": "['A. 0.9', 'B. 0.7']"}, 0.0),
+    (choice, "0.7", ["B. 0.7"], {"choices": "['A. 0.9', 'B. 0.7']"}, 1.0),  # the option's text, no letter
+    (choice, "C", ["Colorectal cancer"], {"options": "['A. Oral ulcers', 'B. Fever', 'C. Colorectal cancer']"}, 1.0),
+    (choice, "Oral ulcers", ["Colorectal cancer"], {"options": ["A. Oral ulcers", "C. Colorectal cancer"]}, 0.0),
+    (game24, "(1+1+1)×8", [], {"question": "[1, 1, 1, 8]"}, 1.0),
+    (game24, "Answer: (10 * 10 - 4) / 4 = 24", [], {"question": "[4, 4, 10, 10]"}, 1.0),
+    (game24, "8 / (3 - 8 / 3)", [], {"question": "[3, 3, 8, 8]"}, 1.0),  # exact fractions: 8/3 is not 2.67
+    (game24, "8 * 3", [], {"question": "[1, 1, 1, 8]"}, 0.0),  # not the four numbers
+    (game24, "(1+1+1)*8 + 1 - 1", [], {"question": "[1, 1, 1, 8]"}, 0.0),  # a number used twice
+    (game24, "(1+1+1)*8*1", [], {"question": "[1, 1, 2, 8]"}, 0.0),  # 2 missing, 1 extra
+    (game24, "__import__('os').system('x')", [], {"question": "[1, 1, 1, 8]"}, 0.0),
+    (game24, "(1+1+1)**8", [], {"question": "[1, 1, 1, 8]"}, 0.0),  # only + - * /
+])
+def test_scorers_by_hand(scorer, answer, gold, item, score):
+    assert scorer(answer, gold, item) == score
+
+
+def _write(path: Path, records: list, jsonl: bool = False) -> Path:
+    path.write_text("\n".join(map(json.dumps, records)) if jsonl else json.dumps(records))
+    return path
+
+
+def test_a_jsonl_file_with_defaults_splits_by_question_hash(tmp_path):
+    records = [{"id": i, "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(200)]
+    task = resolve_task(f"data:{_write(tmp_path / 'sums.jsonl', records, jsonl=True)}")
+    assert task.name == "sums"
+    train, test = task.items("train", 500, 0), task.items("test", 500, 0)
+    assert len(train) + len(test) == 200 and 20 <= len(test) <= 60  # ~20 % held out
+    assert not {i.question for i in train} & {i.question for i in test}
+    order = [int(i.id.rsplit("-", 1)[1]) for i in test]
+    assert order == sorted(order) and task.items("test", 5, 7) == test[:5]  # file order, whatever the seed
+    other = task.items("train", 500, 1)
+    assert other != train and sorted(other, key=str) == sorted(train, key=str)  # the seed shuffles train only
+    item = test[0]  # the default scorer: contains, as whole words
+    assert task.score(item, f"It is {item.answer}.") == 1.0 and task.score(item, f"It is 1{item.answer}.") == 0.0
+
+
+def test_a_task_file_names_fields_scorer_and_split(tmp_path):
+    _write(tmp_path / "train.json", [{"q": "[1, 1, 1, 8]", "a": "x"}, {"q": "[4, 4, 10, 10]", "a": "y"}])
+    _write(tmp_path / "held.json", [{"q": "[3, 3, 8, 8]", "a": "z", "kind": "hard"}])
+    (tmp_path / "t.yaml").write_text("name: g24\nfile: train.json\ntest_file: held.json\nsplit: file\nquestion: q\n"
+                                     "answer: a\nscorer: game24\ntype: kind\n")
+    task = resolve_task(f"data:{tmp_path / 't.yaml'}")
+    [held] = task.items("test", 10, 0)
+    assert task.name == "g24" and held.question == "[3, 3, 8, 8]" and held.meta["type"] == "hard"
+    assert len(task.items("train", 10, 0)) == 2
+    assert task.score(held, "8/(3-8/3)") == 1.0 and task.score(held, "24") == 0.0
+
+
+@pytest.mark.parametrize("content,task_file,message", [
+    ("[1, 2]", None, "item 1 is a int, not an object"),
+    ('[{"question": "q"}]', None, "has no field 'answer' (its fields: question)"),
+    ('{"question": "q"}', None, "holds a JSON dict, not a list"),
+    ("[]", None, "holds no items"),
+    ("[{", None, "not JSON"),
+    ('[{"question": "  ", "answer": "a"}]', None, "the question field 'question' is empty"),
+    ('[{"question": "q", "answer": "a"}]', "file: d.json\nscorer: judge-me\n", "scorer: Input should be"),
+    ('[{"question": "q", "answer": "a"}]', "file: d.json\nsplit: file\n", "split: file needs test_file"),
+    ('[{"question": "q", "answer": "a"}]', "file: d.json\nquestoin: q\n", "questoin: Extra inputs"),
+    ('[{"question": "q", "answer": "a"}]', "file: missing.json\n", "does not exist"),
+    ('[{"question": "q", "answer": "a"}]', "- a list\n", "is not a mapping"),
+])
+def test_bad_files_are_one_located_error(tmp_path, content, task_file, message):
+    (tmp_path / "d.json").write_text(content)
+    ref = tmp_path / "d.json"
+    if task_file is not None:
+        ref = tmp_path / "t.yaml"
+        ref.write_text(task_file)
+    with pytest.raises(MasgraphError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_task(f"data:{ref}")
+
+
+def test_a_bad_jsonl_line_is_named(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"question": "q", "answer": "a"}\n\n{"question": \n')
+    with pytest.raises(MasgraphError, match=r"d.jsonl:3: not a JSON object"):
+        resolve_task(f"data:{tmp_path / 'd.jsonl'}")
+    with pytest.raises(MasgraphError, match="give a .json or .jsonl data file"):
+        resolve_task(f"data:{tmp_path / 'd.csv'}")
+
+
+@pytest.mark.skipif(not AGENTFLOW.is_dir(), reason="AgentFlow's sets live in ../shared/benchmarks/agentflow")
+def test_agentflows_game_of_24_set_reads_and_its_own_reference_answers_score_1(tmp_path):
+    (tmp_path / "g.yaml").write_text(f"file: {AGENTFLOW / 'gameof24' / 'data.json'}\nsplit: test\nscorer: game24\n")
+    task = resolve_task(f"data:{tmp_path / 'g.yaml'}")
+    items = task.items("test", 300, 0)
+    assert task.name == "gameof24" and len(items) == 300 and items[0].question == "[1, 1, 1, 8]"
+    scores = [task.score(it, it.answer) for it in items]  # the set's own solutions
+    assert sum(scores) == 300, [it.answer for it, s in zip(items, scores) if not s][:5]
+    assert task.items("train", 10, 0) == []
