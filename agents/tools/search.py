@@ -1,4 +1,5 @@
-"""Search tool: BM25 keyword search over a local JSONL corpus ({"id", "title", "text"} per line)."""
+"""Search tool: BM25 keyword search over a local JSONL corpus ({"id", "title", "text"} per line): in memory by
+default, or through an on-disk index (`index:`, SQLite FTS5, built once: agents/tools/fts_index.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import stat
 from collections import Counter
 from functools import lru_cache
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
+from masgraph.agents.tools.fts_index import FtsIndex, open_index
 from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
 
 
@@ -44,12 +46,23 @@ class Corpus:
 
 @lru_cache(maxsize=8)
 def load_corpus(path: str) -> Corpus:
-    """The index of a JSONL corpus file, read once per process; a ToolError saying what is wrong with the file."""
+    """The in-memory index of a JSONL corpus file, read once per process; a ToolError saying what is wrong."""
+    return Corpus(read_documents(path))
+
+
+@lru_cache(maxsize=8)
+def load_index(path: str, index: str) -> FtsIndex:
+    """The on-disk index `index` of the corpus `path`, built when missing or stale, opened once per process."""
+    return open_index(path, index, read_documents)
+
+
+def read_documents(path: str) -> list[dict[str, str]]:
+    """The documents of a JSONL corpus file; a ToolError saying what is wrong with the file."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, a directory cannot be read
             raise ToolError(f"search corpus {path} is not a regular file")
         with open(path, encoding="utf-8") as f:
-            return Corpus([_document(line, path, number) for number, line in enumerate(f, 1) if line.strip()])
+            return [_document(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
     except OSError as exc:
         raise ToolError(f"cannot read search corpus {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
@@ -75,19 +88,27 @@ def default_corpus_path() -> str:
 
 
 class SearchOptions(ToolOptions):
-    corpus: str | None = None
+    index: str | None = None
+    """An on-disk BM25 index of the corpus (SQLite FTS5) at this path, built once and rebuilt only when the corpus
+    changes: for large collections (no full read per process, no in-memory index). None: the corpus is indexed in
+    memory."""
+    corpus: str | None = Field(None, validate_default=True)
     """JSONL file of {"id", "title", "text"} documents, relative to the working directory (default: the shipped
     knowledge base). It is read when the graph is validated, so a missing or broken file is a spec error."""
     top_k: int = Field(2, ge=1, le=50)
     """Passages returned per query."""
+    snippet_chars: int | None = Field(None, ge=20, le=100_000)
+    """Cut each passage's text to this many characters (None: whole)."""
 
     @field_validator("corpus")
     @classmethod
-    def _corpus_loads(cls, path: str | None) -> str | None:
-        """Load the corpus now (cached for the run): otherwise every search call of the run fails."""
-        if path is not None:
+    def _corpus_loads(cls, path: str | None, info: ValidationInfo) -> str | None:
+        """Load the corpus now (cached for the run; through its on-disk index, built now if needed, when `index:`
+        names one): otherwise every search call of the run fails."""
+        index = info.data.get("index")
+        if path is not None or index is not None:
             try:
-                load_corpus(path)
+                load_index(path or default_corpus_path(), index) if index is not None else load_corpus(path)
             except ToolError as exc:
                 raise ValueError(f"{exc}; give a JSONL file of {{\"id\", \"title\", \"text\"}} lines (a "
                                  "relative path is from the working directory), or drop `corpus:` for the shipped "
@@ -99,9 +120,13 @@ class SearchOptions(ToolOptions):
                          "e.g. Input: Ilsa Varn",
                options=SearchOptions)
 def make_search(options: SearchOptions):
-    path, k = options.corpus or default_corpus_path(), options.top_k
+    path, k, cut, index = options.corpus or default_corpus_path(), options.top_k, options.snippet_chars, options.index
 
     async def search(query: str) -> str:
-        hits = load_corpus(path).search(query, k)
-        return "\n".join(f"[{h.get('title', h['id'])}] {h['text']}" for h in hits) or "no results"
+        hits = (load_index(path, index) if index else load_corpus(path)).search(query, k)
+        return "\n".join(f"[{h.get('title') or h['id']}] {_cut(h['text'], cut)}" for h in hits) or "no results"
     return search
+
+
+def _cut(text: str, chars: int | None) -> str:
+    return text if chars is None or len(text) <= chars else text[:chars].rstrip() + "…"
