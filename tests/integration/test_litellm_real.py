@@ -85,3 +85,61 @@ def test_a_yaml_graph_on_the_server_counts_its_tokens(served, tmp_path, capsys):
     calls = [c for s in steps for c in s["llm"]]
     assert calls and all(c["completion_tokens"] > 0 and c["prompt_tokens"] > 0 and c["completion_ids"] == []
                          for c in calls)
+
+
+@pytest.mark.slow
+def test_a_local_trained_planner_with_api_served_fixed_nodes_trains_exports_and_serves(served, tmp_path, capsys,
+                                                                                         free_port, wait_healthy):
+    """AgentFlow's setting: the planner is a local LoRA policy that trains; the executor, verifier and generator
+    are a fixed model behind an OpenAI-compatible API (litellm). Two training steps move only the planner's adapter;
+    the run exports as a bundle that `masgraph serve` answers from, the fixed nodes still going to the API."""
+    import httpx
+    from safetensors.torch import load_file
+
+    model, api_base, _ = served
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "graphs", "agentflow.yaml")) as f:
+        spec = yaml.safe_load(f)
+    for name in ("fixed", "verify"):
+        spec["policies"][name] = {"backend": "litellm", "model": model, "api_base": api_base,
+                                  "sampling": spec["policies"][name]["sampling"]}
+    spec["train"] = {"task": "basic_arithmetic", "steps": 2, "queries_per_step": 1, "eval_every": 0, "eval_n": 2,
+                     "checkpoint_every": 1, "flow_grpo": {"group_size": 4, "lr": 0.002, "temperature": 1.0,
+                                                          "zero_variance": "resample", "resample_rounds": 3}}
+    graph = tmp_path / "mixed.yaml"
+    graph.write_text(yaml.safe_dump(spec))
+    runs = tmp_path / "runs"
+    assert main(["train", str(graph), "--runs-dir", str(runs)]) == 0
+    [run_dir] = [p for p in runs.iterdir() if p.is_dir()]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and any(r.get("rows", 0) > 0 for r in rows), rows
+    trained = load_file(run_dir / "checkpoints" / "step-2" / "adapters" / "planner" / "adapter_model.safetensors")
+    lora_b = [v for k, v in trained.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # LoRA's B starts at zero: the updates moved it
+    adapters = run_dir / "checkpoints" / "step-2" / "adapters"
+    assert sorted(p.name for p in adapters.iterdir() if p.is_dir()) == ["planner"]  # nothing of the API's nodes
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    calls = [c for e in events if e["kind"] == "step" for c in e["step"]["llm"]]
+    assert {c["policy"] for c in calls} == {"planner", "fixed", "verify"}
+    assert all(c["completion_ids"] == [] for c in calls if c["policy"] != "planner")  # the API gives text, no ids
+
+    bundle = tmp_path / "bundle"
+    assert main(["export", str(run_dir), "--out", str(bundle)]) == 0
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", str(bundle), "--port", str(port),
+                                 "--no-store"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 180, log.read_text)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "model": "agentflow", "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            "masgraph": {"trace": True}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        ran = {s["node"] for s in body["masgraph"]["steps"] if s["error"] is None}
+        assert {"planner", "executor", "generator"} <= ran and body["choices"][0]["message"]["content"], body
+    finally:
+        proc.terminate()
+        proc.wait(60)
