@@ -217,6 +217,15 @@ def report(record: bool, tag: str = "") -> str:
            "| arm | seed | steps | train min | held-out acc | " + " | ".join(types)
            + " | tokens/episode | parse-failed episodes | route taken per type (share) |",
            "|---|---|---|---|---|" + "---|" * len(types) + "---|---|---|"]
+    for arm in ARMS:
+        for r in sorted(runs.get(arm, []), key=lambda r: r["seed"]):
+            e = r["eval"]
+            routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
+                                                    for rt, c in list(e[k]["routes"].items())[:2]) for k in types)
+            out.append(f"| {arm}{' λ=' + str(r['cost_lambda']) if r['cost_lambda'] else ''} | {r['seed']} | "
+                       f"{r['steps']} | {r['train_s'] / 60:.1f} | **{e['all']['acc']:.1%}** | "
+                       + " | ".join(f"{e[k]['acc']:.0%}" for k in types)
+                       + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
     acc = {arm: [r["eval"]["all"]["acc"] for r in runs.get(arm, [])] for arm in ARMS}
     out += ["", "| arm | seeds | mean held-out acc | sd | min | max |", "|---|---|---|---|---|---|"]
     out += [f"| {arm} | {len(a)} | **{_mean(a):.1%}** | {100 * _sd(a):.1f} points | {min(a):.1%} | {max(a):.1%} |"
