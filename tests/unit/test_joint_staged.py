@@ -65,3 +65,67 @@ def test_the_topology_stage_rolls_out_the_graph_as_written_and_the_others_sample
     assert staged.rollout_spec_at(spec, 2).name == "g-sampled" and staged.rollout_spec_at(spec, 4).name == "g-sampled"
     simultaneous, _, _ = _joint("simultaneous")
     assert simultaneous.rollout_spec_at(spec, 0).name == "g-sampled"  # unchanged: every step samples the nodes
+
+
+# ---- the collapse the staged schedule is built against, on a scripted toy ------------------------------------------
+# Two routes: `tool` (40 tokens) answers when its node decodes greedily, but its *sampled* node only answers once it
+# has learned (from step LEARNS_AT); `direct` (5 tokens) never answers. That is the joint-training failure of
+# RESULTS.md: city questions, the search route, a planner sampled at temperature 0.7.
+
+LEARNS_AT = 8
+
+
+def _toy_graph():
+    b = GraphBuilder("arms")
+    for name in ("start", "tool", "direct", "end"):
+        b.add_node(name, role="generator", policy="p")
+    b.add_policy("p", backend="scripted")
+    b.add_edge("start", "tool").add_edge("start", "direct").add_edge("tool", "end").add_edge("direct", "end")
+    return b.set(entry="start", exit="end", topology={"choices": {"start": ["tool", "direct"]}}).compile()
+
+
+def _toy_episode(policy, query: str, seed: int, step: int, greedy_nodes: bool):
+    from masgraph.trace import LLMCall, Step, Trace
+
+    s = policy.sample(query, seed=seed)
+    route = s.choice.decisions["choice:start"]
+    tokens = 40 if route == "tool" else 5
+    call = LLMCall(policy="p", prompt_ids=[1], completion_ids=[7] * tokens, logprobs=[0.0] * tokens, text="t")
+    steps = [Step(episode_id=str(seed), index=0, node=route, role="generator", turn=0, llm=[call])]
+    pays = route == "tool" and (greedy_nodes or step >= LEARNS_AT)
+    return Trace(episode_id=str(seed), item_id=query, query=query, steps=steps, reward=float(pays), topology=s.choice)
+
+
+def _toy_run(schedule: str, no_signal: str, steps: int = 20) -> list[float]:
+    """p(tool) after each step of a Joint whose node part is a stand-in and whose topology part is real HRPO; the
+    rollouts decode the nodes greedily exactly when the stage's rollout graph is the graph as written."""
+    from masgraph.topology.policy import TopologyPolicy
+    from masgraph.topology.space import DecisionSpace
+    from masgraph.trainers.config import HRPOConfig
+    from masgraph.trainers.hrpo import HRPO
+
+    graph = _toy_graph()
+    policy = TopologyPolicy(DecisionSpace(graph))
+    hrpo = HRPO(policy, HRPOConfig(group_size=8, lr=0.1, cost_lambda=1.0, no_signal=no_signal))
+    nodes = Part("nodes")
+    nodes.group_size = 8
+    joint = Joint(nodes, hrpo, schedule, topology_steps=6)  # type: ignore[arg-type]
+    history = []
+    for k in range(steps):
+        greedy = joint.rollout_spec_at(graph.spec, k) is graph.spec
+        traces = [_toy_episode(policy, f"q{q}", 1000 * k + 10 * q + g, k, greedy) for q in range(2) for g in range(8)]
+        joint.train_step(traces, k)
+        history.append(policy.probabilities()["choice:start"]["tool"])
+    return history
+
+
+def test_staged_learns_the_route_that_works_before_its_sampled_node_does_and_simultaneous_forgets_it():
+    simultaneous = _toy_run("simultaneous", "learn")
+    skip = _toy_run("simultaneous", "skip")
+    staged = _toy_run("staged", "skip")
+    assert simultaneous[LEARNS_AT - 1] < 0.2, simultaneous  # cost alone pushed the cheap route (the collapse)
+    assert skip[LEARNS_AT - 1] == 0.5  # no signal, no update: the prior stands until the node learns
+    assert staged[5] > 0.7 and all(b > a for a, b in zip(staged[:6], staged[1:6])), staged  # judged on greedy
+    # nodes, the tool route gains at every step of the topology stage, though its sampled node cannot answer yet
+    assert staged[6:] == [staged[5]] * (len(staged) - 6)  # then the node stage holds the topology
+    assert staged[LEARNS_AT - 1] > skip[LEARNS_AT - 1] + 0.2 > simultaneous[LEARNS_AT - 1] + 0.4
