@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from serve_throughput import server as serve_process  # benchmarks/ is on sys.path when this file runs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -62,12 +62,6 @@ class Cell:
     answer_s: list[float] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def spinners(n: int):
     """n processes that each spin on a core (a busy machine)."""
@@ -80,27 +74,10 @@ def spinners(n: int):
             p.wait()
 
 
-@contextlib.contextmanager
 def server(bundle: str, concurrency: int, queue: int, log: Path):
-    port = _free_port()
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", bundle, "--port", str(port),
-                                 "--deterministic", "--max-concurrency", str(concurrency), "--max-queue", str(queue),
-                                 "--no-store", "--log-level", "warning"], stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"error: the server did not start; its log: {log}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    """`masgraph serve BUNDLE --deterministic` with the cell's admission limits (serve_throughput's server)."""
+    return serve_process(bundle, "--deterministic", "--max-concurrency", str(concurrency), "--max-queue", str(queue),
+                         log=log)
 
 
 def _openai_error(body: object) -> bool:

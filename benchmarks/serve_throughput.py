@@ -61,11 +61,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(graph_path: str, *extra: str):
+def server(graph_path: str, *extra: str, log: Path | None = None):
+    """A `masgraph serve GRAPH *extra` process on a free port until the block ends (its output appended to `log`)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", graph_path, "--port", str(port),
-                             "--no-store", "--log-level", "warning", *extra], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    with open(log, "ab") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
+        proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "serve", graph_path, "--port", str(port),
+                                 "--no-store", "--log-level", "warning", *extra], stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -74,7 +75,8 @@ def server(graph_path: str, *extra: str):
                 if httpx.get(f"{url}/health").status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"error: the server did not start ({graph_path})")
+                raise SystemExit(f"error: the server did not start ({graph_path})"
+                                 + (f"; its log: {log}" if log is not None else ""))
             time.sleep(0.2)
         yield url
     finally:

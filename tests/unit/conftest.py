@@ -30,3 +30,17 @@ def tiny(tmp_path_factory) -> Path:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def two_routes():
+    """start -> tool | direct -> end, the choice at `start` learnable: the scripted toy of the topology trainers'
+    collapse tests (nodes on a scripted policy; the toys make their own traces)."""
+    from masgraph.graph import GraphBuilder
+
+    b = GraphBuilder("arms")
+    for name in ("start", "tool", "direct", "end"):
+        b.add_node(name, role="generator", policy="p")
+    b.add_policy("p", backend="scripted")
+    b.add_edge("start", "tool").add_edge("start", "direct").add_edge("tool", "end").add_edge("direct", "end")
+    return b.set(entry="start", exit="end", topology={"choices": {"start": ["tool", "direct"]}}).compile()

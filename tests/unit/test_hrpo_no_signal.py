@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from masgraph.graph import GraphBuilder
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import LLMCall, Step, Trace
@@ -23,15 +22,6 @@ def test_has_signal_compares_task_rewards_a_failure_scoring_0(rewards, signal):
     assert has_signal(rewards) is signal
 
 
-def _graph():
-    b = GraphBuilder("arms")
-    for name in ("start", "tool", "direct", "end"):
-        b.add_node(name, role="generator", policy="p")
-    b.add_policy("p", backend="scripted")
-    b.add_edge("start", "tool").add_edge("start", "direct").add_edge("tool", "end").add_edge("direct", "end")
-    return b.set(entry="start", exit="end", topology={"choices": {"start": ["tool", "direct"]}}).compile()
-
-
 def _episode(policy: TopologyPolicy, query: str, seed: int, step: int) -> Trace:
     """The `tool` route costs 40 tokens and pays only once its node has learned (step >= LEARNS_AT); `direct` costs
     5 tokens and never pays."""
@@ -44,8 +34,8 @@ def _episode(policy: TopologyPolicy, query: str, seed: int, step: int) -> Trace:
     return Trace(episode_id=str(seed), item_id=query, query=query, steps=steps, reward=reward, topology=s.choice)
 
 
-def _train(no_signal: str, steps: int = 24) -> list[float]:
-    policy = TopologyPolicy(DecisionSpace(_graph()))
+def _train(graph, no_signal: str, steps: int = 24) -> list[float]:
+    policy = TopologyPolicy(DecisionSpace(graph))
     hrpo = HRPO(policy, HRPOConfig(group_size=8, lr=0.1, cost_lambda=1.0, no_signal=no_signal))
     history = []
     for k in range(steps):
@@ -57,8 +47,8 @@ def _train(no_signal: str, steps: int = 24) -> list[float]:
     return history
 
 
-def test_a_route_that_pays_once_its_node_has_learned_survives_with_skip_and_collapses_without():
-    learn, skip = _train("learn"), _train("skip")
+def test_a_route_that_pays_once_its_node_has_learned_survives_with_skip_and_collapses_without(two_routes):
+    learn, skip = _train(two_routes, "learn"), _train(two_routes, "skip")
     # before the node learns, no route pays: `learn` follows the token cost alone and all but drops the tool route
     assert learn[LEARNS_AT - 1] < 0.2, learn
     assert skip[LEARNS_AT - 1] == 0.5  # nothing to learn from: the prior stands, exactly

@@ -75,15 +75,6 @@ def test_the_topology_stage_rolls_out_the_graph_as_written_and_the_others_sample
 LEARNS_AT = 8
 
 
-def _toy_graph():
-    b = GraphBuilder("arms")
-    for name in ("start", "tool", "direct", "end"):
-        b.add_node(name, role="generator", policy="p")
-    b.add_policy("p", backend="scripted")
-    b.add_edge("start", "tool").add_edge("start", "direct").add_edge("tool", "end").add_edge("direct", "end")
-    return b.set(entry="start", exit="end", topology={"choices": {"start": ["tool", "direct"]}}).compile()
-
-
 def _toy_episode(policy, query: str, seed: int, step: int, greedy_nodes: bool):
     from masgraph.trace import LLMCall, Step, Trace
 
@@ -96,7 +87,7 @@ def _toy_episode(policy, query: str, seed: int, step: int, greedy_nodes: bool):
     return Trace(episode_id=str(seed), item_id=query, query=query, steps=steps, reward=float(pays), topology=s.choice)
 
 
-def _toy_run(schedule: str, no_signal: str, steps: int = 20) -> list[float]:
+def _toy_run(graph, schedule: str, no_signal: str, steps: int = 20) -> list[float]:
     """p(tool) after each step of a Joint whose node part is a stand-in and whose topology part is real HRPO; the
     rollouts decode the nodes greedily exactly when the stage's rollout graph is the graph as written."""
     from masgraph.topology.policy import TopologyPolicy
@@ -104,7 +95,6 @@ def _toy_run(schedule: str, no_signal: str, steps: int = 20) -> list[float]:
     from masgraph.trainers.config import HRPOConfig
     from masgraph.trainers.hrpo import HRPO
 
-    graph = _toy_graph()
     policy = TopologyPolicy(DecisionSpace(graph))
     hrpo = HRPO(policy, HRPOConfig(group_size=8, lr=0.1, cost_lambda=1.0, no_signal=no_signal))
     nodes = Part("nodes")
@@ -119,10 +109,10 @@ def _toy_run(schedule: str, no_signal: str, steps: int = 20) -> list[float]:
     return history
 
 
-def test_staged_learns_the_route_that_works_before_its_sampled_node_does_and_simultaneous_forgets_it():
-    simultaneous = _toy_run("simultaneous", "learn")
-    skip = _toy_run("simultaneous", "skip")
-    staged = _toy_run("staged", "skip")
+def test_staged_learns_the_route_that_works_before_its_sampled_node_does_and_simultaneous_forgets_it(two_routes):
+    simultaneous = _toy_run(two_routes, "simultaneous", "learn")
+    skip = _toy_run(two_routes, "simultaneous", "skip")
+    staged = _toy_run(two_routes, "staged", "skip")
     assert simultaneous[LEARNS_AT - 1] < 0.2, simultaneous  # cost alone pushed the cheap route (the collapse)
     assert skip[LEARNS_AT - 1] == 0.5  # no signal, no update: the prior stands until the node learns
     assert staged[5] > 0.7 and all(b > a for a, b in zip(staged[:6], staged[1:6])), staged  # judged on greedy

@@ -35,8 +35,8 @@ def _distractors(n: int, names: set[str], seed: int = 1) -> list[dict]:
         name = f"{word(2)} {word(3)}" if rng.random() < 0.5 else f"{word(3)} {word(2)}"
         if name in names:
             continue
-        kind = rng.choice(["person", "note", "place"])
-        text = {"person": f"{name} is a {rng.choice(['singer', 'cook', 'sailor', 'clerk'])} who lives in {word(2)}port.",
+        kind, job = rng.choice(["person", "note", "place"]), rng.choice(["singer", "cook", "sailor", "clerk"])
+        text = {"person": f"{name} is a {job} who lives in {word(2)}port.",
                 "note": f"A note about {name}: the harvest in {word(2)}ville was late this year.",
                 "place": f"{name} is a village near the river {word(2)}."}[kind]
         out.append({"id": f"x-{len(out)}", "title": name, "text": text})
