@@ -4,6 +4,7 @@ hand-computed scores, the split rule, and a located error for every bad file."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from masgraph.errors import MasgraphError
 from masgraph.scorers import alternatives, choice, contains, exact, game24, number
 from masgraph.tasks import resolve_task
 
-AGENTFLOW = Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "agentflow"
+AGENTFLOW = Path(os.environ.get("MASGRAPH_AGENTFLOW_DATA")
+                 or Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "agentflow")
+"""AgentFlow's released sets: beside the checkout (../shared), or where $MASGRAPH_AGENTFLOW_DATA says."""
 
 
 @pytest.mark.parametrize("gold,expected", [
@@ -113,7 +116,7 @@ def test_a_bad_jsonl_line_is_named(tmp_path):
         resolve_task(f"data:{tmp_path / 'd.csv'}")
 
 
-@pytest.mark.skipif(not AGENTFLOW.is_dir(), reason="AgentFlow's sets live in ../shared/benchmarks/agentflow")
+@pytest.mark.skipif(not AGENTFLOW.is_dir(), reason="AgentFlow's sets: ../shared/benchmarks/agentflow or $MASGRAPH_AGENTFLOW_DATA")
 def test_agentflows_game_of_24_set_reads_and_its_own_reference_answers_score_1(tmp_path):
     (tmp_path / "g.yaml").write_text(f"file: {AGENTFLOW / 'gameof24' / 'data.json'}\nsplit: test\nscorer: game24\n")
     task = resolve_task(f"data:{tmp_path / 'g.yaml'}")
