@@ -116,7 +116,7 @@ def test_a_bad_jsonl_line_is_named(tmp_path):
         resolve_task(f"data:{tmp_path / 'd.csv'}")
 
 
-@pytest.mark.skipif(not AGENTFLOW.is_dir(), reason="AgentFlow's sets: ../shared/benchmarks/agentflow or $MASGRAPH_AGENTFLOW_DATA")
+@pytest.mark.skipif(not AGENTFLOW.is_dir(), reason="no AgentFlow sets (../shared or $MASGRAPH_AGENTFLOW_DATA)")
 def test_agentflows_game_of_24_set_reads_and_its_own_reference_answers_score_1(tmp_path):
     (tmp_path / "g.yaml").write_text(f"file: {AGENTFLOW / 'gameof24' / 'data.json'}\nsplit: test\nscorer: game24\n")
     task = resolve_task(f"data:{tmp_path / 'g.yaml'}")
