@@ -36,7 +36,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from serve_throughput import server as serve_process  # benchmarks/ is on sys.path when this file runs
+from serve_throughput import pct  # benchmarks/ is on sys.path when this file runs
+from serve_throughput import server as serve_process
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -153,13 +154,6 @@ async def probe(url: str, model: str, cell: Cell, start_s: float = 5.0, n: int =
         else:
             cell.bad.append(f"probe {k}: {status.decode(errors='replace')} {rest[-200:]!r}")
         await asyncio.sleep(every_s)
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def main() -> None:

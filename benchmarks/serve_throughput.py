@@ -107,6 +107,9 @@ async def ask_all(url: str, model: str, questions: list[str], clients: int) -> t
 
 
 def pct(xs: list[float], p: float) -> float:
+    """The p-th percentile of `xs` (nearest rank); NaN for none."""
+    if not xs:
+        return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -189,8 +190,7 @@ def _mean(xs: list[float]) -> float:
 
 def _sd(xs: list[float]) -> float:
     """Sample standard deviation (0 for one value)."""
-    m = _mean(xs)
-    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def report(record: bool, tag: str = "") -> str:

@@ -389,22 +389,16 @@ class MixedRoutes(PartitionedTask):
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         k = -(-n // 3)
         arith = BasicArithmetic().generate(split, k, seed)
-        people = [p for i, p in enumerate(load_kb()["people"]) if (i % 5 == 0) == (split == "test")]
         rng = random.Random(split_seed(self.name, split, seed))
-        rng.shuffle(people)
         city = [Item(f"{self.name}-{split}-{seed}-city-{i}", f"In which city does {p['name']} live?", p["city"])
-                for i, p in enumerate(people[i % len(people)] for i in range(k))]
+                for i, p in enumerate(_kb_people(split, rng, k))]
         compare: list[Item] = []
         while len(compare) < k:
             a, b = rng.sample(range(10, 1000), 2)
             q = f"Which number is larger, {a} or {b}?"
             if is_test_question(q) == (split == "test"):
                 compare.append(Item(f"{self.name}-{split}-{seed}-compare-{len(compare)}", q, str(max(a, b))))
-        out = []
-        for triple in zip(arith, city, compare):
-            for kind, it in zip(self.TYPES, triple):
-                out.append(Item(it.id, it.question, it.answer, {**it.meta, "type": kind}))
-        return out[:n]
+        return _interleave(self.TYPES, (arith, city, compare))[:n]
 
     def score(self, item: Item, answer: str) -> float:
         kind = item.meta["type"]
@@ -430,11 +424,9 @@ class MixedSkills(PartitionedTask):
 
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         k = -(-n // 3)
-        people = [p for i, p in enumerate(load_kb()["people"]) if (i % 5 == 0) == (split == "test")]
         rng = random.Random(split_seed(self.name, split, seed))
-        rng.shuffle(people)
         jobs = [Item(f"{self.name}-{split}-{seed}-job-{i}", f"What is the job of {p['name']}?", p["job"])
-                for i, p in enumerate(people[i % len(people)] for i in range(k))]
+                for i, p in enumerate(_kb_people(split, rng, k))]
         letters: list[Item] = []
         products: list[Item] = []
         while len(letters) < k or len(products) < k:
@@ -446,17 +438,27 @@ class MixedSkills(PartitionedTask):
             q = f"What is {a} times {b}?"
             if len(products) < k and is_test_question(q) == (split == "test"):
                 products.append(Item(f"{self.name}-{split}-{seed}-product-{len(products)}", q, str(a * b)))
-        out = []
-        for triple in zip(jobs, letters, products):
-            for kind, it in zip(self.TYPES, triple):
-                out.append(Item(it.id, it.question, it.answer, {**it.meta, "type": kind}))
-        return out[:n]
+        return _interleave(self.TYPES, (jobs, letters, products))[:n]
 
     def score(self, item: Item, answer: str) -> float:
         if item.meta["type"] == "job":
             return float(item.answer.lower() in re.sub(r"[^a-z ]", " ", answer.lower()).split())
         numbers = re.findall(r"-?\d+(?:\.\d+)?", answer.replace(",", ""))
         return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
+
+
+def _kb_people(split: str, rng: random.Random, k: int) -> list[dict[str, Any]]:
+    """k people of the shipped KB's `split` side (every 5th person is held out, as in `lookup`), shuffled by `rng`
+    and repeated in that order when k is larger."""
+    people = [p for i, p in enumerate(load_kb()["people"]) if (i % 5 == 0) == (split == "test")]
+    rng.shuffle(people)
+    return [people[i % len(people)] for i in range(k)]
+
+
+def _interleave(types: tuple[str, ...], streams: tuple[list[Item], ...]) -> list[Item]:
+    """One item of each stream in turn, each typed (`meta["type"]`) by its stream's name in `types`."""
+    return [Item(it.id, it.question, it.answer, {**it.meta, "type": kind})
+            for row in zip(*streams) for kind, it in zip(types, row)]
 
 
 @lru_cache(maxsize=1)

@@ -147,7 +147,7 @@ class TrainLoop:
         self.backend, self.eval_backend = self.serving.rollouts, self.serving.evaluation
         self.sync = WeightSync(self.learner, [self.backend, self.eval_backend])
         self.sync()  # the rollout backends serve every trained adapter from the start
-        kind = rollout_kind(spec)
+        self._kind = kind = rollout_kind(spec)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self._rollout_config = RunConfig(split="train", samples=self.group_size, **common)
         self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
@@ -249,8 +249,7 @@ class TrainLoop:
         items = self.items[self.cursor:cursor]
         rollouts = self._rollouts_at(self.step)
         self._phase("rollouts", self.step + 1, len(items) * self.group_size)
-        traces = (await rollouts.run_items(self.task, items, sinks=[store, *self._progress],
-                                                store=False)).traces
+        traces = (await rollouts.run_items(self.task, items, sinks=[store, *self._progress], store=False)).traces
         rounds = 0
         while (missing := self.algo.extra_queries(traces, rounds)) > 0:
             extra = self.items[cursor:cursor + missing]
@@ -259,7 +258,7 @@ class TrainLoop:
             cursor += len(extra)
             self._phase("resampling", self.step + 1, len(extra) * self.group_size)
             traces += (await rollouts.run_items(self.task, extra, sinks=[store, *self._progress],
-                                                     store=False)).traces
+                                                store=False)).traces
             rounds += 1
         t_roll = time.perf_counter() - t0
         self._phase("update", self.step + 1, len(traces))
@@ -289,8 +288,8 @@ class TrainLoop:
             raise MasgraphError(f"the {self.cfg.algorithm} algorithm rolls out step {step + 1} with another graph "
                                 "than step 1 (a staged schedule), but Ray rollout workers are built for one graph; "
                                 "train without Ray, or use a schedule that keeps one rollout graph")
-        runner = Runner(compile_spec(spec), self._rollout_config, backends={rollout_kind(self.graph.spec):
-                                                                             self.backend}, topology=self.topology)
+        runner = Runner(compile_spec(spec), self._rollout_config, backends={self._kind: self.backend},
+                        topology=self.topology)
         self._runners.append((spec, runner))
         return runner
 
