@@ -11,10 +11,11 @@ __all__ = ["register", "register_agent", "register_tool"]
 
 def register(registry) -> None:
     """Entry point: the built-in role agents and tool kinds."""
-    from masgraph.agents.prompting import prompt_names
+    from masgraph.agents.prompting import judge_messages, prompt_names
     from masgraph.agents.registry import load_builtin_agents
     from masgraph.agents.tools.registry import load_builtin_tools
 
     registry.agents.update(load_builtin_agents())
     registry.tools.update(load_builtin_tools())
-    registry.prompts.update(prompt_names())
+    registry.prompts.update(prompt_names() - {"judge"})  # the judge's prompt is not a node's
+    registry.judge_prompts["judge"] = judge_messages

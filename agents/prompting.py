@@ -82,6 +82,14 @@ def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]
     return [{"role": role, "content": t.safe_substitute(values)} for role, t in turns]
 
 
+def judge_messages(question: str, references: list[str], response: str) -> list[dict[str, str]]:
+    """The judge's chat (agents/prompts/judge.txt; `masgraph.judge`): the question, the reference answers joined by
+    " | ", and the response to grade."""
+    values = {"question": question.strip(), "reference": " | ".join(r.strip() for r in references),
+              "response": response.strip()}
+    return [{"role": t.role, "content": t.template.safe_substitute(values)} for t in load_turns("judge")]
+
+
 def prompt_names() -> set[str]:
     """The template names a node's `prompt:` may use (registered with the agents)."""
     folder = files("masgraph.agents") / "prompts"

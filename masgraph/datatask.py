@@ -7,7 +7,10 @@ task file (`.yaml` / `.yml`) that says how to read one:
     file: ../shared/benchmarks/agentflow/bamboogle/data.json   # relative to the task file
     question: question                    # the field holding the question (default: question)
     answer: answer                        # the gold answer: a string, a number, or a list of alternatives
-    scorer: contains                      # exact | contains | number | choice | game24 (masgraph/scorers.py)
+    scorer: contains                      # exact | contains | number | choice | game24 (masgraph/scorers.py) | judge
+    judge:                                # with scorer: judge (masgraph/judge.py); all optional
+      policy: {backend: litellm, model: openai/gpt-4o-mini}   # default: the embedded model, greedy
+      cache: true                         # reuse verdicts for the same model and messages
     split: test                           # hash (default) | test | file (with test_file:)
     type: category                        # optional: a field whose value types each item (per-type metrics)
 
@@ -29,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from masgraph.errors import MasgraphError
+from masgraph.judge import JudgeSpec
 from masgraph.scorers import SCORERS, alternatives
 from masgraph.tasks import Item, PartitionedTask, _digest, split_seed
 
@@ -54,8 +58,10 @@ class DataTaskSpec(BaseModel):
     """Field holding the question."""
     answer: str = "answer"
     """Field holding the gold answer (a list, or a string spelling a list, holds alternatives)."""
-    scorer: Literal["exact", "contains", "number", "choice", "game24"] = "contains"
-    """How an answer is scored (masgraph/scorers.py)."""
+    scorer: Literal["exact", "contains", "number", "choice", "game24", "judge"] = "contains"
+    """How an answer is scored: masgraph/scorers.py, or `judge`: an LLM judge (masgraph/judge.py, `judge:`)."""
+    judge: JudgeSpec | None = None
+    """With `scorer: judge`: the judging model, prompt and cache (default: the embedded model, greedy)."""
     split: Literal["hash", "test", "file"] = "hash"
     """hash: train/test by a hash of the question; test: every item held out; file: `file` trains, `test_file`
     tests."""
@@ -74,6 +80,9 @@ class DataTask(PartitionedTask):
         self.name = spec.name or (file.stem if file.stem != "data" else (base / file).resolve().parent.name)
         if spec.split == "file" and not spec.test_file:
             raise MasgraphError("split: file needs test_file: (the held-out items' file)")
+        if spec.judge is not None and spec.scorer != "judge":
+            raise MasgraphError(f"judge: is read only with scorer: judge (this task file says scorer: {spec.scorer})")
+        self.judge = (spec.judge or JudgeSpec()) if spec.scorer == "judge" else None
         if spec.split != "file" and spec.test_file:
             raise MasgraphError(f"test_file: is read only with split: file (this task file says split: {spec.split})")
         self._train: list[Item] = []
@@ -116,6 +125,9 @@ class DataTask(PartitionedTask):
         return train[:n]
 
     def score(self, item: Item, answer: str) -> float:
+        if self.judge is not None:
+            raise MasgraphError(f"task {self.name!r} is scored by an LLM judge, which needs a model call: run it "
+                                "through masgraph run / train (a Runner), or call masgraph.judge.Judge yourself")
         return SCORERS[self.spec.scorer](answer, item.meta["gold"], {**item.meta["fields"], "question": item.question})
 
 

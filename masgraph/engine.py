@@ -17,6 +17,7 @@ from masgraph.events import Sink
 from masgraph.graph import Graph, Topology
 from masgraph.registry import Registry, default_registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
+from masgraph.spec import PolicySpec
 from masgraph.streaming import CURRENT, AnswerStream
 from masgraph.tools import build_tools, tool_descriptions
 from masgraph.trace import TopologyChoice, Trace
@@ -62,21 +63,28 @@ class Engine:
         self.backends: dict[tuple, Backend] = {}
         self.policies: dict[str, Policy] = {}
         self._started = 0
-        given = backends or {}
+        self._given = backends or {}
         for name, pol in spec.policies.items():
-            key = (pol.backend, pol.model, pol.api_base, pol.device)
-            if key not in self.backends:
-                self.backends[key] = given.get(pol.backend) or self.registry.backend(pol, vars(self.options))
-            backend = self.backends[key]
-            if pol.adapter and serves_adapters(backend) and not backend.has_adapter(pol.adapter):
-                backend.add_adapter(pol.adapter)
-            self.policies[name] = Policy(name, pol, backend)
+            self.policies[name] = self.policy(name, pol)
         if self.options.deterministic:  # bit-exact runs on a GPU need its repeatable kernels too
             from masgraph.device import deterministic_kernels
 
             for backend in self.backends.values():
                 if getattr(backend, "device", None) is not None:
                     deterministic_kernels(backend.device)
+
+    def policy(self, name: str, pol: PolicySpec) -> Policy:
+        """`pol` bound to its backend: the one already serving its (backend, model, api_base, device), else a new
+        one kept with the others (closed by `aclose`). The graph's policies are made so; so is a policy outside
+        the graph, such as a task's judge (`masgraph.judge`), which then shares the graph's model when it names
+        the same one."""
+        key = (pol.backend, pol.model, pol.api_base, pol.device)
+        if key not in self.backends:
+            self.backends[key] = self._given.get(pol.backend) or self.registry.backend(pol, vars(self.options))
+        backend = self.backends[key]
+        if pol.adapter and serves_adapters(backend) and not backend.has_adapter(pol.adapter):
+            backend.add_adapter(pol.adapter)
+        return Policy(name, pol, backend)
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""

@@ -319,7 +319,7 @@ class RayScheduler:
             trace = Trace(episode_id=ep.episode_id or f"{index:06d}-{ep.item_id}-{ep.sample}", item_id=ep.item_id,
                           query=ep.query, meta={"sample": ep.sample, **ep.meta}, status="error", error=str(exc))
             events = [EpisodeFinished(trace=trace)]
-        apply_score(self.score, ep, trace)  # the EpisodeFinished event holds this same trace
+        await apply_score(self.score, ep, trace)  # the EpisodeFinished event holds this same trace
         for event in events:
             self._emit(event)
         return trace

@@ -86,6 +86,8 @@ class Registry:
     backends: dict[str, BackendKind] = field(default_factory=dict)
     prompts: set[str] = field(default_factory=set)
     """Names of the prompt templates a node's `prompt:` may name."""
+    judge_prompts: dict[str, Callable[[str, list[str], str], list[dict[str, str]]]] = field(default_factory=dict)
+    """Judge prompt name (a judge's `prompt:`) -> (question, reference answers, response) -> chat messages."""
     models: dict[str, str] = field(default_factory=dict)
     """Embedded model names -> a one-line description (resolved by masgraph.model)."""
     algorithms: dict[str, Algorithm] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 
 from masgraph.backends import Backend
 from masgraph.engine import BackendOptions, Engine
+from masgraph.errors import MasgraphError
 from masgraph.events import ListSink, Sink
 from masgraph.graph import Graph
 from masgraph.registry import Registry
@@ -86,6 +87,7 @@ class Runner:
         c = self.config
         self.engine = engine or Engine(graph, registry, backends, BackendOptions(
             c.deterministic, c.max_batch_size, c.batch_wait_ms, c.seed, str(log_dir) if log_dir else None))
+        self._judges: dict[str, Any] = {}
         self.last_result: RunResult | None = None
         """The latest run's result, set also when that run was cancelled (its summary counts what finished)."""
 
@@ -117,7 +119,7 @@ class Runner:
             run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
-        sched = self.scheduler(all_sinks, score=lambda ep, tr: score_episode(task, by_id[ep.item_id], tr))
+        sched = self.scheduler(all_sinks, score=self._scorer(task, by_id))
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
                     for it in items for s in range(self.config.samples)]
         if self.topology is not None:
@@ -140,6 +142,33 @@ class Runner:
             self.last_result = RunResult(traces, summary, run_store.path if run_store else None)
         return self.last_result
 
+    def _scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
+        """The run's reward: the task's own scoring, or its judge's (a task with a `judge`: an async call)."""
+        spec = getattr(task, "judge", None)
+        if spec is None:
+            return lambda ep, tr: score_episode(task, by_id[ep.item_id], tr)
+        judge = self.judge(spec)
+
+        async def judged(ep: EpisodeInput, trace: Trace) -> float:
+            item = by_id[ep.item_id]
+            reward = await judge.score(item.question, item.meta.get("gold") or [item.answer], trace)
+            trace.meta[CORRECT] = bool(task.correct(item, trace, reward))
+            return reward
+        return judged
+
+    def judge(self, spec: Any) -> Any:
+        """The judge `spec` (a `masgraph.judge.JudgeSpec`) describes, built once per runner; its model is served by
+        this engine (shared with the graph's policies when it names the same model)."""
+        from masgraph.judge import Judge
+
+        key = spec.model_dump_json()
+        if key not in self._judges:
+            if not hasattr(self.engine, "policy"):
+                raise MasgraphError("a judge scorer runs on the driver's engine; it is not available with Ray "
+                                    "rollouts yet: score with a string scorer, or run without --ray")
+            self._judges[key] = Judge(self.engine.policy("judge", spec.policy), spec, self.engine.registry)
+        return self._judges[key]
+
     def _with_topology(self, ep: EpisodeInput, greedy: bool) -> EpisodeInput:
         """The episode with the topology its policy picks (seeded per run seed, item and sample)."""
         assert self.topology is not None
@@ -152,6 +181,8 @@ class Runner:
         return await self.run_items(task, items, sinks, store)
 
     async def aclose(self) -> None:
+        for judge in self._judges.values():
+            judge.close()
         await self.engine.aclose()
 
 
@@ -222,4 +253,17 @@ def summarize(traces: list[Trace], planned: int | None = None) -> dict[str, Any]
         "tool_error_rate": mean(tool.error is not None for tool in tools),
         "duration_s_mean": mean(t.duration_s for t in done),
         "queue_s_mean": mean(t.queue_s for t in done),  # of duration_s: waiting in the backend's queue, not timed
-    }
+    } | _judged(done)
+
+
+def _judged(traces: list[Trace]) -> dict[str, Any]:
+    """What an LLM judge did (masgraph/judge.py), when one scored: verdicts, how many came from its cache, how many
+    said neither yes nor no, its calls and their tokens."""
+    verdicts = [t.meta["judge"] for t in traces if "judge" in t.meta]
+    if not verdicts:
+        return {}
+    calls = [c for t in traces for c in t.judge_calls]
+    return {"judge": {"verdicts": len(verdicts), "cached": sum(bool(v.get("cached")) for v in verdicts),
+                      "unparsed": sum(bool(v.get("unparsed")) for v in verdicts), "calls": len(calls),
+                      "prompt_tokens": sum(c.n_prompt for c in calls),
+                      "completion_tokens": sum(c.n_completion for c in calls)}}

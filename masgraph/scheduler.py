@@ -85,11 +85,16 @@ async def run_bounded(run_episode: Callable[..., Awaitable[Trace]], episodes: It
             raise
 
 
-def apply_score(score: Callable[[EpisodeInput, Trace], float] | None, ep: EpisodeInput, trace: Trace) -> None:
+Score = Callable[[EpisodeInput, Trace], "float | Awaitable[float]"]
+"""An episode's reward: a plain function, or an async one (a scorer that calls a model: `masgraph.judge`)."""
+
+
+async def apply_score(score: Score | None, ep: EpisodeInput, trace: Trace) -> None:
     """Set the reward of a finished ok episode; a scorer that raises is recorded in `trace.error`, never fatal."""
     if score is not None and trace.status == "ok":
         try:
-            trace.reward = float(score(ep, trace))
+            value = score(ep, trace)
+            trace.reward = float(await value if inspect.isawaitable(value) else value)
         except Exception as exc:
             trace.error = f"reward failed: {type(exc).__name__}: {exc}"
 
@@ -199,7 +204,7 @@ class Scheduler:
 
     def __init__(self, graph: Graph, agents: dict[str, Agent], policies: dict[str, Policy],
                  tools: dict[str, ToolFn], sinks: Sequence[Sink] = (), concurrency: int = 8, seed: int = 0,
-                 score: Callable[[EpisodeInput, Trace], float] | None = None,
+                 score: Score | None = None,
                  tool_descriptions: dict[str, str] | None = None):
         self.graph, self.policies, self.tools = graph, policies, tools
         self.agents = {name: _as_async(agent) for name, agent in agents.items()}
@@ -257,7 +262,7 @@ class Scheduler:
         except Exception as exc:  # a bug in an agent or sink must not take the run down
             trace.status, trace.error = "error", f"{type(exc).__name__}: {exc}"
         trace.duration_s, trace.queue_s, trace.work_s = time.perf_counter() - t0, clock.waited_s(), clock.work_s()
-        apply_score(self.score, ep, trace)
+        await apply_score(self.score, ep, trace)
         self._emit(EpisodeFinished(trace=trace))
         return trace
 

@@ -46,6 +46,9 @@ class Task:
     """
 
     name: ClassVar[str] = ""
+    judge: Any = None
+    """A `masgraph.judge.JudgeSpec` when an LLM judge scores this task's answers (a data task's `scorer: judge`):
+    runs then reward each episode by the judge's verdict instead of `score`. None: `score` does."""
 
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         raise NotImplementedError

@@ -136,6 +136,9 @@ class Trace(Record):
     queue: not counted by `episode_timeout_s`; left out of the stored trace when 0."""
     work_s: float | None = Field(None, exclude_if=lambda v: v is None)
     """What `episode_timeout_s` counted (see `Step.work_s`; None in traces recorded before it was)."""
+    judge_calls: list[LLMCall] = Field(default_factory=list, exclude_if=lambda v: not v)
+    """The calls of an LLM judge that scored the answer (`masgraph.judge`; none when its verdict was cached): kept
+    apart from the steps' calls, so the episode's turns and tokens stay the graph's own; left out when empty."""
     topology: TopologyChoice | None = None
     """The decisions of a topology policy this episode ran (None: the whole graph, or a topology given directly)."""
     unused_steps: list[int] = Field(default_factory=list)

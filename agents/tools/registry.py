@@ -23,7 +23,7 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
 
 
 BUILTIN_TOOLS: dict[str, ToolKind] = {}
-"""The built-in kinds (calculator, python, search), registered by `masgraph.agents.register`."""
+"""The built-in kinds (calculator, python, search, web_search), registered by `masgraph.agents.register`."""
 
 
 def register_kind(name: str, description: str, schema: dict[str, Any] | None = None,
@@ -112,7 +112,7 @@ def _parse_args(raw: str, params: list[inspect.Parameter], hints: dict[str, Any]
 
 
 def load_builtin_tools() -> dict[str, ToolKind]:
-    from masgraph.agents.tools import calculator, python, search  # noqa: F401  (they register)
+    from masgraph.agents.tools import calculator, python, search, web_search  # noqa: F401  (they register)
 
     return BUILTIN_TOOLS
 

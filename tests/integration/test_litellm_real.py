@@ -87,6 +87,28 @@ def test_a_yaml_graph_on_the_server_counts_its_tokens(served, tmp_path, capsys):
                          for c in calls)
 
 
+def test_a_judge_served_through_litellm_records_the_servers_counts(served, tmp_path, run):
+    """The judge on an API (litellm -> the real server): a verdict, its call with the server's token counts, cached
+    on the second ask."""
+    from masgraph.engine import Engine
+    from masgraph.graph import compile_spec
+    from masgraph.judge import Judge, JudgeSpec
+    from masgraph.loader import load_spec
+
+    model, api_base, _ = served
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    engine = Engine(compile_spec(load_spec(os.path.join(root, "graphs", "single.yaml")), check_models=False))
+    spec = JudgeSpec.model_validate({"policy": {"backend": "litellm", "model": model, "api_base": api_base},
+                                     "cache_path": str(tmp_path / "v.sqlite")})
+    judge = Judge(engine.policy("judge", spec.policy), spec, engine.registry)
+    assert ("litellm", model, api_base, "auto") in engine.backends  # its own backend beside the graph's
+    v = run(judge.verdict("What is the capital of Peru?", ["Lima"], "Lima"))
+    assert v.call is not None and v.call.text == v.text and v.score in (0.0, 1.0)
+    assert v.call.prompt_tokens > 200 and 1 <= v.call.completion_tokens <= 4  # the server's counts (4: max_tokens)
+    assert run(judge.verdict("What is the capital of Peru?", ["Lima"], "Lima")).cached
+    judge.close()
+
+
 @pytest.mark.slow
 def test_a_local_trained_planner_with_api_served_fixed_nodes_trains_exports_and_serves(served, tmp_path, capsys,
                                                                                          free_port, wait_healthy):
