@@ -14,7 +14,6 @@ from masgraph.errors import MasgraphError
 from masgraph.judge import Judge, JudgeSpec, VerdictCache, parse_verdict
 from masgraph.registry import default_registry
 from masgraph.scheduler import Policy
-from masgraph.tasks import Item
 from masgraph.trace import Trace
 
 

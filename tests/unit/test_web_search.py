@@ -137,7 +137,8 @@ def test_an_episode_searches_the_web_and_answers_from_it(server, run, monkeypatc
         "entry": "planner", "exit": "generator"})
     backend = scripted({"planner": f"Sub-goal: find {person['title']}\nTool: web", "generator": "Answer: found"})
     task = get_task("basic_arithmetic")
-    result = run(runner_for(compile_spec(spec), backend).run_items(task, [Item("q", f"Who is {person['title']}?", "x")]))
+    item = Item("q", f"Who is {person['title']}?", "x")
+    result = run(runner_for(compile_spec(spec), backend).run_items(task, [item]))
     [trace] = result.traces
     assert trace.status == "ok", trace.error
     tool = trace.steps[1].tool
