@@ -94,7 +94,7 @@ def main() -> int:
         row = (f"| {name} | {scorer} | {s['episodes']} | **{s.get('accuracy', 0):.1%}** | {finished} | "
                f"{s.get('turns_mean', 0):.2f} | {s.get('completion_tokens_mean', 0):.0f} | {fails} |")
         if judge:
-            row += (" %s | %s |" % _agreement(result.traces, items) if judged else " — | — |")
+            row += (" {} | {} |".format(*_agreement(result.traces, items)) if judged else " — | — |")
         rows.append(row)
         print(rows[-1], flush=True)
         if judged:

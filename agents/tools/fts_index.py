@@ -49,13 +49,17 @@ class FtsIndex:
     def __len__(self) -> int:
         return self._db.execute("SELECT count(*) FROM docs").fetchone()[0]
 
-    def search(self, query: str, k: int = 2) -> list[dict[str, str]]:
+    def search(self, query: str, k: int = 2, min_ratio: float | None = None) -> list[dict[str, str]]:
+        """The best `k` documents for `query` by BM25; with `min_ratio`, only those scoring at least that fraction
+        of the best one's score."""
         match = _match(query)
         if match is None:
             return []
-        rows = self._db.execute("SELECT doc_id, title, text FROM docs WHERE docs MATCH ? "
+        rows = self._db.execute("SELECT doc_id, title, text, -bm25(docs) FROM docs WHERE docs MATCH ? "
                                 "ORDER BY bm25(docs), rowid LIMIT ?", (match, k)).fetchall()
-        return [{"id": i, "title": t, "text": x} for i, t, x in rows]
+        if min_ratio is not None and rows:
+            rows = [r for r in rows if r[3] >= min_ratio * rows[0][3]]
+        return [{"id": i, "title": t, "text": x} for i, t, x, _ in rows]
 
     def close(self) -> None:
         self._db.close()

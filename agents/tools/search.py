@@ -33,7 +33,9 @@ class Corpus:
         n = len(docs)
         self.idf = {t: math.log(1 + (n - c + 0.5) / (c + 0.5)) for t, c in df.items()}
 
-    def search(self, query: str, k: int = 2) -> list[dict[str, str]]:
+    def search(self, query: str, k: int = 2, min_ratio: float | None = None) -> list[dict[str, str]]:
+        """The best `k` documents for `query`; with `min_ratio`, only those scoring at least that fraction of the
+        best one's score."""
         q = _tokens(query)
         scores = []
         for i, tf in enumerate(self.tfs):
@@ -41,7 +43,10 @@ class Corpus:
                     for t in q if t in tf)
             if s > 0:
                 scores.append((s, i))
-        return [self.docs[i] for _, i in sorted(scores, key=lambda x: (-x[0], x[1]))[:k]]
+        best = sorted(scores, key=lambda x: (-x[0], x[1]))[:k]
+        if min_ratio is not None and best:
+            best = [(s, i) for s, i in best if s >= min_ratio * best[0][0]]
+        return [self.docs[i] for _, i in best]
 
 
 @lru_cache(maxsize=8)
@@ -99,6 +104,10 @@ class SearchOptions(ToolOptions):
     """Passages returned per query."""
     snippet_chars: int | None = Field(None, ge=20, le=100_000)
     """Cut each passage's text to this many characters (None: whole)."""
+    min_score_ratio: float | None = Field(None, gt=0, le=1)
+    """Return a passage only when its BM25 score is at least this fraction of the best passage's (e.g. 0.5): in a
+    large collection, near-misses that share one word of the query stay out of the answer's context. None: the
+    best `top_k`, whatever their scores."""
 
     @field_validator("corpus")
     @classmethod
@@ -121,9 +130,10 @@ class SearchOptions(ToolOptions):
                options=SearchOptions)
 def make_search(options: SearchOptions):
     path, k, cut, index = options.corpus or default_corpus_path(), options.top_k, options.snippet_chars, options.index
+    ratio = options.min_score_ratio
 
     async def search(query: str) -> str:
-        hits = (load_index(path, index) if index else load_corpus(path)).search(query, k)
+        hits = (load_index(path, index) if index else load_corpus(path)).search(query, k, ratio)
         return "\n".join(f"[{h.get('title') or h['id']}] {_cut(h['text'], cut)}" for h in hits) or "no results"
     return search
 

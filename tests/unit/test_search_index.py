@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from masgraph.agents.tools import fts_index
 from masgraph.agents.tools.registry import ToolError
 from masgraph.agents.tools.search import SearchOptions, load_corpus, load_index, make_search
+from masgraph.distractors import write_corpus
 from masgraph.tasks import load_kb
 
 
@@ -24,34 +24,9 @@ def _fresh_caches():
     load_index.cache_clear()
 
 
-def _distractors(n: int, names: set[str], seed: int = 1) -> list[dict]:
-    """Other people, places and notes in the knowledge base's style: names share syllables (and often a word) with
-    the real ones, so ranking has to work."""
-    rng = random.Random(seed)
-    syll = ["ka", "lo", "mi", "ra", "ten", "vor", "sa", "dul", "quen", "ix", "bra", "nol", "fe", "zan", "tor", "wy"]
-    word = lambda k: "".join(rng.choice(syll) for _ in range(k)).capitalize()  # noqa: E731
-    out = []
-    while len(out) < n:
-        name = f"{word(2)} {word(3)}" if rng.random() < 0.5 else f"{word(3)} {word(2)}"
-        if name in names:
-            continue
-        kind, job = rng.choice(["person", "note", "place"]), rng.choice(["singer", "cook", "sailor", "clerk"])
-        text = {"person": f"{name} is a {job} who lives in {word(2)}port.",
-                "note": f"A note about {name}: the harvest in {word(2)}ville was late this year.",
-                "place": f"{name} is a village near the river {word(2)}."}[kind]
-        out.append({"id": f"x-{len(out)}", "title": name, "text": text})
-    return out
-
-
 @pytest.fixture(scope="module")
 def big_corpus(tmp_path_factory) -> Path:
-    docs = load_kb()["docs"]
-    names = {d["title"] for d in docs}
-    mixed = docs + _distractors(10_000, names)
-    random.Random(2).shuffle(mixed)
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    path.write_text("".join(json.dumps(d) + "\n" for d in mixed))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl", load_kb()["docs"], 10_000)
 
 
 def test_the_index_finds_every_kb_person_among_10k_distractors_as_the_kb_search_does(big_corpus, tmp_path):
@@ -123,3 +98,21 @@ def test_the_tool_cuts_snippets_and_reports_a_bad_corpus_at_validation(tmp_path)
         SearchOptions(corpus=str(tmp_path / "bad.jsonl"), index=str(tmp_path / "b.fts"))
     with pytest.raises(ToolError, match="cannot build or open the search index"):
         fts_index.open_index(str(corpus), str(tmp_path / "c.jsonl" / "x.fts"), lambda p: [])
+
+
+@pytest.mark.parametrize("where", ["memory", "index"])
+def test_min_score_ratio_keeps_near_misses_out(tmp_path, where):
+    """A query for a full name also matches a document sharing one of its words: returned by plain top-k, dropped
+    when it scores under the ratio of the best passage (in memory and through the index alike)."""
+    corpus = tmp_path / "c.jsonl"
+    docs = [{"id": "a", "title": "Brabra Fera", "text": "Brabra Fera is a weaver who lives in Milomere."},
+            {"id": "b", "title": "Fera Wyquenten", "text": "Fera Wyquenten is a singer who lives in Fezanport."},
+            {"id": "c", "title": "Other", "text": "Nothing to see."}]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    opts = {"corpus": str(corpus), "top_k": 2} | ({"index": str(tmp_path / "c.fts")} if where == "index" else {})
+    plain = asyncio.run(make_search(SearchOptions(**opts))("Brabra Fera"))
+    assert [line.split("]")[0] for line in plain.splitlines()] == ["[Brabra Fera", "[Fera Wyquenten"]
+    cut = asyncio.run(make_search(SearchOptions(**opts, min_score_ratio=0.5))("Brabra Fera"))
+    assert cut == "[Brabra Fera] Brabra Fera is a weaver who lives in Milomere."
+    both = asyncio.run(make_search(SearchOptions(**opts, min_score_ratio=0.5))("Fera"))
+    assert len(both.splitlines()) == 2  # equally good matches both stay
