@@ -64,7 +64,8 @@ def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
     common = {"task": TASK, "seed": seed, "max_minutes": s.minutes, "budget_clock": s.clock, "steps": 100_000,
               "queries_per_step": 4,
               "eval_every": 0, "eval_n": 1, "checkpoint_every": 100_000, "flow_grpo": {"group_size": 8, "lr": 0.001,
-                                                                           "temperature": 0.7}}
+                                                                           "temperature": 0.7,
+                                                                           "format_weight": s.format_weight}}
     hrpo = {"lr": s.hrpo_lr, "omega": 0.5}
     return {"topology": {"algorithm": "hrpo", "hrpo": hrpo},
             "gptswarm": {"algorithm": "hrpo", "hrpo": {**hrpo, "baseline": "moving_average"}},
@@ -153,6 +154,7 @@ def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
               "wall_s": wall, "eval_s": time.perf_counter() - t1, "eval": result, "curve": rows,
               "cost_lambda": s.cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
               "topology_steps": s.topology_steps if arm == "staged" else None,
+              "format_weight": s.format_weight if arm in ("staged", "joint", "policy") else None,
               "policy_probabilities": _per_type_probabilities(rows)}
     (out / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
     a = result["all"]
@@ -306,7 +308,7 @@ def run_all(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, "run", arm, "--seed", str(seed), "--minutes", str(args.minutes),
                    "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda), "--clock", args.clock,
                    "--hrpo-lr", str(args.hrpo_lr), "--topology-steps", str(args.topology_steps), "--tag", args.tag,
-                   "--task", TASK]
+                   "--task", TASK, "--format-weight", str(args.format_weight)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         print(f"{arm}: seeds {args.seeds} running (logs in {out.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
         codes = [p.wait() for p, _ in procs]
@@ -340,6 +342,8 @@ def main() -> int:
                        help="what --minutes counts: the process's CPU time (default) or wall-clock")
         s.add_argument("--topology-steps", type=int, default=20,
                        help="`stages.topology_steps` of the `staged` arm (HRPO alone first, for this many steps)")
+        s.add_argument("--format-weight", type=float, default=0.0,
+                       help="`flow_grpo.format_weight` of the arms that train nodes (each node's own format advantage)")
         s.add_argument("--tag", default="", help="write (and report) runs under runs/bench-topology/TASK/TAG/")
     r = sub.add_parser("report")
     r.add_argument("--no-record", action="store_true")

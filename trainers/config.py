@@ -39,6 +39,13 @@ class FlowGRPOConfig(BaseModel):
     parse_penalty: float = Field(0.0, ge=0)
     """Subtracted from the outcome reward of an episode in which any step's output failed to parse (format
     shaping, like R1's format reward). 0 = outcome reward only, as in the paper."""
+    format_weight: float = Field(0.0, ge=0)
+    """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
+    group, each step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that
+    node's steps in the group (`flow_grpo.format_advantages`). A node whose format can drift without changing the
+    outcome (a verifier whose unparseable verdict falls back to `continue`, after which the loop bound still exits)
+    is pushed back to its format, which the outcome alone never does, also in a group whose outcome has no signal.
+    Unlike `parse_penalty`, the push lands on the node that broke its format only. 0: outcome only (the paper)."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

@@ -8,6 +8,10 @@ before held-out accuracy falls (the policy-only run that lost 9 points between 7
                           entropy per token; falling towards 0 is entropy collapse (DAPO's warning sign)
     reward/type/<type>    mean reward per item type, for tasks whose items are typed (`meta["type"]`): one
                           type gaining while another loses (reward hacking one route) shows here first
+    parse/<node>          share of a trainable node's steps whose output failed to parse: a node drifting off
+                          its format where the outcome does not punish it (round 3's staged seed 0: the verifier
+                          went from 0 to every held-out step while its reward held) shows here steps before
+                          held-out accuracy falls
 
 Pure functions of the step's traces, tested against hand-computed values.
 """
@@ -18,7 +22,7 @@ from collections import defaultdict
 
 from masgraph.trace import Trace
 
-__all__ = ["no_signal_fraction", "reward_by_type", "sampled_entropy", "step_diagnostics"]
+__all__ = ["no_signal_fraction", "parse_failures", "reward_by_type", "sampled_entropy", "step_diagnostics"]
 
 
 def _reward(trace: Trace) -> float:
@@ -60,8 +64,21 @@ def reward_by_type(traces: list[Trace]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sorted(by.items())}
 
 
+def parse_failures(traces: list[Trace], nodes: set[str] | frozenset[str]) -> dict[str, float]:
+    """Per node of `nodes` that ran: the share of its steps whose output failed to parse."""
+    failed: dict[str, int] = defaultdict(int)
+    ran: dict[str, int] = defaultdict(int)
+    for t in traces:
+        for step in t.steps:
+            if step.node in nodes:
+                ran[step.node] += 1
+                failed[step.node] += step.parse_error is not None
+    return {n: failed[n] / ran[n] for n in sorted(ran)}
+
+
 def step_diagnostics(traces: list[Trace], trainable: set[str] | frozenset[str]) -> dict[str, float]:
-    """The three, as `metrics.jsonl` keys."""
+    """The four, as `metrics.jsonl` keys."""
     return ({"groups/no_signal": no_signal_fraction(traces)}
             | {f"entropy/{n}": h for n, h in sampled_entropy(traces, trainable).items()}
+            | {f"parse/{n}": f for n, f in parse_failures(traces, trainable).items()}
             | {f"reward/type/{k}": r for k, r in reward_by_type(traces).items()})

@@ -34,9 +34,10 @@ from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss
+from masgraph.trainers.pg_math import group_advantages, kl_k3, normalise, ppo_clip_loss
 
-__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "group_advantages", "informative_queries",
+__all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
+           "informative_queries", "step_format_advantages",
            "kl_k3", "logprob_temperature", "micro_batches", "mini_batches", "ppo_clip_loss", "row_weights",
            "sampling_spec", "trajectory_rewards"]
 
@@ -124,6 +125,30 @@ def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int,
     return rewards
 
 
+def format_advantages(failed: list[bool], eps: float = 1e-6) -> list[float]:
+    """A node's format advantage per step of it in one group: the format reward (-1 when the step's output failed
+    to parse, else 0) normalised over those steps (all 0 when they all parsed, or all failed)."""
+    return normalise([-float(f) for f in failed], eps)
+
+
+def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str],
+                           eps: float = 1e-6) -> dict[tuple[int, int], float]:
+    """(trajectory, step index) -> its node's format advantage within its group (`format_advantages`), for every
+    trainable step with an LLM call; groups as `build_rows` forms them (by query: every node of the group's
+    trajectories; by query and node: that node only)."""
+    out: dict[tuple[int, int], float] = {}
+    for key, trajs in members.items():
+        by_node: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
+        for i in trajs:
+            for s in traces[i].steps:
+                if s.node in trainable and s.llm and (len(key) == 1 or s.node == key[1]):
+                    by_node[s.node].append((i, s.index, s.parse_error is not None))
+        for steps in by_node.values():
+            for (i, index, _), a in zip(steps, format_advantages([f for _, _, f in steps], eps)):
+                out[(i, index)] = a
+    return out
+
+
 def informative_queries(traces: list[Trace], config: FlowGRPOConfig) -> set[str]:
     """Queries whose group has at least two distinct rewards (the groups that give a non-zero advantage)."""
     by_query: dict[str, set[float]] = defaultdict(set)
@@ -151,6 +176,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             continue
         for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
             adv[(i, key)] = a
+    fmt = step_format_advantages(traces, groups, trainable, config.adv_eps) if config.format_weight else {}
     rows = []
     for i in rewards:
         tr = traces[i]
@@ -158,12 +184,13 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             if step.node not in trainable:
                 continue
             key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
-            if (i, key) not in adv:
+            f = config.format_weight * fmt.get((i, step.index), 0.0)
+            if (i, key) not in adv and f == 0.0:
                 continue
             for call in step.llm:
                 if call.completion_ids:
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
-                                    call.logprobs, adv[(i, key)], call.policy_version,
+                                    call.logprobs, adv.get((i, key), 0.0) + f, call.policy_version,
                                     logprob_temperature(call, config)))
     return rows
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from masgraph.trace import LLMCall, Step, Trace
-from masgraph.trainers.diagnostics import no_signal_fraction, reward_by_type, sampled_entropy, step_diagnostics
+from masgraph.trainers.diagnostics import (
+    no_signal_fraction,
+    parse_failures,
+    reward_by_type,
+    sampled_entropy,
+    step_diagnostics,
+)
 
 
 def _call(logprobs: list[float], temperature: float | None = 1.0) -> LLMCall:
@@ -48,13 +54,23 @@ def test_reward_by_type_averages_per_item_type_and_is_empty_for_untyped_items():
 def test_step_diagnostics_names_the_metrics():
     traces = [_trace("a", 1.0, kind="math", calls={"planner": [_call([-2.0])]}), _trace("a", 0.0, kind="math")]
     assert step_diagnostics(traces, {"planner"}) == {"groups/no_signal": 0.0, "entropy/planner": 2.0,
-                                                     "reward/type/math": 0.5}
+                                                     "parse/planner": 0.0, "reward/type/math": 0.5}
+
+
+def test_parse_failures_per_node_that_ran():
+    traces = [_trace("a", 1.0, calls={"planner": [_call([-1.0])], "verifier": [_call([-1.0])]}),
+              _trace("a", 1.0, calls={"planner": [_call([-1.0])], "verifier": [_call([-1.0])]}),
+              _trace("b", 0.0, calls={"verifier": [_call([-1.0])], "executor": [_call([-1.0])]})]
+    traces[0].steps[1].parse_error = traces[2].steps[0].parse_error = "no verdict found; continuing"
+    traces[2].steps[1].parse_error = "not trained: not counted"
+    # verifier: 2 of 3 steps; planner: 0 of 2; the executor is not trainable; a node that never ran is absent
+    assert parse_failures(traces, {"planner", "verifier", "generator"}) == {"planner": 0.0, "verifier": 2 / 3}
 
 
 def test_the_training_view_plots_them():
     from masgraph.watch.render import plot_keys
 
     metrics = [{"step": 1, "reward/mean": 0.5, "groups/no_signal": 0.25, "entropy/planner": 1.2,
-                "reward/type/city": 0.0, "reward/type/math": 1.0, "note": "text is not plotted"}]
-    assert plot_keys(metrics) == ["reward/mean", "groups/no_signal", "entropy/planner", "reward/type/city",
-                                  "reward/type/math"]
+                "parse/verifier": 0.5, "reward/type/city": 0.0, "reward/type/math": 1.0, "note": "text is not plotted"}]
+    assert plot_keys(metrics) == ["reward/mean", "groups/no_signal", "entropy/planner", "parse/verifier",
+                                  "reward/type/city", "reward/type/math"]

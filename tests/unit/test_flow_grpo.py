@@ -14,6 +14,7 @@ from masgraph.trainers.flow_grpo import (
     FlowGRPOConfig,
     aggregate,
     build_rows,
+    format_advantages,
     group_advantages,
     informative_queries,
     kl_k3,
@@ -21,6 +22,7 @@ from masgraph.trainers.flow_grpo import (
     mini_batches,
     ppo_clip_loss,
     row_weights,
+    step_format_advantages,
     trajectory_rewards,
 )
 
@@ -129,6 +131,42 @@ def test_parse_penalty_shapes_the_trajectory_reward():
     assert trajectory_rewards(traces, FlowGRPOConfig()) == {0: 1.0, 1: 1.0}  # outcome only: a flat group
     assert trajectory_rewards(traces, FlowGRPOConfig(parse_penalty=0.5)) == {0: 1.0, 1: 0.5}
     assert informative_queries(traces, FlowGRPOConfig(parse_penalty=0.5)) == {"q1"}
+
+
+def test_format_advantages_hand_computed():
+    # format rewards [-1, 0, 0, 0]: mean -0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    assert format_advantages([True, False, False, False], eps=0.0) == pytest.approx([-1.5, 0.5, 0.5, 0.5])
+    assert format_advantages([False, False]) == [0.0, 0.0] and format_advantages([True, True]) == [0.0, 0.0]
+
+
+def test_format_weight_pushes_only_the_node_that_broke_its_format():
+    """The verifier's unparseable verdict does not change the outcome (a flat group: no outcome signal); with
+    format_weight its own rows get the format advantage, the planner's none."""
+    traces = [_trace("q1", 1.0, {"planner": 1, "verifier": 1}) for _ in range(4)]
+    traces[0].steps[1].parse_error = "no verdict found; continuing"
+    assert build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0)) == []
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.2))
+    assert [(r.traj, r.node) for r in rows] == [(0, "verifier"), (1, "verifier"), (2, "verifier"), (3, "verifier")]
+    assert [r.advantage for r in rows] == pytest.approx([-0.3, 0.1, 0.1, 0.1])  # 0.2 x [-1.5, 0.5, 0.5, 0.5]
+    # with an outcome signal the two add: outcome [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5] for every node's rows
+    traces[1].reward = traces[2].reward = traces[3].reward = 0.0
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.2))
+    got = {(r.traj, r.node): r.advantage for r in rows}
+    assert got[(0, "planner")] == pytest.approx(1.5) and got[(0, "verifier")] == pytest.approx(1.5 - 0.3)
+    assert got[(1, "planner")] == pytest.approx(-0.5) and got[(1, "verifier")] == pytest.approx(-0.5 + 0.1)
+
+
+def test_format_groups_follow_group_by():
+    traces = [_trace("q1", 1.0, {"verifier": 2}), _trace("q1", 1.0, {"verifier": 1}),
+              _trace("q2", 1.0, {"verifier": 1})]
+    traces[0].steps[0].parse_error = "x"
+    fmt = step_format_advantages(traces, {("q1",): [0, 1], ("q2",): [2]}, {"verifier": "v"}, eps=0.0)
+    # q1's three verifier steps [fail, ok, ok] -> [-1.1547, 0.5774, 0.5774]; q2 alone: 0
+    assert [fmt[(0, 0)], fmt[(0, 1)], fmt[(1, 0)], fmt[(2, 0)]] == pytest.approx([-1.1547005, 0.5773503,
+                                                                                  0.5773503, 0.0])
+    by_node = build_rows(traces, {"verifier": "v"}, FlowGRPOConfig(group_by="query_node", format_weight=1.0,
+                                                                   adv_eps=0.0))
+    assert [round(r.advantage, 4) for r in by_node] == [-1.1547, 0.5774, 0.5774]
 
 
 def test_informative_queries_and_resample_drops_zero_variance_rows():
