@@ -178,6 +178,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from masgraph.registry import default_registry
     from masgraph.spec import graph_json_schema
 
+    if args.task_file:
+        from masgraph.datatask import DataTaskSpec
+
+        print(json.dumps(DataTaskSpec.model_json_schema(), indent=2))
+        return 0
     reg = default_registry()
     print(json.dumps(graph_json_schema([a.config for a in reg.algorithms.values()], list(reg.backends)), indent=2))
     return 0
@@ -970,6 +975,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("schema", help="print the JSON Schema of graph files (for editors)")
+    s.add_argument("--task-file", action="store_true",
+                   help="the schema of a data task file (`--task data:FILE.yaml`) instead")
     s.set_defaults(fn=cmd_schema)
     return p
 

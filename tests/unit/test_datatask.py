@@ -125,3 +125,12 @@ def test_agentflows_game_of_24_set_reads_and_its_own_reference_answers_score_1(t
     scores = [task.score(it, it.answer) for it in items]  # the set's own solutions
     assert sum(scores) == 300, [it.answer for it, s in zip(items, scores) if not s][:5]
     assert task.items("train", 10, 0) == []
+
+
+def test_the_task_file_schema_is_printed_with_the_judge(capsys):
+    from masgraph.cli import main
+
+    assert main(["schema", "--task-file"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "judge" in schema["properties"]["scorer"]["enum"] and "JudgeSpec" in schema["$defs"]
+    assert schema["additionalProperties"] is False
