@@ -39,6 +39,14 @@ class FlowGRPOConfig(BaseModel):
     parse_penalty: float = Field(0.0, ge=0)
     """Subtracted from the outcome reward of an episode in which any step's output failed to parse (format
     shaping, like R1's format reward). 0 = outcome reward only, as in the paper."""
+    advantage: Literal["episode", "step", "episode+step"] = "episode"
+    """Credit: `episode` broadcasts the trajectory's group advantage to all its calls (the paper); `step` uses each
+    step's advantage within its anchor-state group (steps of the group's trajectories in the same node with the
+    same input: GiGPO, trainers/credit.py); `episode+step` adds the two, the step term weighted by `step_weight`."""
+    step_weight: float = Field(1.0, ge=0)
+    """w in A = A^E + w * A^S (`advantage: episode+step`; GiGPO's default 1)."""
+    step_gamma: float = Field(1.0, gt=0, le=1)
+    """Discount of a step's return: gamma^(steps after it) * the trajectory's reward (1: the outcome itself)."""
     format_weight: float = Field(0.0, ge=0)
     """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
     group, each step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that

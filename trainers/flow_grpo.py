@@ -34,6 +34,7 @@ from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.credit import step_advantages
 from masgraph.trainers.pg_math import group_advantages, kl_k3, normalise, ppo_clip_loss
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
@@ -161,7 +162,9 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     """Training rows from a batch of trajectories. `trainable` maps node name -> adapter name.
 
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
-    trajectory's group (by query, or by query and node), where each trajectory counts once."""
+    trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
+    step | episode+step` a step's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
+    `format_weight` the node's own format advantage joins it; a row is kept when any term can push it."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i in rewards:
@@ -177,6 +180,10 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
         for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
             adv[(i, key)] = a
     fmt = step_format_advantages(traces, groups, trainable, config.adv_eps) if config.format_weight else {}
+    episode = config.advantage != "step"
+    step_adv = (step_advantages(traces, rewards, groups, trainable, config.step_gamma, config.adv_eps)
+                if config.advantage != "episode" else {})
+    w = 1.0 if config.advantage == "step" else config.step_weight
     rows = []
     for i in rewards:
         tr = traces[i]
@@ -184,13 +191,14 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             if step.node not in trainable:
                 continue
             key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
-            f = config.format_weight * fmt.get((i, step.index), 0.0)
-            if (i, key) not in adv and f == 0.0:
+            extra = config.format_weight * fmt.get((i, step.index), 0.0) + w * step_adv.get((i, step.index), 0.0)
+            outcome = adv.get((i, key)) if episode else None
+            if outcome is None and extra == 0.0:
                 continue
             for call in step.llm:
                 if call.completion_ids:
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
-                                    call.logprobs, adv.get((i, key), 0.0) + f, call.policy_version,
+                                    call.logprobs, (outcome or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config)))
     return rows
 

@@ -1,0 +1,71 @@
+"""Credit below the trajectory: GiGPO's step-level advantage on a graph (arXiv 2505.10978, `gigpo/core_gigpo.py`).
+
+Flow-GRPO broadcasts one outcome advantage to every call of an episode. When the G trajectories of a query pass
+through the same state more than once (same node, same input), those steps can be compared with each other: they
+saw exactly the same thing, so the difference in what followed is credit for what they did there. GiGPO calls the
+set of such steps an anchor-state group. On a graph:
+
+    state of a step    (its query group, its node, the token ids of its first LLM call's prompt): the node's
+                       rendered input, which holds the query, its inputs and the memory it was shown
+    step return        G_t = gamma^(k) * R, R the trajectory's (shaped) reward and k the steps after t in it (the
+                       graph gives no reward before the end; gamma < 1 favours reaching the answer in fewer steps)
+    step advantage     A^S = (G_t - mean) / (std + eps) over the anchor group's steps, each counted once; 0 for a
+                       step alone in its state or in a group whose returns are all equal
+    combined           A = A^E + w * A^S  (`advantage: episode+step`), A^S alone (`step`), A^E alone (`episode`)
+
+The first step of every trajectory of a query shares its state with all of them (same query, empty memory), so
+its A^S equals A^E (with gamma = 1); later steps are compared only with the trajectories that reached the same
+memory. Pure functions, tested against hand-computed values; `flow_grpo.build_rows` applies them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+from masgraph.trace import Step, Trace
+from masgraph.trainers.pg_math import normalise
+
+__all__ = ["anchor_groups", "state_key", "step_advantages", "step_returns"]
+
+
+def state_key(step: Step) -> str | None:
+    """The state a step acted in: its node and the token ids of its first LLM call's prompt (None without one)."""
+    if not step.llm or not step.llm[0].prompt_ids:
+        return None
+    ids = step.llm[0].prompt_ids
+    return step.node + ":" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+
+
+def step_returns(trace: Trace, reward: float, gamma: float = 1.0) -> dict[int, float]:
+    """Step index -> gamma^(steps after it) * reward, for every step of the trajectory."""
+    n = len(trace.steps)
+    return {s.index: reward * gamma ** (n - 1 - k) for k, s in enumerate(trace.steps)}
+
+
+def anchor_groups(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str]
+                  ) -> dict[tuple, list[tuple[int, int]]]:
+    """(group key, state) -> the (trajectory, step index) of every trainable step in that state, over the group's
+    trajectories (`members`: group key -> trajectory indices, as `build_rows` forms them)."""
+    out: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for key, trajs in members.items():
+        for i in trajs:
+            for s in traces[i].steps:
+                if s.node in trainable and (len(key) == 1 or s.node == key[1]):
+                    state = state_key(s)
+                    if state is not None:
+                        out[(key, state)].append((i, s.index))
+    return dict(out)
+
+
+def step_advantages(traces: list[Trace], rewards: dict[int, float], members: dict[tuple, list[int]],
+                    trainable: dict[str, str] | set[str], gamma: float = 1.0, eps: float = 1e-6
+                    ) -> dict[tuple[int, int], float]:
+    """(trajectory, step index) -> its step-level advantage A^S within its anchor-state group (0 alone)."""
+    returns = {i: step_returns(traces[i], rewards[i], gamma) for i in rewards}
+    out: dict[tuple[int, int], float] = {}
+    for steps in anchor_groups(traces, members, trainable).values():
+        steps = [(i, k) for i, k in steps if i in returns]
+        for (i, k), a in zip(steps, normalise([returns[i][k] for i, k in steps], eps)):
+            out[(i, k)] = a
+    return out
