@@ -152,25 +152,25 @@ def test_mixed_skills_types_alternate_splits_are_disjoint_and_answers_are_right(
 
     task = get_task("mixed_skills")
     train, test = task.items("train", 90, 0), task.items("test", 90, 0)
-    assert [it.meta["type"] for it in train[:6]] == ["job", "letters", "product"] * 2
+    assert [it.meta["type"] for it in train[:6]] == ["country", "letters", "product"] * 2
     assert not {it.question for it in train} & {it.question for it in test}
-    people = load_kb()["people"]
-    test_people = {p["name"] for i, p in enumerate(people) if i % 5 == 0}
-    jobs = {p["name"]: p["job"] for p in people}
+    cities = [d["facts"] for d in load_kb()["docs"] if d["id"].startswith("city-")]
+    test_cities = {c["city"] for i, c in enumerate(cities) if i % 3 == 0}
+    country = {c["city"]: c["country"] for c in cities}
     for it in train + test:
-        if it.meta["type"] == "job":  # held-out people are never asked about in training
-            name = it.question.removeprefix("What is the job of ").removesuffix("?")
-            assert jobs[name] == it.answer and (name in test_people) == (it in test)
+        if it.meta["type"] == "country":  # held-out cities are never asked about in training
+            city = it.question.removeprefix("In which country is the city of ").removesuffix("?")
+            assert country[city] == it.answer and (city in test_cities) == (it in test)
         elif it.meta["type"] == "letters":
             assert it.answer == str(len(it.question.split()[-1].rstrip("?")))
         else:
             a, b = map(int, it.question.removeprefix("What is ").removesuffix("?").split(" times "))
             assert it.answer == str(a * b)
+    assert len({it.question for it in test if it.meta["type"] == "country"}) == len(test_cities) == 10
     assert task.items("test", 90, 1) != test  # seeds give independent streams
     by_type = {it.meta["type"]: it for it in test}
-    job, letters, product = by_type["job"], by_type["letters"], by_type["product"]
-    assert task.score(job, f"They work as a {job.answer.capitalize()}.") == 1.0
-    assert task.score(job, f"{job.answer}s") == 0.0  # a whole word, not a prefix
+    place, letters, product = by_type["country"], by_type["letters"], by_type["product"]
+    assert task.score(place, f"It is in {place.answer}.") == 1.0 and task.score(place, "Nowhere") == 0.0
     assert task.score(letters, f"It has {letters.answer} letters.") == 1.0
     assert task.score(letters, str(int(letters.answer) + 1)) == 0.0
     assert task.score(product, f"{int(product.answer):,}") == 1.0  # thousands separators read as one number
