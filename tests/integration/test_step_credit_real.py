@@ -49,7 +49,9 @@ def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runne
     assert len(firsts) == 1 and traces[0].steps[0].node == "planner"  # one shared first state
     episode = build_rows(traces, trainable, FlowGRPOConfig())
     both = build_rows(traces, trainable, FlowGRPOConfig(advantage="episode+step"))
-    first = lambda rows: {r.traj: r.advantage for r in rows if r.prompt_ids == traces[r.traj].steps[0].llm[0].prompt_ids}  # noqa: E731
+    def first(rows):  # the rows of each trajectory's first planner call
+        return {r.traj: r.advantage for r in rows if r.prompt_ids == traces[r.traj].steps[0].llm[0].prompt_ids}
+
     e, b = first(episode), first(both)
     assert e.keys() == b.keys() == {0, 1, 2, 3}
     assert all(b[i] == pytest.approx(2 * e[i]) for i in e)  # A^S = A^E in the shared first state
