@@ -174,3 +174,46 @@ def test_judge_fields_are_checked(tmp_path):
 def test_an_unknown_judge_prompt_is_named(tmp_path):
     with pytest.raises(MasgraphError, match=r"judge prompt 'mine' is not registered \(known: \['judge'\]\)"):
         _judge(tmp_path, "yes", prompt="mine")
+
+
+def test_the_judge_is_a_training_reward(tiny, tmp_path):
+    """A data task scored by a judge trains: the rollouts' rewards are the judge's verdicts (its calls in their
+    traces), and the step updates the adapter from them. The judge is a registered backend kind here (a scripted
+    verdict on the tiny random model's output), reached through the judge's `policy:` as any backend would be."""
+    import asyncio
+
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+    from masgraph.registry import BackendKind
+    from masgraph.store import read_traces
+    from masgraph.trainers.loop import TrainLoop
+
+    def verdict(req):  # "yes" for responses of even length: a signal that varies within groups
+        return "yes" if len(req.messages[-1]["content"].split("Response: ")[1]) % 2 == 0 else "no"
+    default_registry().backends["judgebot"] = BackendKind(
+        "judgebot", lambda policy, **_: ScriptedBackend(default=verdict), returns_tokens=False)
+    data = [{"question": f"{i} + 1 ?", "answer": str(i + 1)} for i in range(40)]
+    (tmp_path / "sums.json").write_text(json.dumps(data))
+    (tmp_path / "sums.yaml").write_text(
+        f"file: sums.json\nscorer: judge\njudge: {{policy: {{backend: judgebot, model: bot}}, "
+        f"cache_path: {tmp_path / 'v.sqlite'}}}\n")
+    task = load_data_task(str(tmp_path / "sums.yaml"))
+    text = f"""\
+name: judged
+policies:
+  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 6}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 2, seed: 3, flow_grpo: {{group_size: 4, lr: 0.01}}}}
+"""
+    loop = TrainLoop(compile_spec(parse_spec(text, "judged.yaml")), task, tmp_path / "run", dtype="float32")
+    last = asyncio.run(loop.run())
+    rollouts = list(read_traces(tmp_path / "run"))
+    assert len(rollouts) == 8  # 2 queries x 4 samples (the evaluations are not stored with the rollouts)
+    for t in rollouts:  # an empty answer is 0 without a call
+        assert t.reward == t.meta["judge"]["score"] and len(t.judge_calls) == int(bool((t.answer or "").strip()))
+    assert {t.reward for t in rollouts} == {0.0, 1.0}
+    assert last["rows"] > 0 and last["grad_norm/answer"] > 0
+    assert last["reward/mean"] == pytest.approx(sum(t.reward for t in rollouts) / len(rollouts))
