@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 __all__ = ["HFBackend", "HFModel", "LoraConfigSpec", "pick_dtype"]
 
 
+def sortable(key: tuple) -> tuple:
+    """A request's ordering key made comparable with any other's: numbers before text, element by element (the
+    scheduler's (episode, node, turn, k) and a judge's ("judge", digest) meet in one deterministic batch)."""
+    return tuple((0, x, "") if isinstance(x, int | float) else (1, 0, str(x)) for x in key)
+
+
 class HFBackend:
     """Serves chat completions from a local transformers model.
 
@@ -165,7 +171,7 @@ class HFBackend:
     def _generate_in_order(self, requests: list[Request]) -> list[Completion]:
         if not self.deterministic:
             return self.generate(requests)
-        order = sorted(range(len(requests)), key=lambda i: requests[i].key)
+        order = sorted(range(len(requests)), key=lambda i: sortable(requests[i].key))
         results = self.generate([requests[i] for i in order])
         out: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for i, res in zip(order, results):

@@ -162,3 +162,17 @@ def test_hf_backend_without_a_stream_decodes_as_before(tiny):
     assert plain.completion_ids == streamed.completion_ids and plain.text == streamed.text
     assert not backend._streamed  # nothing left registered
     asyncio.run(backend.aclose())
+
+
+def test_a_deterministic_batch_orders_requests_whatever_their_keys(tiny, run):
+    """A judge's request ("judge", digest) batched with the scheduler's (episode, node, turn, k): one deterministic
+    order, no comparison of text with numbers (it failed every judged episode of a real benchmark run)."""
+    from masgraph.backends.hf import HFBackend, sortable
+
+    backend = HFBackend(str(tiny), dtype="float32", deterministic=True)
+    reqs = [Request([{"role": "user", "content": f"{i} + 1 ?"}], sampling=SamplingSpec(max_tokens=2), seed=i, key=k)
+            for i, k in enumerate([("judge", "ab12"), (0, "gen", 1, 0), (), (3, "gen", 1, 0)])]
+    out = backend._generate_in_order(reqs)
+    assert len(out) == 4 and all(c.completion_ids for c in out)
+    assert sorted(map(sortable, (r.key for r in reqs))) == [sortable(k) for k in
+                                                            [(), (0, "gen", 1, 0), (3, "gen", 1, 0), ("judge", "ab12")]]
