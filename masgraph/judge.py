@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sqlite3
 import threading
@@ -34,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from masgraph.backends.base import Request
 from masgraph.errors import MasgraphError
+from masgraph.model import cache_dir
 from masgraph.spec import PolicySpec, SamplingSpec
-from masgraph.trace import LLMCall, Trace
+from masgraph.trace import LLMCall, Trace, llm_call
 
 __all__ = ["Judge", "JudgeSpec", "Verdict", "VerdictCache", "parse_verdict"]
 
@@ -57,7 +57,8 @@ class JudgeSpec(BaseModel):
     cache: bool = True
     """Keep verdicts on disk and reuse them for the same model and messages."""
     cache_path: str | None = None
-    """The verdict cache file (default: $XDG_CACHE_HOME/masgraph/judge-verdicts.sqlite)."""
+    """The verdict cache file (default: judge-verdicts.sqlite in masgraph's cache folder, `masgraph.model.cache_dir`:
+    $MASGRAPH_CACHE, else $XDG_CACHE_HOME/masgraph)."""
 
 
 _VERDICT = re.compile(r"\b(yes|no|correct|incorrect|true|false|right|wrong)\b", re.I)
@@ -122,10 +123,6 @@ class VerdictCache:
             self._db.close()
 
 
-def default_cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "masgraph" / "judge-verdicts.sqlite"
-
-
 class Judge:
     """Scores responses with a model (`policy`: a bound `masgraph.scheduler.Policy`, e.g. `Engine.policy`).
 
@@ -141,7 +138,7 @@ class Judge:
         if spec.prompt not in prompts:
             raise MasgraphError(f"judge prompt {spec.prompt!r} is not registered (known: {sorted(prompts)})")
         self.policy, self.spec, self._messages = policy, spec, prompts[spec.prompt]
-        self.cache = VerdictCache(spec.cache_path or default_cache_path()) if spec.cache else None
+        self.cache = VerdictCache(spec.cache_path or cache_dir() / "judge-verdicts.sqlite") if spec.cache else None
         p = spec.policy
         self._identity = [p.backend, p.model, p.api_base, p.adapter, p.sampling.max_tokens, p.sampling.temperature]
 
@@ -161,12 +158,7 @@ class Judge:
                       key=("judge", key))
         t0 = time.perf_counter()
         [c] = await self.policy.backend.complete([req])
-        call = LLMCall(policy=self.policy.name, adapter=spec.adapter, policy_version=c.policy_version,
-                       prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
-                       temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
-                       finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated,
-                       latency_s=time.perf_counter() - t0, prompt_tokens=c.prompt_tokens,
-                       completion_tokens=c.completion_tokens)
+        call = llm_call(req, c, time.perf_counter() - t0)
         if self.cache is not None:
             self.cache.put(key, c.text)
         return Verdict(parse_verdict(c.text) or 0.0, c.text, cached=False, call=call)

@@ -35,7 +35,7 @@ from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
-from masgraph.trace import LLMCall, Step, TopologyChoice, Trace
+from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call
 from masgraph.workclock import WAITER, CallWait, WorkClock
 
 
@@ -370,12 +370,7 @@ class Scheduler:
             WAITER.set(wait)  # (not reset: this may resume in another context, see eager.py; a stale one is inert)
             [c] = await policy.backend.complete([req])
             latency = time.perf_counter() - t0
-            calls.append(LLMCall(
-                policy=policy_name, adapter=policy.spec.adapter, policy_version=c.policy_version,
-                prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
-                temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-                finish_reason=c.finish_reason, prompt_truncated=c.prompt_truncated, latency_s=latency,
-                prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, queue_s=wait.queue_s))
+            calls.append(llm_call(req, c, latency, wait.queue_s))
             self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
                             adapter=policy.spec.adapter, prompt_tokens=c.n_prompt,
                             completion_tokens=c.n_completion, latency_s=latency,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from masgraph.backends.base import Completion, Request
 
 
 class Record(BaseModel):
@@ -54,6 +57,15 @@ class LLMCall(Record):
     def n_completion(self) -> int:
         """Completion tokens: the server's count when it reported one, else the ids'."""
         return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
+
+
+def llm_call(req: Request, c: Completion, latency_s: float, queue_s: float = 0.0) -> LLMCall:
+    """The trace's record of one call: what was asked (`req`: policy, adapter, sampling) and what came back."""
+    return LLMCall(policy=req.policy, adapter=req.adapter, policy_version=c.policy_version, prompt_ids=c.prompt_ids,
+                   completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
+                   temperature=req.sampling.temperature, top_p=req.sampling.top_p, finish_reason=c.finish_reason,
+                   prompt_truncated=c.prompt_truncated, latency_s=latency_s, prompt_tokens=c.prompt_tokens,
+                   completion_tokens=c.completion_tokens, queue_s=queue_s)
 
 
 class ToolCall(Record):

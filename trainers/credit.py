@@ -15,18 +15,25 @@ set of such steps an anchor-state group. On a graph:
 
 The first step of every trajectory of a query shares its state with all of them (same query, empty memory), so
 its A^S equals A^E (with gamma = 1); later steps are compared only with the trajectories that reached the same
-memory. Pure functions, tested against hand-computed values; `flow_grpo.build_rows` applies them.
+memory.
+
+A node's format is credited the same way, per node rather than per state (`format_weight`): within a group, each
+step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that node's steps, so
+the push lands on the node that broke its format and on no other. Pure functions, tested against hand-computed
+values; `flow_grpo.build_rows` applies them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Iterator
 
 from masgraph.trace import Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "state_key", "step_advantages", "step_returns"]
+__all__ = ["anchor_groups", "format_advantages", "group_steps", "state_key", "step_advantages",
+           "step_format_advantages", "step_returns"]
 
 
 def state_key(step: Step) -> str | None:
@@ -43,18 +50,26 @@ def step_returns(trace: Trace, reward: float, gamma: float = 1.0) -> dict[int, f
     return {s.index: reward * gamma ** (n - 1 - k) for k, s in enumerate(trace.steps)}
 
 
-def anchor_groups(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str]
-                  ) -> dict[tuple, list[tuple[int, int]]]:
-    """(group key, state) -> the (trajectory, step index) of every trainable step in that state, over the group's
-    trajectories (`members`: group key -> trajectory indices, as `build_rows` forms them)."""
-    out: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+def group_steps(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str]
+                ) -> Iterator[tuple[tuple, int, Step]]:
+    """(group key, trajectory, step) for every trainable step of every group (`members`: group key -> trajectory
+    indices, as `build_rows` forms them: a query's key holds every node, a (query, node) key that node only)."""
     for key, trajs in members.items():
         for i in trajs:
             for s in traces[i].steps:
                 if s.node in trainable and (len(key) == 1 or s.node == key[1]):
-                    state = state_key(s)
-                    if state is not None:
-                        out[(key, state)].append((i, s.index))
+                    yield key, i, s
+
+
+def anchor_groups(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str]
+                  ) -> dict[tuple, list[tuple[int, int]]]:
+    """(group key, state) -> the (trajectory, step index) of every trainable step in that state, over the group's
+    trajectories."""
+    out: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for key, i, s in group_steps(traces, members, trainable):
+        state = state_key(s)
+        if state is not None:
+            out[(key, state)].append((i, s.index))
     return dict(out)
 
 
@@ -68,4 +83,25 @@ def step_advantages(traces: list[Trace], rewards: dict[int, float], members: dic
         steps = [(i, k) for i, k in steps if i in returns]
         for (i, k), a in zip(steps, normalise([returns[i][k] for i, k in steps], eps)):
             out[(i, k)] = a
+    return out
+
+
+def format_advantages(failed: list[bool], eps: float = 1e-6) -> list[float]:
+    """A node's format advantage per step of it in one group: the format reward (-1 when the step's output failed
+    to parse, else 0) normalised over those steps (all 0 when they all parsed, or all failed)."""
+    return normalise([-float(f) for f in failed], eps)
+
+
+def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str],
+                           eps: float = 1e-6) -> dict[tuple[int, int], float]:
+    """(trajectory, step index) -> its node's format advantage within its group (`format_advantages`), for every
+    trainable step with an LLM call."""
+    by_node: dict[tuple, list[tuple[int, int, bool]]] = defaultdict(list)
+    for key, i, s in group_steps(traces, members, trainable):
+        if s.llm:
+            by_node[(key, s.node)].append((i, s.index, s.parse_error is not None))
+    out: dict[tuple[int, int], float] = {}
+    for steps in by_node.values():
+        for (i, index, _), a in zip(steps, format_advantages([f for _, _, f in steps], eps)):
+            out[(i, index)] = a
     return out

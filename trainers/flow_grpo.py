@@ -34,8 +34,8 @@ from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.credit import step_advantages
-from masgraph.trainers.pg_math import group_advantages, kl_k3, normalise, ppo_clip_loss
+from masgraph.trainers.credit import format_advantages, step_advantages, step_format_advantages
+from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
            "informative_queries", "step_format_advantages",
@@ -124,30 +124,6 @@ def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int,
         elif config.stragglers == "zero":
             rewards[i] = 0.0
     return rewards
-
-
-def format_advantages(failed: list[bool], eps: float = 1e-6) -> list[float]:
-    """A node's format advantage per step of it in one group: the format reward (-1 when the step's output failed
-    to parse, else 0) normalised over those steps (all 0 when they all parsed, or all failed)."""
-    return normalise([-float(f) for f in failed], eps)
-
-
-def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str],
-                           eps: float = 1e-6) -> dict[tuple[int, int], float]:
-    """(trajectory, step index) -> its node's format advantage within its group (`format_advantages`), for every
-    trainable step with an LLM call; groups as `build_rows` forms them (by query: every node of the group's
-    trajectories; by query and node: that node only)."""
-    out: dict[tuple[int, int], float] = {}
-    for key, trajs in members.items():
-        by_node: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
-        for i in trajs:
-            for s in traces[i].steps:
-                if s.node in trainable and s.llm and (len(key) == 1 or s.node == key[1]):
-                    by_node[s.node].append((i, s.index, s.parse_error is not None))
-        for steps in by_node.values():
-            for (i, index, _), a in zip(steps, format_advantages([f for _, _, f in steps], eps)):
-                out[(i, index)] = a
-    return out
 
 
 def informative_queries(traces: list[Trace], config: FlowGRPOConfig) -> set[str]:
