@@ -1,16 +1,22 @@
-"""Memory node: curates the action log — keeps the last `memory.max_actions` actions and, with a policy,
-replaces the dropped ones by a model-written summary (without one, by a count)."""
+"""Memory node. `mode: summary` curates the action log: keeps the last `memory.max_actions` actions and, with a policy,
+replaces the dropped ones by a model-written summary (without one, by a count). The fact-store modes read the query
+as a stream of facts ending with a question and keep an episode's fact store: `manager` asks its policy for one
+operation per fact (Memory-R1), `append` and `last_k` are the rule-based baselines (masgraph/memory/store.py)."""
 
 from __future__ import annotations
 
 from masgraph.agents.prompting import render
 from masgraph.agents.registry import builtin_agent
 from masgraph.memory.action_log import ActionLog
+from masgraph.memory.store import FactStore, parse_op
 from masgraph.node import NodeContext, NodeOutput
+from masgraph.trace import MemoryOp
 
 
 @builtin_agent("memory")
 async def memory(ctx: NodeContext) -> NodeOutput:
+    if ctx.node_spec.mode != "summary":
+        return await fact_store(ctx)
     log, keep = ctx.memory, ctx.spec.memory.max_actions
     dropped = log.actions[:-keep] if len(log.actions) > keep else []
     summary = None
@@ -24,3 +30,39 @@ async def memory(ctx: NodeContext) -> NodeOutput:
             summary = f"{len(dropped)} earlier step(s) compacted"
         log.compact(keep, summary)
     return NodeOutput(text=ctx.merged or log.render(), data=next((o.data for _, o in ctx.inputs), {}))
+
+
+def split_stream(query: str) -> tuple[list[str], str]:
+    """(facts, question): every non-empty line of the query but the last is a fact; the last is the question (a
+    leading `Question:` dropped)."""
+    lines = [line.strip() for line in query.splitlines() if line.strip()]
+    if not lines:
+        return [], ""
+    question = lines[-1]
+    return lines[:-1], question[len("question:"):].strip() if question.lower().startswith("question:") else question
+
+
+async def fact_store(ctx: NodeContext) -> NodeOutput:
+    """Build the episode's fact store from the query's facts, one operation each; the output (what later nodes read
+    as their input) is the store and the question. An output with no operation adds the fact and counts as a parse
+    failure of the step; an operation on a missing entry adds it too (recorded on the operation, not a format
+    failure)."""
+    spec = ctx.node_spec
+    facts, question = split_stream(ctx.query)
+    store, ops, unparsed = FactStore(), [], []
+    for fact in facts:
+        if spec.mode == "manager":
+            completion = await ctx.generate(render(ctx, "memory_manager", memory=store.render(), fact=fact))
+            try:
+                op = parse_op(completion.text, fact)
+            except ValueError as exc:
+                op = MemoryOp(fact=fact, op="ADD", text=fact, output=completion.text, error=str(exc))
+                unparsed.append(str(exc))
+        else:
+            op = MemoryOp(fact=fact, op="ADD", text=fact)
+        ops.append(store.apply(op))
+        if spec.mode == "last_k":
+            store.trim(spec.keep)
+    error = f"{len(unparsed)} of {len(ops)} outputs had no operation; first: {unparsed[0]}" if unparsed else None
+    shown = store.recall(question, spec.recall) if spec.recall else store
+    return NodeOutput(text=f"Memory:\n{shown.render()}\nQuestion: {question}", memory_ops=ops, parse_error=error)

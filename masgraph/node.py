@@ -8,7 +8,7 @@ from typing import Any
 
 from masgraph.memory.action_log import ActionLog
 from masgraph.spec import GraphSpec
-from masgraph.trace import ToolCall
+from masgraph.trace import MemoryOp, ToolCall
 
 
 @dataclass
@@ -21,6 +21,8 @@ class NodeOutput:
     tool: ToolCall | None = None
     parse_error: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    memory_ops: list[MemoryOp] = field(default_factory=list)
+    """A memory manager's operations on the episode's fact store (recorded in the step)."""
     no_result: bool = False
     """Set when `text` is not a usable result although nothing failed (e.g. a tool that printed nothing)."""
 

@@ -152,9 +152,24 @@ class GeneratorSpec(_NodeBase):
 
 
 class MemoryNodeSpec(_NodeBase):
-    """Curates the action log (deterministic truncation, or an LLM summary when given a policy)."""
+    """A memory node. `mode: summary` curates the action log (deterministic truncation, or an LLM summary when given
+    a policy). The other modes read the query as a stream of facts, one per line, ending with the question (its
+    last line), and keep a per-episode fact store (masgraph/memory/store.py) that later nodes read as their input:
+    `manager` asks its policy for one operation per fact (ADD / UPDATE n / DELETE n / NOOP; train it like any
+    node), `append` adds every fact, `last_k` adds every fact and keeps the newest `keep`."""
 
     role: Literal["memory"] = "memory"
+    mode: Literal["summary", "manager", "append", "last_k"] = "summary"
+    """What the node keeps: the action log (`summary`) or a fact store edited by a policy (`manager`) or a rule."""
+    keep: int = Field(5, ge=1)
+    """`last_k`: how many of the newest entries are kept."""
+    recall: int | None = Field(None, ge=1)
+    """Fact-store modes: show later nodes only the `recall` entries that share the most words with the question
+    (None: every entry)."""
+
+    @property
+    def needs_policy(self) -> bool:  # type: ignore[override]
+        return self.mode == "manager"
 
 
 class CustomSpec(_NodeBase):
@@ -291,7 +306,8 @@ class GraphSpec(_Strict):
                     raise ValueError(f"edges[{i}].{end} {shorten(node)!r} is not a node; {node_fix(node, names)}")
         for name, node in self.nodes.items():
             if node.policy is None and node.needs_policy:
-                raise ValueError(f"nodes.{name}: a {node.role} needs `policy:` (one of {one_of(self.policies)})")
+                what = f"{node.role} with mode: {node.mode}" if node.role == "memory" else node.role
+                raise ValueError(f"nodes.{name}: a {what} needs `policy:` (one of {one_of(self.policies)})")
             if node.policy is not None and node.policy not in self.policies:
                 raise ValueError(
                     f"nodes.{name}.policy {shorten(node.policy)!r} is not declared; add it under `policies:` "

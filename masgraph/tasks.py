@@ -455,6 +455,62 @@ class MixedSkills(PartitionedTask):
         return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
 
 
+@register_task
+class MemoryUpdates(PartitionedTask):
+    """Where memory matters (issue 27, Memory-R1): a stream of facts, one per line, the question last. Three people
+    of the shipped KB say where they live, one of them moves later ("X moved to Y."), most visit another city ("X
+    visited Z last week."), and small talk fills the stream; the question asks where one of them lives now (two
+    items in three: the one who moved). Read from a store of every line, the newest lines about a person are
+    often the stale home or the visit; a store of the last few lines has lost the early ones; a manager that adds
+    homes, updates the mover's entry and skips visits and small talk keeps only what is true. Correct: the answer
+    names the person's current city and no other city of the stream. Train and test people are disjoint (every
+    5th KB person is held out, as in `lookup`)."""
+
+    name = "memory_updates"
+    PEOPLE, SMALL_TALK, VISIT = 3, 2, 2 / 3
+    TALK = ("It rained all afternoon.", "The train was late again.", "The library closes early on Fridays.",
+            "A new bakery opened near the river.", "The football match ended in a draw.",
+            "The old bridge is being painted.", "Tea prices went up this week.", "The town fair starts on Sunday.")
+
+    def generate(self, split: str, n: int, seed: int) -> list[Item]:
+        rng = random.Random(split_seed(self.name, split, seed))
+        cities = sorted({p["city"] for p in load_kb()["people"]})
+        out = []
+        for i in range(n):
+            people = _kb_people(split, rng, 40)
+            people = [p for k, p in enumerate(people) if p["name"] not in {q["name"] for q in people[:k]}]
+            people = people[:self.PEOPLE]
+            mover = people[0]
+            homes = {p["city"] for p in people}
+            new_city = rng.choice([c for c in cities if c not in homes])
+            lines = [f"{p['name']} lives in {p['city']}." for p in people]
+            lines += rng.sample(self.TALK, self.SMALL_TALK)
+            rng.shuffle(lines)
+            after = lines.index(f"{mover['name']} lives in {mover['city']}.")
+            lines.insert(rng.randint(after + 1, len(lines)), f"{mover['name']} moved to {new_city}.")
+            visited = set()
+            for p in people:
+                if rng.random() < self.VISIT:
+                    city = rng.choice([c for c in cities if c not in homes | {new_city}])
+                    visited.add(city)
+                    after = lines.index(f"{p['name']} lives in {p['city']}.")
+                    lines.insert(rng.randint(after + 1, len(lines)), f"{p['name']} visited {city} last week.")
+            asked = mover if i % 3 != 2 else rng.choice(people[1:])
+            answer = new_city if asked is mover else asked["city"]
+            stream = homes | {new_city} | visited
+            question = f"Question: In which city does {asked['name']} live now?"
+            out.append(Item(f"{self.name}-{split}-{seed}-{i}", "\n".join([*lines, question]), answer,
+                            {"type": "moved" if asked is mover else "stayed", "others": sorted(stream - {answer})}))
+        return out
+
+    def score(self, item: Item, answer: str) -> float:
+        def norm(s: str) -> str:
+            return re.sub(r"[^a-z]", "", s.lower())
+
+        said = norm(answer)
+        return float(norm(item.answer) in said and not any(norm(c) in said for c in item.meta["others"]))
+
+
 def _kb_people(split: str, rng: random.Random, k: int) -> list[dict[str, Any]]:
     """k people of the shipped KB's `split` side (every 5th person is held out, as in `lookup`), shuffled by `rng`
     and repeated in that order when k is larger."""

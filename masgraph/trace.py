@@ -78,6 +78,21 @@ class ToolCall(Record):
     duration_s: float = 0.0
 
 
+class MemoryOp(Record):
+    """One operation of a memory manager on its episode's fact store (masgraph/memory/store.py): what it read, what
+    it answered, and what was applied (`op`, `target`: the entry it added, replaced or removed)."""
+
+    fact: str
+    op: Literal["ADD", "UPDATE", "DELETE", "NOOP"]
+    target: int | None = None
+    text: str | None = None
+    """The entry's text after the operation (ADD, UPDATE)."""
+    output: str = ""
+    """The manager's raw output ('' for a rule-based manager)."""
+    error: str | None = None
+    """Why the output was not applied as written (the fallback, ADD of the fact, was)."""
+
+
 class Step(Record):
     """One node step of one episode."""
 
@@ -101,6 +116,8 @@ class Step(Record):
     """The model output did not follow the expected format; the node used its documented fallback."""
     error: str | None = None
     """The step failed (exception, timeout, backend error) after all retries."""
+    memory_ops: list[MemoryOp] = Field(default_factory=list, exclude_if=lambda v: not v)
+    """A memory manager's operations on the episode's fact store, in order (left out of the stored trace when none)."""
     attempts: int = 1
     started: float = 0.0
     duration_s: float = 0.0

@@ -5,12 +5,15 @@ through the same state more than once (same node, same input), those steps can b
 saw exactly the same thing, so the difference in what followed is credit for what they did there. GiGPO calls the
 set of such steps an anchor-state group. On a graph:
 
-    state of a step    (its query group, its node, the token ids of its first LLM call's prompt): the node's
-                       rendered input, which holds the query, its inputs and the memory it was shown
+    state of a call    (its query group, its node, the token ids of the call's prompt): the node's rendered input,
+                       which holds the query, its inputs and the memory it was shown. A node that calls its
+                       model more than once in a step (a memory manager: one call per fact) has one state per
+                       call, so each of its decisions is compared with the others taken from the same input
     step return        G_t = gamma^(k) * R, R the trajectory's (shaped) reward and k the steps after t in it (the
                        graph gives no reward before the end; gamma < 1 favours reaching the answer in fewer steps)
-    step advantage     A^S = (G_t - mean) / (std + eps) over the anchor group's steps, each counted once; 0 for a
-                       step alone in its state or in a group whose returns are all equal
+    step advantage     A^S = (G_t - mean) / (std + eps) over the anchor group's calls, each counted once; 0 for a
+                       call alone in its state or in a group whose returns are all equal (a call's return is its
+                       step's)
     combined           A = A^E + w * A^S  (`advantage: episode+step`), A^S alone (`step`), A^E alone (`episode`)
 
 The first step of every trajectory of a query shares its state with all of them (same query, empty memory), so
@@ -29,19 +32,23 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Iterator
 
-from masgraph.trace import Step, Trace
+from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "format_advantages", "group_steps", "state_key", "step_advantages",
+__all__ = ["anchor_groups", "call_state", "format_advantages", "group_steps", "state_key", "step_advantages",
            "step_format_advantages", "step_returns"]
 
 
-def state_key(step: Step) -> str | None:
-    """The state a step acted in: its node and the token ids of its first LLM call's prompt (None without one)."""
-    if not step.llm or not step.llm[0].prompt_ids:
+def call_state(node: str, call: LLMCall) -> str | None:
+    """The state a call acted in: its node and the token ids of its prompt (None without any)."""
+    if not call.prompt_ids:
         return None
-    ids = step.llm[0].prompt_ids
-    return step.node + ":" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+    return node + ":" + hashlib.sha256(",".join(map(str, call.prompt_ids)).encode()).hexdigest()[:32]
+
+
+def state_key(step: Step) -> str | None:
+    """The state a step acted in: its first LLM call's (None without one)."""
+    return call_state(step.node, step.llm[0]) if step.llm else None
 
 
 def step_returns(trace: Trace, reward: float, gamma: float = 1.0) -> dict[int, float]:
@@ -62,27 +69,29 @@ def group_steps(traces: list[Trace], members: dict[tuple, list[int]], trainable:
 
 
 def anchor_groups(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str]
-                  ) -> dict[tuple, list[tuple[int, int]]]:
-    """(group key, state) -> the (trajectory, step index) of every trainable step in that state, over the group's
-    trajectories."""
-    out: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+                  ) -> dict[tuple, list[tuple[int, int, int]]]:
+    """(group key, state) -> the (trajectory, step index, call index) of every trainable call in that state, over
+    the group's trajectories."""
+    out: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
     for key, i, s in group_steps(traces, members, trainable):
-        state = state_key(s)
-        if state is not None:
-            out[(key, state)].append((i, s.index))
+        for k, call in enumerate(s.llm):
+            state = call_state(s.node, call)
+            if state is not None:
+                out[(key, state)].append((i, s.index, k))
     return dict(out)
 
 
 def step_advantages(traces: list[Trace], rewards: dict[int, float], members: dict[tuple, list[int]],
                     trainable: dict[str, str] | set[str], gamma: float = 1.0, eps: float = 1e-6
-                    ) -> dict[tuple[int, int], float]:
-    """(trajectory, step index) -> its step-level advantage A^S within its anchor-state group (0 alone)."""
+                    ) -> dict[tuple[int, int, int], float]:
+    """(trajectory, step index, call index) -> the call's step-level advantage A^S within its anchor-state group (0
+    alone)."""
     returns = {i: step_returns(traces[i], rewards[i], gamma) for i in rewards}
-    out: dict[tuple[int, int], float] = {}
-    for steps in anchor_groups(traces, members, trainable).values():
-        steps = [(i, k) for i, k in steps if i in returns]
-        for (i, k), a in zip(steps, normalise([returns[i][k] for i, k in steps], eps)):
-            out[(i, k)] = a
+    out: dict[tuple[int, int, int], float] = {}
+    for calls in anchor_groups(traces, members, trainable).values():
+        calls = [c for c in calls if c[0] in returns]
+        for c, a in zip(calls, normalise([returns[i][t] for i, t, _ in calls], eps)):
+            out[c] = a
     return out
 
 

@@ -139,7 +139,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
     trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
-    step | episode+step` a step's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
+    step | episode+step` a call's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
     `format_weight` the node's own format advantage joins it; a row is kept when any term can push it."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -167,12 +167,11 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             if step.node not in trainable:
                 continue
             key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
-            extra = config.format_weight * fmt.get((i, step.index), 0.0) + w * step_adv.get((i, step.index), 0.0)
             outcome = adv.get((i, key)) if episode else None
-            if outcome is None and extra == 0.0:
-                continue
-            for call in step.llm:
-                if call.completion_ids:
+            fmt_term = config.format_weight * fmt.get((i, step.index), 0.0)
+            for k, call in enumerate(step.llm):
+                extra = fmt_term + w * step_adv.get((i, step.index, k), 0.0)
+                if call.completion_ids and (outcome is not None or extra != 0.0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config)))

@@ -47,9 +47,9 @@ def test_anchor_groups_and_step_advantages(traces):
     assert sorted(len(v) for v in groups.values()) == [2, 2, 4]  # first steps; [1,2,7]; [1,2,8]
     adv = step_advantages(traces, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0}, {("q1",): [0, 1, 2, 3]}, {"planner"}, eps=0.0)
     # first steps: returns [1, 0, 1, 1], mean 0.75, unbiased std 0.5 -> [0.5, -1.5, 0.5, 0.5] (= the episode's)
-    assert [adv[(i, 0)] for i in range(4)] == pytest.approx([0.5, -1.5, 0.5, 0.5])
+    assert [adv[(i, 0, 0)] for i in range(4)] == pytest.approx([0.5, -1.5, 0.5, 0.5])
     # second steps: [1, 0] in state [1,2,7] -> +-0.7071; [1, 1] in state [1,2,8] -> 0, 0
-    assert [adv[(i, 2)] for i in range(4)] == pytest.approx([0.70710678, -0.70710678, 0.0, 0.0])
+    assert [adv[(i, 2, 0)] for i in range(4)] == pytest.approx([0.70710678, -0.70710678, 0.0, 0.0])
 
 
 def test_build_rows_episode_step_and_both(traces):

@@ -1,0 +1,140 @@
+"""A memory that learns (issue 27, Memory-R1): does an RL-trained memory manager beat the rule-based memories?
+
+`graphs/memory.yaml` on `memory_updates` (a stream of facts with a move, visits and small talk, then "where does X
+live now?", people held out from training). Arms, each scored greedy on the same held-out items per seed, with the
+same frozen reader and the same recall (the reader sees the 2 entries that share most words with the question):
+
+    append     the memory node keeps every fact (`mode: append`)
+    last_k     it keeps the newest --keep facts (`mode: last_k`)
+    untrained  the manager's policy as shipped (`mode: manager`, base model, no adapter training)
+    trained    the same after Flow-GRPO on the manager's adapter for --minutes of this process's CPU time
+    oracle     reference only: the store a perfect manager keeps (homes added, the move an update, the rest
+               skipped), built by rule from the item's lines: what the reader can do with an ideal memory
+
+Training is `benchmarks/learns.py`'s run (its step-0 evaluation is the `untrained` arm, on the same items).
+
+    .venv/bin/python benchmarks/memory.py --seeds 0 1 2 --minutes 30 [--set advantage=episode+step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from learns import train
+
+from masgraph.backends.hf import HFBackend
+from masgraph.graph import compile_spec
+from masgraph.loader import load_spec
+from masgraph.runner import RunConfig, Runner
+from masgraph.spec import GraphSpec
+from masgraph.tasks import Item, Task, get_task
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TASK = "memory_updates"
+
+
+class OracleStore(Task):
+    """The task's items with the facts a perfect manager keeps: each home, the move replacing its entry."""
+
+    name = "memory_updates_oracle"
+
+    def __init__(self, base: Task):
+        self.base = base
+
+    def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
+        out = []
+        for it in self.base.items(split, n, seed):
+            *facts, question = it.question.splitlines()
+            kept: list[str] = []
+            for fact in facts:
+                if m := re.match(r"(.+) moved to ", fact):
+                    kept[next(k for k, x in enumerate(kept) if x.startswith(m.group(1) + " lives in"))] = fact
+                elif " lives in " in fact:
+                    kept.append(fact)
+            out.append(Item(it.id, "\n".join([*kept, question]), it.answer, it.meta))
+        return out
+
+    def score(self, item: Item, answer: str) -> float:
+        return self.base.score(item, answer)
+
+
+def with_mode(spec: GraphSpec, mode: str, keep: int) -> GraphSpec:
+    node = spec.nodes["memory"].model_copy(update={"mode": mode, "keep": keep})
+    return spec.model_copy(update={"nodes": {**spec.nodes, "memory": node}})
+
+
+def evaluate(spec: GraphSpec, task: Task, seed: int, n: int, backend: HFBackend) -> float:
+    """Greedy held-out accuracy, deterministic decoding (as the training loop evaluates)."""
+    with tempfile.TemporaryDirectory() as runs:
+        runner = Runner(compile_spec(spec), RunConfig(split="test", n=n, seed=seed, deterministic=True,
+                                                      concurrency=32, runs_dir=runs), backends={"hf": backend})
+        result = asyncio.run(runner.run_task(task))
+    return sum(t.reward or 0.0 for t in result.traces) / len(result.traces)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--graph", default="graphs/memory.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--minutes", type=float, default=30.0, help="training budget per seed, CPU minutes")
+    p.add_argument("--eval-n", type=int, default=60)
+    p.add_argument("--keep", type=int, default=4, help="last_k's k")
+    p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE", help="flow_grpo knobs for the trained arm")
+    p.add_argument("--no-train", action="store_true", help="the rule-based arms and the oracle only")
+    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
+    args = p.parse_args()
+    spec = load_spec(args.graph)
+    task = get_task(TASK)
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    hf = next(pol for pol in spec.policies.values() if pol.backend == "hf")
+    rows = []
+    for seed in args.seeds:
+        t0 = time.perf_counter()
+        backend = HFBackend(hf.model, seed=seed, device=hf.device)
+        row = {"seed": seed,
+               "append": evaluate(with_mode(spec, "append", args.keep), task, seed, args.eval_n, backend),
+               "last_k": evaluate(with_mode(spec, "last_k", args.keep), task, seed, args.eval_n, backend),
+               "oracle": evaluate(with_mode(spec, "append", args.keep), OracleStore(task), seed, args.eval_n, backend)}
+        del backend
+        print(f"[seed {seed}] append {row['append']:.3f}  last_k {row['last_k']:.3f}  oracle {row['oracle']:.3f}  "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if not args.no_train:
+            r = train(args.graph, TASK, seed, args.minutes, args.eval_n, check_rule=False, flow_grpo=overrides,
+                      clock="cpu")
+            row |= {"untrained": r["base"], "trained": r["trained"], "steps": r["steps"], "run": r["run_dir"]}
+            print(f"[seed {seed}] untrained {r['base']:.3f}  trained {r['trained']:.3f} after {r['steps']} steps",
+                  flush=True)
+        rows.append(row)
+    arms = ["append", "last_k", "oracle"] + ([] if args.no_train else ["untrained", "trained"])
+    lines = ["| seed | " + " | ".join(arms) + (" | trained − best rule | steps | run |" if not args.no_train else " |"),
+             "|---" * (len(arms) + 1 + (3 if not args.no_train else 0)) + "|"]
+    for r in rows:
+        cells = [f"{r[a]:.1%}" for a in arms]
+        if not args.no_train:
+            cells += [f"**{100 * (r['trained'] - max(r['append'], r['last_k'])):+.1f}**", str(r["steps"]), f"`{r['run']}`"]
+        lines.append(f"| {r['seed']} | " + " | ".join(cells) + " |")
+    means = [statistics.mean(r[a] for r in rows) for a in arms]
+    sds = [statistics.stdev(r[a] for r in rows) if len(rows) > 1 else 0.0 for a in arms]
+    lines.append("| mean (sd) | " + " | ".join(f"{m:.1%} ({100 * s:.1f})" for m, s in zip(means, sds)) + " |"
+                 + (" | | |" if not args.no_train else ""))
+    table = "\n".join(lines)
+    print(table)
+    with open(args.record, "a") as f:
+        f.write(f"\n### Memory: an RL-trained manager vs rule-based memories ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+                f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — `{args.graph}` on `{TASK}`, {args.eval_n} "
+                f"held-out items per seed (greedy, deterministic), last_k keeps {args.keep}"
+                + ("" if args.no_train else f"; trained {args.minutes:g} CPU-min per seed"
+                   + (f" with {', '.join(args.set)}" if args.set else "")) + ".\n\n" + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
