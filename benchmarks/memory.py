@@ -119,7 +119,8 @@ def main() -> int:
     for r in rows:
         cells = [f"{r[a]:.1%}" for a in arms]
         if not args.no_train:
-            cells += [f"**{100 * (r['trained'] - max(r['append'], r['last_k'])):+.1f}**", str(r["steps"]), f"`{r['run']}`"]
+            gain = 100 * (r["trained"] - max(r["append"], r["last_k"]))
+            cells += [f"**{gain:+.1f}**", str(r["steps"]), f"`{r['run']}`"]
         lines.append(f"| {r['seed']} | " + " | ".join(cells) + " |")
     means = [statistics.mean(r[a] for r in rows) for a in arms]
     sds = [statistics.stdev(r[a] for r in rows) if len(rows) > 1 else 0.0 for a in arms]

@@ -93,6 +93,17 @@ class EvalFinished(Record):
     metrics: dict[str, Any] = Field(default_factory=dict)
 
 
+class Credited(Record):
+    """The advantages a training step pushed one episode's LLM calls by (what `masgraph watch` shows per call)."""
+
+    kind: Literal["credit"] = "credit"
+    step: int
+    """The training step (1-based) whose update used them."""
+    episode_id: str
+    calls: list[tuple[int, int, float]]
+    """(step index in the episode, call index in the step, advantage) of every call that was a training row."""
+
+
 class CheckpointSaved(Record):
     kind: Literal["checkpoint"] = "checkpoint"
     step: int
@@ -100,7 +111,7 @@ class CheckpointSaved(Record):
 
 
 Event = Annotated[EpisodeStarted | StepStarted | LLMCallFinished | ToolCallFinished | StepFinished | EpisodeFinished
-                  | TrainStep | EvalFinished | CheckpointSaved, Field(discriminator="kind")]
+                  | TrainStep | EvalFinished | Credited | CheckpointSaved, Field(discriminator="kind")]
 EVENT = TypeAdapter(Event)
 """Parses one event from its JSON object (`EVENT.validate_python(obj)`)."""
 

@@ -346,8 +346,8 @@ class Scheduler:
         # built once at the end: pydantic attribute assignment costs ~2 µs each on this hot path
         step = Step(episode_id=trace.episode_id, index=0, node=node, role=nspec.role, turn=turn,
                     route=out.route, sources=[src for src, _ in inputs], text=out.text, llm=calls, tool=out.tool,
-                    parse_error=out.parse_error, error=error, memory_ops=out.memory_ops, attempts=attempt, started=started,
-                    duration_s=time.perf_counter() - t0, queue_s=queue_s, work_s=work_s)
+                    parse_error=out.parse_error, error=error, memory_ops=out.memory_ops, attempts=attempt,
+                    started=started, duration_s=time.perf_counter() - t0, queue_s=queue_s, work_s=work_s)
         if out.tool is not None:
             self._emit(fast(ToolCallFinished, episode_id=trace.episode_id, node=node, turn=turn, tool=out.tool.tool,
                             ok=out.tool.error is None, duration_s=out.tool.duration_s))

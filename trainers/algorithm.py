@@ -96,6 +96,11 @@ class TrainAlgorithm(ABC):
         """The algorithms whose states a checkpoint holds: itself, or a composite's members."""
         return [self]
 
+    def credit(self) -> dict[str, list[tuple[int, int, float]]]:
+        """The last `train_step`'s advantage per LLM call it trained on: episode id -> (step index, call index,
+        advantage); the loop records them (`events.Credited`) for `masgraph watch`. Default: none."""
+        return {}
+
 
 def query_groups(traces: list[Trace], group_size: int) -> list[list[Trace]]:
     """A step's traces cut into its queries' groups (the runner keeps each query's samples consecutive)."""

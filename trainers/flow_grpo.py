@@ -58,6 +58,9 @@ class Row:
     policy_version: int
     temperature: float = 1.0
     """Softmax temperature `old_logprobs` are under (the logprobs are recomputed at it)."""
+    step: int = 0
+    call: int = 0
+    """Where the call is in its trajectory: its step's index and its index among the step's calls."""
 
 
 # ---- pure math ---------------------------------------------------------------------------------------
@@ -174,7 +177,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
                 if call.completion_ids and (outcome is not None or extra != 0.0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,
-                                    logprob_temperature(call, config)))
+                                    logprob_temperature(call, config), step.index, k))
     return rows
 
 
@@ -194,6 +197,8 @@ class FlowGRPO(TrainAlgorithm):
     def __init__(self, learner: Learner, trainable: dict[str, str], config: FlowGRPOConfig, seed: int = 0,
                  queries_per_step: int = 1):
         self.learner, self.trainable, self.config = learner, trainable, config
+        self._rows: list[Row] = []
+        self._traces: list[Trace] = []
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         lrs: dict[str, float] = {}
@@ -235,6 +240,12 @@ class FlowGRPO(TrainAlgorithm):
         return self.update(traces, seed=f"{self.seed}:{step}") | {
             "informative_groups": float(len(informative_queries(traces, self.config)))}
 
+    def credit(self) -> dict[str, list[tuple[int, int, float]]]:
+        out: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
+        for r in self._rows:
+            out[self._traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
+        return dict(out)
+
     def state_dict(self) -> dict[str, Any]:
         """Each adapter's Adam moments."""
         return {a: opt.state_dict() for a, opt in self.optimizers.items()}
@@ -249,6 +260,7 @@ class FlowGRPO(TrainAlgorithm):
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
         cfg = self.config
         rows = build_rows(traces, self.trainable, cfg)
+        self._rows, self._traces = rows, traces  # what `credit` reports
         metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
         if not rows:
             return metrics | {"loss/total": 0.0}

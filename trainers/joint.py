@@ -74,6 +74,7 @@ class Joint(TrainAlgorithm):
                  node_steps: int | None = None):
         self.nodes, self.topology, self.schedule = nodes, topology, schedule
         self.topology_steps, self.node_steps = topology_steps, node_steps
+        self._last_step = 0
         self.group_size = nodes.group_size
         self.topology.group_size = nodes.group_size  # one set of groups for both
         self.max_extra_rounds = nodes.max_extra_rounds
@@ -102,7 +103,7 @@ class Joint(TrainAlgorithm):
         return self.nodes.extra_queries(traces, rounds)
 
     def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
-        stage = self.stage(step)
+        stage, self._last_step = self.stage(step), step
         metrics: dict[str, float] = {"joint/stage": float(STAGES.index(stage))}
         if stage in ("nodes", "both"):
             metrics |= self.nodes.train_step(traces, step)
@@ -119,3 +120,6 @@ class Joint(TrainAlgorithm):
 
     def parts(self) -> list[TrainAlgorithm]:
         return [self.nodes, self.topology]
+
+    def credit(self) -> dict[str, list[tuple[int, int, float]]]:
+        return self.nodes.credit() if self.stage(self._last_step) in ("nodes", "both") else {}

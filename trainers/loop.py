@@ -14,7 +14,7 @@ import torch
 from masgraph.backends.base import SyncedBackend
 from masgraph.device import deterministic_kernels, resolve_device
 from masgraph.errors import MasgraphError, Problem, SpecError
-from masgraph.events import CheckpointSaved, Emitter, EvalFinished, Sink, TrainStep
+from masgraph.events import CheckpointSaved, Credited, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
 from masgraph.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.metrics import MetricsSink
@@ -264,6 +264,8 @@ class TrainLoop:
         self._phase("update", self.step + 1, len(traces))
         self._updating = True  # no await until the commit: a cancellation cannot land in between
         metrics = self.algo.train_step(traces, self.step)
+        for episode_id, calls in self.algo.credit().items():
+            self._emit(Credited(step=self.step + 1, episode_id=episode_id, calls=calls))
         self.sync()  # later rollouts use the adapters' new versions (and are stamped with them)
         if self.topology is not None:
             metrics |= topology_metrics(self.topology, traces[::self.group_size])

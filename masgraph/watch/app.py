@@ -155,6 +155,7 @@ class EpisodeScreen(Screen):
         super().__init__()
         self.index, self.row = index, row
         self.trace = index.trace(row)
+        self.credit = index.credits.get(row.id)
         self.show = {"prompts": False, "colours": False}
         self.decode: Any = None
         self.tokenizer_note = ""
@@ -167,7 +168,7 @@ class EpisodeScreen(Screen):
                                   style="bold red"))
             else:
                 for step in self.trace.steps:
-                    yield Static(render.step_text(step), classes="step")
+                    yield Static(render.step_text(step, credit=self.credit), classes="step")
         yield Static("", id="episode-note")
         yield Footer()
 
@@ -193,7 +194,8 @@ class EpisodeScreen(Screen):
         if self.trace is None:
             return
         for widget, step in zip(self.query(".step"), self.trace.steps, strict=False):
-            widget.update(render.step_text(step, self.decode, self.show["prompts"], self.show["colours"]))  # type: ignore[attr-defined]
+            widget.update(render.step_text(step, self.decode, self.show["prompts"], self.show["colours"],  # type: ignore[attr-defined]
+                                           self.credit))
 
 
 class HelpScreen(ModalScreen):

@@ -41,6 +41,8 @@ MAX_LINE = 64 << 20
 MAX_SMALL_FILE = 16 << 20
 """config.json, spec.yaml and summary.json past this size are not read (a run writes a few KB)."""
 MAX_ROWS = 100_000
+MAX_CREDITED = 20_000
+"""Training runs: how many episodes' per-call advantages the index keeps (the newest)."""
 """Episodes the table keeps (the last ones); older rows are dropped, their counts kept."""
 ROW_TEXT = 200
 """Characters of an episode's item, query, answer and error a row keeps (as index lines do; the trace has all)."""
@@ -239,6 +241,9 @@ class RunIndex:
         """Rows come from episodes.jsonl (else from events.jsonl's episode lines)."""
         self.rows: list[Row] = []
         """The last MAX_ROWS (up to 10 % more) finished episodes, in finishing order."""
+        self.credits: dict[str, dict[tuple[int, int], float]] = {}
+        """Training runs: episode id -> (step index, call index) -> the advantage its update used (`credit` lines;
+        the newest MAX_CREDITED episodes' kept)."""
         self.n_done = 0
         """Finished episodes, those dropped from `rows` included."""
         self.n_correct = 0
@@ -343,6 +348,10 @@ class RunIndex:
             live = self._live(_str(step["episode_id"]), off)
             live.active.pop((step["node"], step["turn"]), None)
             live.digest.append(digest)
+        elif kind == "credit":
+            self.credits[_str(rec["episode_id"])] = {(int(s), int(c)): float(a) for s, c, a in rec["calls"]}
+            if len(self.credits) > MAX_CREDITED:
+                del self.credits[next(iter(self.credits))]
         elif kind == "episode_finished":
             trace = rec["trace"]
             live = self.live.pop(_str(trace["episode_id"]), None)

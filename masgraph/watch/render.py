@@ -232,9 +232,12 @@ def episode_header(row: Row, trace: Trace | None) -> Text:
     return text
 
 
-def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob_colours: bool = False) -> Text:
+def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob_colours: bool = False,
+              credit: dict[tuple[int, int], float] | None = None) -> Text:
     """One step of the timeline: node, role, turn, route, timing; prompt (folded unless `show_prompt`), completion
-    (coloured by per-token log-prob when `logprob_colours` and a tokenizer's `decode` is given), tool call, errors."""
+    (coloured by per-token log-prob when `logprob_colours` and a tokenizer's `decode` is given) with the advantage a
+    training update pushed it by (`credit`: (step index, call index) -> advantage), memory operations, tool call,
+    errors."""
     text = Text()
     text.append(f"#{step.index} ", style="dim")
     text.append(step.node, style="bold")
@@ -249,7 +252,7 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
     if step.bounded:
         text.append(" · turn bound forced the exit", style="yellow")
     text.append("\n")
-    for call in step.llm:
+    for k, call in enumerate(step.llm):
         text.append("  prompt ", style="dim")
         if not call.prompt_ids:  # a text-only backend (litellm): no ids to show, only the server's counts
             text.append(f"{call.n_prompt} tokens (as the server counted; a text-only backend keeps no ids)\n",
@@ -264,7 +267,12 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
         text.append("  output ", style="dim")
         mean = f"mean log-prob {sum(call.logprobs) / len(call.logprobs):.2f}, " if call.logprobs else ""
         text.append(f"({call.n_completion} tokens, {mean}"
-                    f"{call.policy}{'/' + call.adapter if call.adapter else ''} v{call.policy_version})\n", style="dim")
+                    f"{call.policy}{'/' + call.adapter if call.adapter else ''} v{call.policy_version})", style="dim")
+        advantage = (credit or {}).get((step.index, k))
+        if advantage is not None:
+            text.append(f" advantage {advantage:+.2f}", style="green" if advantage > 0 else "red" if advantage < 0
+                        else "dim")
+        text.append("\n")
         if logprob_colours and decode is not None and call.logprobs:
             text.append("  ")
             for token_id, lp in zip(call.completion_ids, call.logprobs, strict=False):
@@ -283,12 +291,22 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
         text.append(t.output[:500] if t.output is not None else f"error: {t.error}",
                     style="" if t.error is None else "red")
         text.append("\n")
+    if step.memory_ops:
+        text.append(f"  memory {len(step.memory_ops)} operations\n", style="dim")
+        for op in step.memory_ops:
+            text.append(f"    {op.op:<6} ", style=_OP_STYLES[op.op])
+            text.append(f"[{op.target}] " if op.target is not None else "    ", style="dim")
+            text.append(op.fact[:200] + ("" if op.text in (None, op.fact) else f" → {op.text[:200]}"))
+            text.append(f"  ({op.error})\n" if op.error else "\n", style="yellow")
     if step.parse_error:
         text.append(f"  parse  {step.parse_error}\n", style="yellow")
     if step.error:
         text.append(f"  error  {step.error}\n", style="bold red")
     text.rstrip()
     return text
+
+
+_OP_STYLES = {"ADD": "green", "UPDATE": "cyan", "DELETE": "red", "NOOP": "dim"}
 
 
 def _indent(s: str) -> str:

@@ -40,6 +40,16 @@ def _check_call(hf, call, query):
     assert max(abs(a - b) for a, b in zip(ref, call.logprobs)) < 2e-2
 
 
+def _shown(trace, step, k: int) -> str:
+    """What a call's prompt must hold: the query, or for a fact-store memory node its k-th fact and for the node it
+    feeds the question (the query's last line), not the whole stream."""
+    if step.memory_ops:
+        return step.memory_ops[k].fact
+    if trace.steps[0].memory_ops:
+        return trace.query.splitlines()[-1]
+    return trace.query
+
+
 class _null:
     def __enter__(self):
         return self
@@ -50,10 +60,11 @@ class _null:
 
 @pytest.mark.parametrize("graph_name,task_name", [("agentflow", "basic_arithmetic"), ("agentflow", "lookup"),
                                                   ("single", "basic_arithmetic"), ("fanout", "basic_arithmetic"),
-                                                  ("router", "basic_arithmetic"), ("mixed_router", "mixed_routes")])
+                                                  ("router", "basic_arithmetic"), ("mixed_router", "mixed_routes"),
+                                                  ("memory", "memory_updates")])
 def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, task_name, graph_files):
     # a new graph needs a row
-    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router", "mixed_router"}
+    assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router", "mixed_router", "memory"}
     graph = compile_spec(load_spec(root / "graphs" / f"{graph_name}.yaml"))
     result = run(runner_for(graph, hf, n=3, concurrency=3, split="test").run_task(get_task(task_name)))
     assert len(result.traces) == 3 and all(t.status == "ok" for t in result.traces), [t.error for t in result.traces]
@@ -64,12 +75,15 @@ def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, t
         assert tr.steps[-1].node == graph.spec.exit
         assert tr.unused_steps == []  # no shipped graph drops an output (no `first` merge; no episode cut short)
         for step in tr.steps:
-            for call in step.llm:
+            for k, call in enumerate(step.llm):
                 assert call.policy == graph.spec.nodes[step.node].policy
                 assert call.adapter == graph.spec.policies[call.policy].adapter
                 sampling = graph.spec.policies[call.policy].sampling
                 assert (call.temperature, call.top_p) == (sampling.temperature, sampling.top_p)
-                _check_call(hf, call, tr.query)
+                _check_call(hf, call, _shown(tr, step, k))
+        if graph_name == "memory":  # one operation per fact, each from its own call
+            facts = tr.query.splitlines()[:-1]
+            assert [op.fact for op in tr.steps[0].memory_ops] == facts and len(tr.steps[0].llm) == len(facts)
     assert 0.0 <= result.summary["accuracy"] <= 1.0
 
 

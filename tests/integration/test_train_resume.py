@@ -36,7 +36,7 @@ train:
   checkpoint_every: 1
   seed: 5
   deterministic: true
-  flow_grpo: {group_size: 4, lr: 0.002}
+  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step}
 """
 # real arithmetic items; a reward that varies inside every group, so every step has a learning signal
 TASK = """\

@@ -43,13 +43,13 @@ def _errors(text: str) -> SpecError:
 
 
 def test_every_shipped_graph_validates(graph_files):
-    assert len(graph_files) == 5, [p.name for p in graph_files]
+    assert len(graph_files) == 6, [p.name for p in graph_files]
     for path in graph_files:
         graph = compile_spec(load_spec(path), str(path))
         assert graph.spec.entry in graph.spec.nodes
 
 
-@pytest.mark.parametrize("name", ["agentflow", "single", "fanout", "router", "mixed_router"])
+@pytest.mark.parametrize("name", ["agentflow", "single", "fanout", "router", "mixed_router", "memory"])
 def test_yaml_round_trip(root, name):
     spec = load_spec(root / "graphs" / f"{name}.yaml")
     again = parse_spec(yaml.safe_dump(spec.model_dump(mode="json")))

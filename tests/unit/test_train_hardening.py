@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from masgraph.errors import MasgraphError, SpecError
-from masgraph.events import CheckpointSaved, EvalFinished, ListSink, TrainStep
+from masgraph.events import CheckpointSaved, Credited, EvalFinished, ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.runner import RunConfig, Runner
@@ -196,11 +196,14 @@ def test_a_train_run_emits_steps_evaluations_and_checkpoints_and_writes_metrics_
     events = ListSink()
     loop = _loop(tiny, tmp_path / "run", TRAIN.replace("eval_every: 0", "eval_every: 2"), sinks=[events])
     asyncio.run(loop.run())
-    kinds = [(type(e).__name__, e.step) for e in events.events]
+    kinds = [(type(e).__name__, e.step) for e in events.events if not isinstance(e, Credited)]
     assert kinds == [("EvalFinished", 0), ("TrainStep", 0), ("TrainStep", 1), ("EvalFinished", 2),
                      ("TrainStep", 2), ("EvalFinished", 3), ("TrainStep", 3), ("CheckpointSaved", 3)]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events.events if isinstance(e, TrainStep)]
+    for e in steps[1:]:  # each step's rows, one advantage per call, before its metrics
+        credited = [c for c in events.events if isinstance(c, Credited) and c.step == e.step]
+        assert sum(len(c.calls) for c in credited) == e.metrics["rows"]
     assert lines == [{"step": e.step, **e.metrics} for e in steps]  # metrics.jsonl is the TrainStep stream
     assert next(iter(lines[1])) == "step" and "accuracy/test" in lines[0] and "loss/total" in lines[1]
     assert loop.sink_errors == 0

@@ -670,3 +670,32 @@ def test_lines_are_read_back_whole_with_their_offsets_in_any_chunks(tmp_path_fac
     assert got == [(o, x) for o, x in zip(offsets, lines, strict=True) if len(x) <= max_line]
     assert reader.too_long == sum(len(x) > max_line for x in lines) + (cut and 60 > max_line)
     assert reader.cut == cut
+
+
+def test_the_step_view_lists_a_memory_managers_operations(tmp_path):
+    """Issue 27: a memory manager's operations are inspectable in the step timeline, read back from the run dir."""
+    from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
+    from masgraph.trace import MemoryOp, Step, Trace
+    from masgraph.watch.render import step_text
+
+    ops = [MemoryOp(fact="Kalo Mira lives in Rafeport.", op="ADD", target=1, text="Kalo Mira lives in Rafeport.",
+                    output="Operation: ADD"),
+           MemoryOp(fact="It rained.", op="NOOP", output="NOOP"),
+           MemoryOp(fact="Kalo Mira moved to Sadport.", op="UPDATE", target=1, text="Kalo Mira moved to Sadport.",
+                    output="UPDATE"),
+           MemoryOp(fact="Tomo Rii left.", op="ADD", target=2, text="Tomo Rii left.", output="DELETE 9",
+                    error="DELETE: no entry 9 (the fact was added)")]
+    step = Step(episode_id="e0", index=0, node="memory", role="memory", turn=1, text="Memory: ...", memory_ops=ops)
+    store = RunStore(tmp_path / "r", spec=None, config={})
+    store.emit(EpisodeStarted(episode_id="e0", item_id="i", query="q"))
+    store.emit(StepFinished(step=step))
+    store.emit(EpisodeFinished(trace=Trace(episode_id="e0", item_id="i", query="q", steps=[step])))
+    store.close({})
+    index = RunIndex(tmp_path / "r")
+    index.poll()
+    [back] = index.trace(index.rows[0]).steps
+    assert back.memory_ops == ops
+    lines = step_text(back).plain.splitlines()
+    assert "  memory 4 operations" in lines
+    assert "    UPDATE [1] Kalo Mira moved to Sadport." in lines and "    NOOP       It rained." in lines
+    assert "    ADD    [2] Tomo Rii left.  (DELETE: no entry 9 (the fact was added))" in lines
