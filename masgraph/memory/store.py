@@ -35,7 +35,7 @@ def parse_op(output: str, fact: str) -> MemoryOp:
     first = next((line for line in output.splitlines() if line.strip()), "")
     m = _OP.match(first)
     if m is None:
-        raise ValueError(f"no operation (ADD, UPDATE n, DELETE n, NOOP) in {first[:80]!r}")
+        raise ValueError(f"no operation (ADD, UPDATE [n], DELETE [n], NOOP) in {first[:80]!r}")
     op, target, text = m.group(1).upper(), m.group(2), m.group(3)
     return MemoryOp(fact=fact, op=op, target=int(target) if target and op in ("UPDATE", "DELETE") else None,
                     text=None if op in ("DELETE", "NOOP") else (text or fact), output=output)
