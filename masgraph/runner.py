@@ -54,6 +54,9 @@ class RunConfig:
     """Where run directories are created."""
     topology: Literal["sample", "greedy"] = "sample"
     """With a topology policy: each episode samples its topology, or takes the most likely one."""
+    branch_width: int = 0
+    """Branching rollouts (masgraph/branching.py): each item's `samples` are roots and, after each root, this many
+    siblings forked at its least certain trainable step; 0: independent samples."""
 
 
 @dataclass
@@ -119,9 +122,14 @@ class Runner:
             run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
+        width, samples = self.config.branch_width, self.config.samples
+        if width and not hasattr(self.engine, "policy"):
+            raise MasgraphError("branching rollouts (`branch_width`) run on the driver's engine; they are not "
+                                "available with Ray rollouts yet: set branch_width: 0, or train without --ray")
         sched = self.scheduler(all_sinks, score=self._scorer(task, by_id))
+        roots = max(1, samples // (1 + width)) if width else samples
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
-                    for it in items for s in range(self.config.samples)]
+                    for it in items for s in range(roots)]
         if self.topology is not None:
             greedy = self.config.topology == "greedy"
             episodes = [self._with_topology(ep, greedy) for ep in episodes]
@@ -129,18 +137,42 @@ class Runner:
         interrupted = False
         try:
             traces = await sched.run(episodes)  # in input order
+            if roots < samples:
+                traces, episodes = await self._branch(sched, episodes, traces, roots, samples)
         except BaseException:
             interrupted = True
             raise
         finally:
             traces = traces or finished.traces
-            summary = summarize(traces, planned=len(episodes)) | {
+            summary = summarize(traces, planned=len(items) * self.config.samples) | {
                 "task": task.name, "graph": self.graph.spec.name, "interrupted": interrupted,
                 "sink_errors": sched.sink_errors}
             if run_store is not None:
                 run_store.close(summary)
             self.last_result = RunResult(traces, summary, run_store.path if run_store else None)
         return self.last_result
+
+    async def _branch(self, sched: Any, roots: list[EpisodeInput], traces: list[Trace], per_item: int, samples: int
+                      ) -> tuple[list[Trace], list[EpisodeInput]]:
+        """Run each root's siblings (masgraph/branching.py) so every item has `samples` episodes; returns every trace
+        and episode with each item's kept together: a root, then its siblings."""
+        from masgraph.branching import siblings
+
+        spec = self.graph.spec
+        nodes = {n for n, ns in spec.nodes.items() if ns.policy is not None and spec.policies[ns.policy].trainable}
+        extra = samples - per_item
+        kids: list[list[EpisodeInput]] = []
+        for r, (ep, tr) in enumerate(zip(roots, traces)):
+            j = r % per_item  # the root's place among its item's roots: the first ones take the remainder
+            width = extra // per_item + (j < extra % per_item)
+            first = per_item + j * (extra // per_item) + min(j, extra % per_item)
+            kids.append(siblings(ep, tr, nodes, width, first))
+        done = iter(await sched.run([k for ks in kids for k in ks]))
+        out_traces, out_eps = [], []
+        for ep, tr, ks in zip(roots, traces, kids):
+            out_eps += [ep, *ks]
+            out_traces += [tr, *(next(done) for _ in ks)]
+        return out_traces, out_eps
 
     def _scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
         """The run's reward: the task's own scoring, or its judge's (a task with a `judge`: an async call)."""

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable,
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from masgraph.backends.base import Backend, Request
+from masgraph.backends.base import Backend, Completion, Request
 from masgraph.eager import _Resumed, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
@@ -53,6 +53,9 @@ class EpisodeInput:
     """The topology policy's decisions that gave `topology` (recorded in the trace)."""
     episode_id: str | None = None
     """Default: `<run index>-<item_id>-<sample>`."""
+    replay: dict[tuple[str, int, int], LLMCall] | None = None
+    """Calls answered from this record instead of the backend, by (node, turn, call index in the step): a branched
+    sibling's shared prefix (masgraph/branching.py)."""
 
 
 @dataclass
@@ -362,6 +365,9 @@ class Scheduler:
                 raise MasgraphError(f"node {node!r} has no `policy:` to generate with; give it one in the graph")
             policy = self.policies[policy_name]
             k = len(calls)
+            if ep.replay and (node, turn, k) in ep.replay:  # a branched sibling's shared prefix
+                calls.append(ep.replay[(node, turn, k)])
+                return replayed(calls[-1])
             seed = zlib.crc32(f"{self.seed}|{ep.item_id}|{ep.sample}|{node}|{turn}|{k}".encode())
             req = Request(messages, policy_name, policy.spec.adapter, policy.spec.sampling, seed,
                           key=(index, node, turn, k))
@@ -385,6 +391,13 @@ class Scheduler:
                 sink.emit(event)
             except Exception:  # a broken sink is counted, never fatal
                 self.sink_errors += 1
+
+
+def replayed(call: LLMCall) -> Completion:
+    """A recorded call as the completion a node receives (a branched sibling's prefix: nothing is decoded)."""
+    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
+                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
+                      completion_tokens=call.completion_tokens)
 
 
 def _slot_prompt(topology: Topology | None, node: str) -> str | None:

@@ -53,6 +53,8 @@ class TrainAlgorithm(ABC):
 
     group_size: int
     """Episodes per training query (the group its advantages compare within)."""
+    branch_width: int = 0
+    """Branching rollouts: siblings forked after each root of a group (masgraph/branching.py); 0: independent."""
 
     @classmethod
     @abstractmethod

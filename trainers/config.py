@@ -47,6 +47,10 @@ class FlowGRPOConfig(BaseModel):
     """w in A = A^E + w * A^S (`advantage: episode+step`; GiGPO's default 1)."""
     step_gamma: float = Field(1.0, gt=0, le=1)
     """Discount of a step's return: gamma^(steps after it) * the trajectory's reward (1: the outcome itself)."""
+    branch_width: int = Field(0, ge=0)
+    """Branching rollouts (ARPO, masgraph/branching.py): a query's `group_size` episodes are roots each followed by
+    this many siblings that replay the root up to its least certain trainable step and sample from there (the
+    group keeps its size); pair with `advantage: episode+step` so siblings compare where they split. 0: off."""
     format_weight: float = Field(0.0, ge=0)
     """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
     group, each step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that

@@ -200,6 +200,7 @@ class FlowGRPO(TrainAlgorithm):
         self._rows: list[Row] = []
         self._traces: list[Trace] = []
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
+        self.branch_width = config.branch_width
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         lrs: dict[str, float] = {}
         for node, adapter in trainable.items():

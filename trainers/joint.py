@@ -75,7 +75,7 @@ class Joint(TrainAlgorithm):
         self.nodes, self.topology, self.schedule = nodes, topology, schedule
         self.topology_steps, self.node_steps = topology_steps, node_steps
         self._last_step = 0
-        self.group_size = nodes.group_size
+        self.group_size, self.branch_width = nodes.group_size, getattr(nodes, "branch_width", 0)
         self.topology.group_size = nodes.group_size  # one set of groups for both
         self.max_extra_rounds = nodes.max_extra_rounds
 

@@ -149,7 +149,8 @@ class TrainLoop:
         self.sync()  # the rollout backends serve every trained adapter from the start
         self._kind = kind = rollout_kind(spec)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
-        self._rollout_config = RunConfig(split="train", samples=self.group_size, **common)
+        self._rollout_config = RunConfig(split="train", samples=self.group_size,
+                                         branch_width=self.algo.branch_width, **common)
         self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
                                engine=self.serving.ray_engine)
         self._runners: list[tuple[GraphSpec, Runner]] = [(rollout_spec, self.rollouts)]
