@@ -62,3 +62,41 @@ def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runne
     assert metrics["rows"] == len(both) > 0 and metrics["grad_norm/planner"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["planner"], before))
     assert learner.version("planner") == 1
+
+
+@pytest.mark.slow
+def test_branched_siblings_share_the_roots_prefix_and_meet_it_at_the_fork(root, runner_for, run):
+    """Branching (masgraph/branching.py) on real rollouts: each sibling's calls before the fork are its root's
+    recorded calls, the fork step's input is the root's (one anchor-state group), and one update moves the
+    adapters of the trainable nodes."""
+    from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec, WeightSync
+
+    spec = load_spec(root / "graphs" / "agentflow.yaml")
+    hot = SamplingSpec(temperature=1.0, max_tokens=16)
+    policies = {k: p.model_copy(update={"sampling": hot}) if p.trainable else p for k, p in spec.policies.items()}
+    graph = compile_spec(spec.model_copy(update={"policies": policies, "limits": spec.limits.model_copy(
+        update={"max_turns": 2})}))
+    learner = HFLearner(dtype="float32")
+    for adapter in ("planner", "verifier"):
+        learner.add_adapter(adapter, LoraConfigSpec())
+    backend = HFBackend(learner.weights, max_batch_size=8)
+    WeightSync(learner, [backend])()
+    traces = run(runner_for(graph, backend, n=1, samples=4, concurrency=4, branch_width=1)
+                 .run_task(AlternatingLookup())).traces
+    assert [t.meta["sample"] for t in traces] == [0, 2, 1, 3] and all(t.status == "ok" for t in traces)
+    roots = {t.episode_id: t for t in traces if "branch" not in t.meta}
+    for t in traces:
+        if "branch" in t.meta:
+            parent, fork = roots[t.meta["branch"]["root"]], t.meta["branch"]["fork_step"]
+            assert parent.steps[fork].node in ("planner", "verifier")
+            assert [s.llm for s in t.steps[:fork]] == [s.llm for s in parent.steps[:fork]]
+            assert state_key(t.steps[fork]) == state_key(parent.steps[fork])  # the same input at the fork
+    trainable = {"planner": "planner", "verifier": "verifier"}
+    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=4, advantage="episode+step"))
+    before = {a: [p.detach().clone() for p in ps] for a, ps in algo.params.items()}
+    metrics = algo.update(traces)
+    assert metrics["rows"] > 0
+    moved = {a for a, ps in algo.params.items() if any(not p.detach().equal(q) for p, q in zip(ps, before[a]))}
+    assert moved and moved <= {"planner", "verifier"}
