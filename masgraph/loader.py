@@ -450,7 +450,7 @@ def _explain(err: dict, loc: list, allowed: list[str] | None = None) -> tuple[st
         return msg, "use one of the listed values"
     if kind == "value_error":
         text = msg.removeprefix("Value error, ")
-        return text, ""
+        return text.removeprefix(_render(loc) + ": "), ""  # the location is shown already
     bounds = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"), "less_than_equal": ("le", "≤"),
               "less_than": ("lt", "<")}
     if kind in bounds:
