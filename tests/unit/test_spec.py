@@ -147,8 +147,10 @@ def test_unregistered_tool_kind_and_agent():
 
 
 def test_node_without_required_policy():
-    with pytest.raises(SpecError, match="a verifier needs `policy:`"):
+    with pytest.raises(SpecError, match="a verifier needs `policy:`") as err:
         parse_spec(LOOP.replace("verifier: {role: verifier, policy: p}", "verifier: {role: verifier}"))
+    [problem] = err.value.problems
+    assert problem.path == "nodes.verifier" and problem.message.startswith("a verifier")  # the path said once
 
 
 def test_unreachable_node():
