@@ -6,8 +6,10 @@ by w siblings: a sibling replays its root's LLM calls up to the fork step (the r
 samples: it sees the same prefix) and samples afresh from there. The group keeps G trajectories, so a query's
 sampling budget is unchanged (fewer tokens, even: a prefix is decoded once).
 
-    fork step    the step of a trainable node whose first call's first sampled token had the highest surprisal
-                 (-log p): where the policy was least sure; the entry step qualifies too
+    fork step    the step of a trainable node whose first call's opening tokens (the first `OPENING` = 10) had the
+                 highest mean surprisal (-log p): where the policy was least sure, as ARPO reads uncertainty
+                 from the entropy of the first tokens; not the first token alone, which is a format word
+                 ("Sub-goal:", "Operation:") every sample agrees on; the entry step qualifies too
     prefix       every call of the steps before the fork, by (node, turn, call index): the scheduler answers those
                  from the record (`EpisodeInput.replay`) instead of the backend; tools run again (so they must be
                  deterministic, as the shipped ones are)
@@ -23,16 +25,20 @@ from __future__ import annotations
 from masgraph.scheduler import EpisodeInput
 from masgraph.trace import LLMCall, Trace
 
-__all__ = ["fork_step", "replay_prefix", "siblings"]
+__all__ = ["OPENING", "fork_step", "replay_prefix", "siblings"]
+
+OPENING = 10
+"""How many of a call's first sampled tokens measure its uncertainty."""
 
 
 def fork_step(trace: Trace, nodes: set[str]) -> int | None:
-    """Position in `trace.steps` of the step of one of `nodes` whose first call's first token was least likely
-    (the earliest of equals); None when no step of theirs sampled a token."""
+    """Position in `trace.steps` of the step of one of `nodes` whose first call's opening tokens had the highest mean
+    surprisal (the earliest of equals); None when no step of theirs sampled a token."""
     best, where = -1.0, None
     for i, step in enumerate(trace.steps):
         if step.node in nodes and step.llm and step.llm[0].logprobs:
-            surprisal = -step.llm[0].logprobs[0]
+            opening = step.llm[0].logprobs[:OPENING]
+            surprisal = -sum(opening) / len(opening)
             if surprisal > best:
                 best, where = surprisal, i
     return where

@@ -42,11 +42,14 @@ def _step(node: str, turn: int, logprobs: list[float]) -> Step:
     return Step(episode_id="e", index=0, node=node, role="planner", turn=turn, llm=calls if logprobs else [])
 
 
-def test_the_fork_is_the_least_certain_first_token_of_a_trainable_node():
+def test_the_fork_is_the_least_certain_opening_of_a_trainable_node():
     trace = Trace(episode_id="e", item_id="q", query="q", steps=[
-        _step("planner", 1, [-0.5, -9.0]), _step("executor", 1, [-7.0]), _step("verifier", 1, [-1.5]),
-        _step("planner", 2, [-1.5]), _step("generator", 1, [])])
-    assert fork_step(trace, {"planner", "verifier"}) == 2  # -9.0 is not a first token; ties: the earlier
+        _step("planner", 1, [0.0, -4.0] + [0.0] * 8 + [-50.0]), _step("executor", 1, [-7.0]),
+        _step("verifier", 1, [0.0, -1.0]), _step("planner", 2, [0.0, -1.0]), _step("generator", 1, [])])
+    # mean surprisal of the opening 10 tokens: planner 0.4 (its 11th token is not counted; its certain first token,
+    # a format word, does not hide the uncertain second), verifier 0.5, planner turn 2 0.5 (ties: the earlier)
+    assert fork_step(trace, {"planner", "verifier"}) == 2
+    assert fork_step(trace, {"planner"}) == 3
     assert fork_step(trace, {"executor"}) == 1
     assert fork_step(trace, {"generator"}) is None and fork_step(trace, set()) is None
     prefix = replay_prefix(trace, 3)
