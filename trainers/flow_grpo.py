@@ -197,8 +197,7 @@ class FlowGRPO(TrainAlgorithm):
     def __init__(self, learner: Learner, trainable: dict[str, str], config: FlowGRPOConfig, seed: int = 0,
                  queries_per_step: int = 1):
         self.learner, self.trainable, self.config = learner, trainable, config
-        self._rows: list[Row] = []
-        self._traces: list[Trace] = []
+        self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width = config.branch_width
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
@@ -242,10 +241,7 @@ class FlowGRPO(TrainAlgorithm):
             "informative_groups": float(len(informative_queries(traces, self.config)))}
 
     def credit(self) -> dict[str, list[tuple[int, int, float]]]:
-        out: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
-        for r in self._rows:
-            out[self._traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
-        return dict(out)
+        return self._credit
 
     def state_dict(self) -> dict[str, Any]:
         """Each adapter's Adam moments."""
@@ -261,7 +257,10 @@ class FlowGRPO(TrainAlgorithm):
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
         cfg = self.config
         rows = build_rows(traces, self.trainable, cfg)
-        self._rows, self._traces = rows, traces  # what `credit` reports
+        credit: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # what `credit` reports
+        for r in rows:
+            credit[traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
+        self._credit = dict(credit)
         metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
         if not rows:
             return metrics | {"loss/total": 0.0}
