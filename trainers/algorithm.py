@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from masgraph.graph import Graph
 from masgraph.learner import Learner
@@ -71,6 +71,13 @@ class TrainAlgorithm(ABC):
         algorithm explores differently per stage (e.g. greedy nodes while only the topology learns); the loop keeps
         one runner per distinct graph returned."""
         return self.rollout_spec(spec)
+
+    def rollout_topology_at(self, step: int) -> Literal["sample", "greedy"]:
+        """How step `step` (0-based) picks each episode's topology on a graph with a `topology:` section: `sample`
+        from the topology policy (what topology learning explores; the default), or `greedy`, its most likely
+        route per query (as deployed: e.g. while only the nodes learn, so a query's group differs by its nodes'
+        samples alone, not by the route each sample drew)."""
+        return "sample"
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         """How many more queries this step wants rolled out before its update (after `rounds` extra rounds so far),

@@ -214,9 +214,13 @@ class StagesConfig(BaseModel):
     """Steps of HRPO alone, its rollouts decoding the nodes as the graph writes them (greedy by default), as
     topology-only training does: each route is judged by what its nodes do when deployed."""
     node_steps: int | None = Field(None, ge=0)
-    """Then steps of Flow-GRPO alone (nodes sampled at `flow_grpo.temperature`, topology sampled but not
-    updated), so the nodes learn on the routes the topology chose; None: the rest of the run. Steps after both
-    stages update both (`simultaneous`)."""
+    """Then steps of Flow-GRPO alone (nodes sampled at `flow_grpo.temperature`, the topology held: not updated),
+    so the nodes learn on the routes the topology chose; None: the rest of the run. Steps after both stages update
+    both (`simultaneous`)."""
+    node_topology: Literal["sample", "greedy"] = "sample"
+    """How the node stage rolls out the topology it holds: `sample` (each episode draws its route from it, the mix
+    it chose) or `greedy` (each query its most likely route, as deployed: a query's group then differs by its
+    nodes' samples alone, so a node's advantage is not the luck of the route its episode drew)."""
 
 
 class JointTrainSpec(TrainSpec):

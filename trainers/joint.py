@@ -22,22 +22,30 @@ What follows from that, in the order it is built:
 - `schedule: staged` (MetaAgent-X's stagewise co-training, with the stages chosen from the problem above): the
   topology first, for `stages.topology_steps` steps, on rollouts whose nodes decode as the graph writes them
   (greedy), exactly as topology-only training; then the nodes, for `stages.node_steps`, with Flow-GRPO on sampled
-  nodes and the topology held (still sampled, so the nodes learn on the routes it chose, in the mix it chose);
-  then both. Why this removes the failure rather than damping it: the two learners never chase each other. While
-  the topology learns, a route's reward is what its nodes do when deployed (the greedy planner finds the person
-  75 % of the time on city questions, the sampled one rarely), so the accuracy signal decides routes, not node
-  exploration noise; while the nodes learn, their rewards are not shifted by a routing that moves under them.
+  nodes and the topology held (not updated; its routes sampled, or with `node_topology: greedy` each query's most
+  likely one); then both. Why this removes the failure rather than damping it: the two learners never chase each
+  other. While the topology learns, a route's reward is what its nodes do when deployed (the greedy planner finds
+  the person 75 % of the time on city questions, the sampled one rarely), so the accuracy signal decides routes,
+  not node exploration noise; while the nodes learn, their rewards are not shifted by a routing that moves under them.
   Each stage is the setting in which its algorithm was shown to work alone (topology-only: 89 % of the oracle's
   headroom; Flow-GRPO on a fixed route: +24 to +27 points), so the composition starts from topology-only's result
   and can only add what node training adds on the chosen routes. In the last stage both move; `no_signal: skip`
   keeps a route that its sampled nodes fail on from being pushed out by cost alone.
+- `stages.node_topology: greedy` (round 5). Round 4's staged seed 0 lost 39 points of arithmetic to its node
+  stage (its checkpoint with the LoRA B matrices zeroed, same topology: 79 % vs 40 %; RESULTS.md): its trained
+  planner wrote the few-shot example's city ("Sub-goal: Rafeport") on arithmetic. Its training episodes show the
+  credit error behind it: with the topology still sampled in the node stage, a query's group mixes routes (some
+  straight to the generator, reward 0, which lowers the baseline), so a planner sample's advantage is mostly the
+  luck of the route its episode drew, not what the planner wrote. Holding the topology as deployed (each query its
+  most likely route) makes the group differ by the nodes' samples alone: the Flow-GRPO-on-a-fixed-route setting
+  that was shown to work, on the routes the topology chose.
 - Measured before being made defaults; not built yet: separate temperatures for what each part explores in the
   simultaneous schedule, and a probability floor per decision option.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from masgraph.spec import GraphSpec
 from masgraph.trace import Trace
@@ -71,9 +79,9 @@ class Joint(TrainAlgorithm):
     """Flow-GRPO on the nodes and HRPO on the topology, from one set of rollouts."""
 
     def __init__(self, nodes: FlowGRPO, topology: HRPO, schedule: str = "simultaneous", topology_steps: int = 0,
-                 node_steps: int | None = None):
+                 node_steps: int | None = None, node_topology: Literal["sample", "greedy"] = "sample"):
         self.nodes, self.topology, self.schedule = nodes, topology, schedule
-        self.topology_steps, self.node_steps = topology_steps, node_steps
+        self.topology_steps, self.node_steps, self.node_topology = topology_steps, node_steps, node_topology
         self._last_step = 0
         self.group_size, self.branch_width = nodes.group_size, getattr(nodes, "branch_width", 0)
         self.topology.group_size = nodes.group_size  # one set of groups for both
@@ -83,7 +91,7 @@ class Joint(TrainAlgorithm):
     def build(cls, ctx: TrainContext) -> Joint:
         cfg = ctx.config
         return cls(FlowGRPO.build(ctx), HRPO.build(ctx), cfg.schedule, cfg.stages.topology_steps,
-                   cfg.stages.node_steps)
+                   cfg.stages.node_steps, cfg.stages.node_topology)
 
     def stage(self, step: int) -> str:
         """'topology', 'nodes' or 'both': what step `step` (0-based) updates."""
@@ -98,6 +106,12 @@ class Joint(TrainAlgorithm):
         if self.schedule == "staged" and self.stage(step) == "topology":
             return spec
         return self.rollout_spec(spec)
+
+    def rollout_topology_at(self, step: int) -> Literal["sample", "greedy"]:
+        """Staged with `stages.node_topology: greedy`: the node stage takes each query's most likely route."""
+        if self.schedule == "staged" and self.stage(step) == "nodes":
+            return self.node_topology
+        return "sample"
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         return self.nodes.extra_queries(traces, rounds)

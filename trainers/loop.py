@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +154,9 @@ class TrainLoop:
                                          branch_width=self.algo.branch_width, **common)
         self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
                                engine=self.serving.ray_engine)
-        self._runners: list[tuple[GraphSpec, Runner]] = [(rollout_spec, self.rollouts)]
-        """Each rollout graph an algorithm has asked for (`rollout_spec_at`), with its runner on the shared backend."""
+        self._runners: list[tuple[GraphSpec, str, Runner]] = [(rollout_spec, "sample", self.rollouts)]
+        """Each rollout graph and topology mode an algorithm has asked for (`rollout_spec_at`,
+        `rollout_topology_at`), with its runner on the shared backend."""
         self.evaluator = Runner(graph, RunConfig(split="test", n=self.cfg.eval_n, topology="greedy", **common),
                                 backends={kind: self.eval_backend}, topology=self.topology)
         self._rollouts_at(0)  # an algorithm whose first rollouts the serving cannot run fails here, not after loading
@@ -283,17 +285,17 @@ class TrainLoop:
     def _rollouts_at(self, step: int) -> Runner:
         """The runner of the graph the algorithm rolls step `step` out as (one per distinct graph, all on the same
         rollout backend, so a staged algorithm changes how rollouts sample without loading anything again)."""
-        spec = self.algo.rollout_spec_at(self.graph.spec, step)
-        for known, runner in self._runners:
-            if known is spec or known == spec:
+        spec, mode = self.algo.rollout_spec_at(self.graph.spec, step), self.algo.rollout_topology_at(step)
+        for known, known_mode, runner in self._runners:
+            if (known is spec or known == spec) and known_mode == mode:
                 return runner
         if self.serving.ray_engine is not None:
             raise MasgraphError(f"the {self.cfg.algorithm} algorithm rolls out step {step + 1} with another graph "
-                                "than step 1 (a staged schedule), but Ray rollout workers are built for one graph; "
-                                "train without Ray, or use a schedule that keeps one rollout graph")
-        runner = Runner(compile_spec(spec), self._rollout_config, backends={self._kind: self.backend},
-                        topology=self.topology)
-        self._runners.append((spec, runner))
+                                "or topology mode than step 1 (a staged schedule), but Ray rollout workers are built "
+                                "for one; train without Ray, or use a schedule that keeps one rollout graph")
+        runner = Runner(compile_spec(spec), replace(self._rollout_config, topology=mode),
+                        backends={self._kind: self.backend}, topology=self.topology)
+        self._runners.append((spec, mode, runner))
         return runner
 
     async def evaluate(self) -> dict[str, float]:

@@ -192,15 +192,18 @@ def test_one_joint_step_moves_the_topology_and_two_adapters_and_resume_is_exact(
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(_lora(a, name), _lora(b, name))), name
 
 
-STAGED = JOINT.replace("  seed: 3\n", "  seed: 3\n  schedule: staged\n  stages: {topology_steps: 1, node_steps: 1}\n"
+STAGED = JOINT.replace("  seed: 3\n", "  seed: 3\n  schedule: staged\n"
+                        "  stages: {topology_steps: 1, node_steps: 1, node_topology: greedy}\n"
                         ).replace("steps: 2\n  queries", "steps: 3\n  queries")
 
 
 class Temperatures:
-    """A progress sink: the temperatures trainable policy `first` decoded at in each step's rollouts."""
+    """A progress sink: the temperatures trainable policy `first` decoded at in each step's rollouts, and how each
+    step's episodes picked their topology (sample / greedy)."""
 
     def __init__(self):
         self.steps: dict[int, set[float]] = {}
+        self.modes: dict[int, set[str]] = {}
         self.current: int | None = None
 
     def phase(self, name: str, step: int, total: int) -> None:
@@ -211,6 +214,7 @@ class Temperatures:
         if trace is not None and self.current is not None:
             self.steps.setdefault(self.current, set()).update(
                 c.temperature for st in trace.steps for c in st.llm if c.policy == "first")
+            self.modes.setdefault(self.current, set()).add(trace.topology.mode)
 
 
 @pytest.mark.slow
@@ -233,6 +237,8 @@ def test_staged_joint_learns_the_topology_on_greedy_nodes_then_the_nodes_then_bo
     assert moved == [[True, False, False], [False, True, True], [True, True, True]], moved
     # step 1 rolled the graph out as written (greedy), later steps sampled the trainable nodes (flow_grpo.temperature)
     assert seen.steps == {1: {0.0}, 2: {1.0}, 3: {1.0}}, seen.steps
+    # `node_topology: greedy`: the node stage (step 2) took each query's most likely route, the others sampled it
+    assert seen.modes == {1: {"sample"}, 2: {"greedy"}, 3: {"sample"}}, seen.modes
     rows = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     assert [r["joint/stage"] for r in rows] == [0.0, 1.0, 2.0]
 

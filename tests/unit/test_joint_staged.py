@@ -67,6 +67,16 @@ def test_the_topology_stage_rolls_out_the_graph_as_written_and_the_others_sample
     assert simultaneous.rollout_spec_at(spec, 0).name == "g-sampled"  # unchanged: every step samples the nodes
 
 
+def test_the_node_stage_takes_the_most_likely_route_with_node_topology_greedy():
+    nodes, topology = Part("nodes"), Part("topology")
+    greedy = Joint(nodes, topology, "staged", 2, 2, node_topology="greedy")  # type: ignore[arg-type]
+    assert [greedy.rollout_topology_at(k) for k in range(6)] == ["sample"] * 2 + ["greedy"] * 2 + ["sample"] * 2
+    sampled, _, _ = _joint("staged")  # the default holds the topology but samples routes from it
+    assert {sampled.rollout_topology_at(k) for k in range(6)} == {"sample"}
+    simultaneous = Joint(nodes, topology, "simultaneous", node_topology="greedy")  # type: ignore[arg-type]
+    assert {simultaneous.rollout_topology_at(k) for k in range(6)} == {"sample"}  # topology learns every step
+
+
 # ---- the collapse the staged schedule is built against, on a scripted toy ------------------------------------------
 # Two routes: `tool` (40 tokens) answers when its node decodes greedily, but its *sampled* node only answers once it
 # has learned (from step LEARNS_AT); `direct` (5 tokens) never answers. That is the joint-training failure of
