@@ -72,7 +72,7 @@ def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
             "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": s.cost_lambda}},
             "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous"},
             "staged": {"algorithm": "joint", "hrpo": {**hrpo, "no_signal": "skip"}, "schedule": "staged",
-                       "stages": {"topology_steps": s.topology_steps}},
+                       "stages": {"topology_steps": s.topology_steps, "node_topology": s.node_topology}},
             "policy": {"algorithm": "flow_grpo"}}[arm] | common
 
 
@@ -155,6 +155,7 @@ def run_arm(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
               "cost_lambda": s.cost_lambda if arm == "cost" else 0.0, "threads": _threads(),
               "topology_steps": s.topology_steps if arm == "staged" else None,
               "format_weight": s.format_weight if arm in ("staged", "joint", "policy") else None,
+              "node_topology": s.node_topology if arm == "staged" else None,
               "policy_probabilities": _per_type_probabilities(rows)}
     (out / f"{arm}-s{seed}.json").write_text(json.dumps(record, indent=1))
     a = result["all"]
@@ -282,6 +283,9 @@ def report(record: bool, tag: str = "") -> str:
         flags = (f"--minutes {minutes[0] if len(minutes) == 1 else minutes} --clock {'/'.join(clock)} --hrpo-lr "
                  f"{'/'.join(map(str, lrs))}" + (f" --cost-lambda {'/'.join(map(str, lams))}" if lams else "")
                  + (f" --topology-steps {runs['staged'][0]['topology_steps']}" if runs.get("staged") else "")
+                 + "".join(f" --{k.replace('_', '-')} {runs['staged'][0][k]}"
+                           for k in ("format_weight", "node_topology")
+                           if runs.get("staged") and runs["staged"][0].get(k) not in (None, 0.0, "sample"))
                  + (f" --tag {tag}" if tag else ""))
         with open(HERE / "RESULTS.md", "a") as f:
             f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
@@ -308,7 +312,8 @@ def run_all(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, "run", arm, "--seed", str(seed), "--minutes", str(args.minutes),
                    "--eval-n", str(args.eval_n), "--cost-lambda", str(args.cost_lambda), "--clock", args.clock,
                    "--hrpo-lr", str(args.hrpo_lr), "--topology-steps", str(args.topology_steps), "--tag", args.tag,
-                   "--task", TASK, "--format-weight", str(args.format_weight)]
+                   "--task", TASK, "--format-weight", str(args.format_weight),
+                   "--node-topology", args.node_topology]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         print(f"{arm}: seeds {args.seeds} running (logs in {out.relative_to(ROOT)}/{arm}-s*.log)", flush=True)
         codes = [p.wait() for p, _ in procs]
@@ -344,6 +349,9 @@ def main() -> int:
                        help="`stages.topology_steps` of the `staged` arm (HRPO alone first, for this many steps)")
         s.add_argument("--format-weight", type=float, default=0.0,
                        help="`flow_grpo.format_weight` of the arms that train nodes (each node's own format advantage)")
+        s.add_argument("--node-topology", choices=("sample", "greedy"), default="sample",
+                       help="`stages.node_topology` of the `staged` arm (how its node stage rolls out the held "
+                            "topology)")
         s.add_argument("--tag", default="", help="write (and report) runs under runs/bench-topology/TASK/TAG/")
     r = sub.add_parser("report")
     r.add_argument("--no-record", action="store_true")
