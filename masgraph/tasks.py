@@ -7,6 +7,7 @@ import json
 import random
 import re
 import sys
+import unicodedata
 import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -415,44 +416,57 @@ class MixedRoutes(PartitionedTask):
 
 @register_task
 class MixedSkills(PartitionedTask):
-    """A second mixed task whose three query types want three different executors (each item's `meta["type"]`):
+    """A second mixed task whose three query types want three different routes (each item's `meta["type"]`):
     `country` (the country a city of the shipped KB is in: only search knows; the city's document names one other
     place, the answer), `letters` (how many letters a made-up word has: code counts them, a calculator cannot, a
-    135M model guesses), `product` (two two-digit numbers multiplied: a calculator). The types alternate; train and
-    test are disjoint (every third KB city is held out; the other questions by `is_test_question`).
-    benchmarks/topology_rule.py checks it needs routing. (Its first design asked for a person's job, which search
-    finds in "X is a engineer who lives in Y", and the 135M generator answered the city: no route scored.)"""
+    135M model guesses), `capital` (a real country's capital: the model knows about half of them when asked
+    directly; the fictional KB's search hit and a tool's output only mislead it). The types alternate; train and
+    test are disjoint (every third KB city and every third country of masgraph/data/capitals.json are held out;
+    the letters questions by `is_test_question`). benchmarks/topology_rule.py checks it needs routing. (Earlier
+    designs did not qualify: a person's job, where the 135M generator answered the city; then a product of two
+    numbers as the third type, which python answers as well as the calculator, so python alone was the best route
+    for two types of three: RESULTS.md.)"""
 
     name = "mixed_skills"
-    TYPES = ("country", "letters", "product")
+    TYPES = ("country", "letters", "capital")
     SYLLABLES = ("ka", "lo", "mi", "ra", "ten", "vor", "sa", "dul", "quen", "ix", "bra", "nol", "fe", "zan", "tor")
 
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         k = -(-n // 3)
         rng = random.Random(split_seed(self.name, split, seed))
+        held_out = split == "test"
         cities = [d["facts"] for d in load_kb()["docs"] if d["id"].startswith("city-")]
-        cities = [c for i, c in enumerate(cities) if (i % 3 == 0) == (split == "test")]
+        cities = [c for i, c in enumerate(cities) if (i % 3 == 0) == held_out]
         rng.shuffle(cities)
         countries = [Item(f"{self.name}-{split}-{seed}-country-{i}", f"In which country is the city of {c['city']}?",
                           c["country"]) for i, c in enumerate(cities[i % len(cities)] for i in range(k))]
+        capitals = [c for i, c in enumerate(load_capitals()) if (i % 3 == 0) == held_out]
+        rng.shuffle(capitals)
+        capital = [Item(f"{self.name}-{split}-{seed}-capital-{i}", f"What is the capital of {c['country']}?",
+                        c["capital"], {"also": c["also"]})
+                   for i, c in enumerate(capitals[i % len(capitals)] for i in range(k))]
         letters: list[Item] = []
-        products: list[Item] = []
-        while len(letters) < k or len(products) < k:
+        while len(letters) < k:
             word = "".join(rng.choice(self.SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
             q = f"How many letters are in the word {word}?"
-            if len(letters) < k and is_test_question(q) == (split == "test"):
+            if is_test_question(q) == held_out:
                 letters.append(Item(f"{self.name}-{split}-{seed}-letters-{len(letters)}", q, str(len(word))))
-            a, b = rng.randint(11, 99), rng.randint(11, 99)
-            q = f"What is {a} times {b}?"
-            if len(products) < k and is_test_question(q) == (split == "test"):
-                products.append(Item(f"{self.name}-{split}-{seed}-product-{len(products)}", q, str(a * b)))
-        return _interleave(self.TYPES, (countries, letters, products))[:n]
+        return _interleave(self.TYPES, (countries, letters, capital))[:n]
 
     def score(self, item: Item, answer: str) -> float:
-        if item.meta["type"] == "country":
-            return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
+        """country, capital: the name (or one of its other spellings) appears in the answer, accents and case aside;
+        letters: the answer's last number is the count."""
+        if item.meta["type"] in ("country", "capital"):
+            said = _letters_only(answer)
+            return float(any(_letters_only(name) in said for name in [item.answer, *item.meta.get("also", [])]))
         numbers = re.findall(r"-?\d+(?:\.\d+)?", answer.replace(",", ""))
         return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
+
+
+def _letters_only(text: str) -> str:
+    """Lower-case ASCII letters of `text`, accents dropped ("Bogotá" -> "bogota")."""
+    plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    return re.sub(r"[^a-z]", "", plain.lower())
 
 
 @register_task
@@ -523,6 +537,13 @@ def _interleave(types: tuple[str, ...], streams: tuple[list[Item], ...]) -> list
     """One item of each stream in turn, each typed (`meta["type"]`) by its stream's name in `types`."""
     return [Item(it.id, it.question, it.answer, {**it.meta, "type": kind})
             for row in zip(*streams) for kind, it in zip(types, row)]
+
+
+@lru_cache(maxsize=1)
+def load_capitals() -> list[dict[str, Any]]:
+    """Real countries and their capitals (masgraph/data/capitals.json: country, capital, other spellings), read once
+    per process (callers must not mutate it)."""
+    return json.loads((files("masgraph.data") / "capitals.json").read_text())
 
 
 @lru_cache(maxsize=1)
