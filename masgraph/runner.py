@@ -123,9 +123,8 @@ class Runner:
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
         width, samples = self.config.branch_width, self.config.samples
-        if width and not hasattr(self.engine, "policy"):
-            raise MasgraphError("branching rollouts (`branch_width`) run on the driver's engine; they are not "
-                                "available with Ray rollouts yet: set branch_width: 0, or train without --ray")
+        if width:
+            self._on_driver("branching rollouts (`branch_width`)", "set branch_width: 0, or train without --ray")
         sched = self.scheduler(all_sinks, score=self._scorer(task, by_id))
         roots = max(1, samples // (1 + width)) if width else samples
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
@@ -158,8 +157,7 @@ class Runner:
         and episode with each item's kept together: a root, then its siblings."""
         from masgraph.branching import siblings
 
-        spec = self.graph.spec
-        nodes = {n for n, ns in spec.nodes.items() if ns.policy is not None and spec.policies[ns.policy].trainable}
+        nodes = set(self.graph.spec.trainable_adapters())
         extra = samples - per_item
         kids: list[list[EpisodeInput]] = []
         for r, (ep, tr) in enumerate(zip(roots, traces)):
@@ -188,6 +186,11 @@ class Runner:
             return reward
         return judged
 
+    def _on_driver(self, what: str, fix: str) -> None:
+        """Refuse `what` on Ray rollout workers: it needs the driver's own engine (its policies)."""
+        if not hasattr(self.engine, "policy"):
+            raise MasgraphError(f"{what} needs the driver's engine: not available with Ray rollouts yet; {fix}")
+
     def judge(self, spec: Any) -> Any:
         """The judge `spec` (a `masgraph.judge.JudgeSpec`) describes, built once per runner; its model is served by
         this engine (shared with the graph's policies when it names the same model)."""
@@ -195,9 +198,7 @@ class Runner:
 
         key = spec.model_dump_json()
         if key not in self._judges:
-            if not hasattr(self.engine, "policy"):
-                raise MasgraphError("a judge scorer runs on the driver's engine; it is not available with Ray "
-                                    "rollouts yet: score with a string scorer, or run without --ray")
+            self._on_driver("a judge scorer", "score with a string scorer, or run without --ray")
             self._judges[key] = Judge(self.engine.policy("judge", spec.policy), spec, self.engine.registry)
         return self._judges[key]
 

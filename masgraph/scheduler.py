@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable,
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from masgraph.backends.base import Backend, Completion, Request
+from masgraph.backends.base import Backend, Request
 from masgraph.eager import _Resumed, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
@@ -35,7 +35,7 @@ from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
-from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call
+from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call, replayed
 from masgraph.workclock import WAITER, CallWait, WorkClock
 
 
@@ -391,13 +391,6 @@ class Scheduler:
                 sink.emit(event)
             except Exception:  # a broken sink is counted, never fatal
                 self.sink_errors += 1
-
-
-def replayed(call: LLMCall) -> Completion:
-    """A recorded call as the completion a node receives (a branched sibling's prefix: nothing is decoded)."""
-    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
-                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
-                      completion_tokens=call.completion_tokens)
 
 
 def _slot_prompt(topology: Topology | None, node: str) -> str | None:

@@ -292,6 +292,11 @@ class GraphSpec(_Strict):
     """Training settings for `masgraph train`: a mapping keyed by `algorithm:` (default `flow_grpo`), validated by
     that algorithm's config model (registered by `masgraph.trainers`; `masgraph schema` lists the knobs)."""
 
+    def trainable_adapters(self) -> dict[str, str]:
+        """Node -> LoRA adapter name, for every node whose policy is trainable (what training updates)."""
+        return {n: self.policies[s.policy].adapter for n, s in self.nodes.items()
+                if s.policy is not None and self.policies[s.policy].trainable}
+
     @model_validator(mode="after")
     def _check_references(self) -> GraphSpec:
         names = set(self.nodes)

@@ -68,6 +68,16 @@ def llm_call(req: Request, c: Completion, latency_s: float, queue_s: float = 0.0
                    completion_tokens=c.completion_tokens, queue_s=queue_s)
 
 
+def replayed(call: LLMCall) -> Completion:
+    """`llm_call`'s inverse: a recorded call as the completion a node receives (a branched sibling's prefix, which
+    is replayed, not decoded)."""
+    from masgraph.backends.base import Completion
+
+    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
+                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
+                      completion_tokens=call.completion_tokens)
+
+
 class ToolCall(Record):
     """One tool invocation and its result or error."""
 

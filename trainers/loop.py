@@ -130,8 +130,7 @@ class TrainLoop:
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.learner.adapters():
                 self.learner.add_adapter(pol.adapter, lora)
-        self.trainable = {n: spec.policies[s.policy].adapter for n, s in spec.nodes.items()
-                          if s.policy and spec.policies[s.policy].trainable}
+        self.trainable = spec.trainable_adapters()
         # a graph with a `topology:` section samples its topology from a policy (untrained unless the algorithm
         # learns it; evaluation takes its most likely topology)
         self.topology = (TopologyPolicy(DecisionSpace(graph), spec.topology.condition)

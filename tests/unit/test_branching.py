@@ -131,3 +131,13 @@ train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
     for t in rollouts:
         if "branch" in t.meta:  # one node: the fork is the entry step, nothing replayed, a fresh sample
             assert t.meta["branch"]["fork_step"] == 0 and t.meta["sample"] >= 2
+
+
+def test_branching_on_ray_rollout_workers_is_refused_with_the_fix(root, scripted, runner_for, run):
+    from masgraph.errors import MasgraphError
+
+    runner = runner_for(compile_spec(load_spec(root / "graphs" / "agentflow.yaml")), scripted(), n=1, samples=4,
+                        branch_width=1)
+    runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    with pytest.raises(MasgraphError, match=r"branching rollouts .* Ray rollouts yet; set branch_width: 0"):
+        run(runner.run_items(Sums(), Sums().items("train", 1)))
