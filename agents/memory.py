@@ -43,13 +43,28 @@ def split_stream(query: str) -> tuple[list[str], str]:
 
 
 async def fact_store(ctx: NodeContext) -> NodeOutput:
-    """Build the episode's fact store from the query's facts, one operation each; the output (what later nodes read
-    as their input) is the store and the question. An output with no operation adds the fact and counts as a parse
-    failure of the step; an operation on a missing entry adds it too (recorded on the operation, not a format
-    failure)."""
+    """Apply the query's facts to the node's fact store, one operation each; the output (what later nodes read as
+    their input) is the store and the question. The store is the episode's own, or with `scope: conversation` the
+    one its conversation's earlier episodes left (edited under the conversation's lock, kept only if this step
+    finishes). An output with no operation adds the fact and counts as a parse failure of the step; an operation on
+    a missing entry adds it too (recorded on the operation, not a format failure)."""
     spec = ctx.node_spec
     facts, question = split_stream(ctx.query)
-    store, ops, unparsed = FactStore(), [], []
+    if spec.scope == "conversation" and ctx.conversation is not None and ctx.conversations is not None:
+        async with ctx.conversations.open(ctx.conversation) as store:
+            ops, unparsed = await _edit(ctx, store, facts)
+    else:
+        store = FactStore()
+        ops, unparsed = await _edit(ctx, store, facts)
+    error = f"{len(unparsed)} of {len(ops)} outputs had no operation; first: {unparsed[0]}" if unparsed else None
+    shown = store.recall(question, spec.recall) if spec.recall else store
+    return NodeOutput(text=f"Memory:\n{shown.render()}\nQuestion: {question}", memory_ops=ops, parse_error=error)
+
+
+async def _edit(ctx: NodeContext, store: FactStore, facts: list[str]) -> tuple[list[MemoryOp], list[str]]:
+    """One operation per fact, applied to `store` in order: the manager's (its policy), or the rule's; returns the
+    applied operations and the reasons of outputs that had none."""
+    spec, ops, unparsed = ctx.node_spec, [], []
     for fact in facts:
         if spec.mode == "manager":
             completion = await ctx.generate(render(ctx, "memory_manager", memory=store.render(), fact=fact))
@@ -63,6 +78,4 @@ async def fact_store(ctx: NodeContext) -> NodeOutput:
         ops.append(store.apply(op))
         if spec.mode == "last_k":
             store.trim(spec.keep)
-    error = f"{len(unparsed)} of {len(ops)} outputs had no operation; first: {unparsed[0]}" if unparsed else None
-    shown = store.recall(question, spec.recall) if spec.recall else store
-    return NodeOutput(text=f"Memory:\n{shown.render()}\nQuestion: {question}", memory_ops=ops, parse_error=error)
+    return ops, unparsed

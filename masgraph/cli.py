@@ -672,6 +672,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
     check_port(args.host, args.port)  # a port in use: an error line now, not after the model has loaded
+    conversations = None
+    if args.conversations:  # an unusable directory fails now, not after the model has loaded
+        from masgraph.memory.conversations import ConversationStores
+
+        conversations = ConversationStores(args.conversations)
     graph, bundle = open_source(args.graph)
     graph = with_device(graph, args.device, args.graph)
     if args.topology and graph.spec.topology is None:
@@ -687,6 +692,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"loading {graph.spec.name} ({plural(len(graph.spec.nodes), 'node')}) ...", file=sys.stderr)
     with nullcontext() if store is None else _removed_if_left_empty(store):
         agent = Agent(graph, args.checkpoint, args.topology, args.deterministic, bundle=bundle)
+    if conversations is not None:
+        agent.engine.conversations = conversations
+        print(f"conversation memories go to {args.conversations}", file=sys.stderr)
     if agent.topology is not None:
         _print_topology(agent.topology, agent.mode)
     if store is not None:
@@ -964,6 +972,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--max-concurrency + --max-queue + 64)")
     sv.add_argument("--max-body-kb", type=positive_int, default=1024, help="largest request body (413; default 1024)")
     sv.add_argument("--no-store", action="store_true", help="keep no traces (default: a run dir under --runs-dir)")
+    sv.add_argument("--conversations", metavar="DIR", help="keep the fact stores of `scope: conversation` memory "
+                    "nodes in DIR (one file per conversation; a restart continues them; default: in memory only)")
     sv.add_argument("--runs-dir", default="runs")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="server log level (info logs every request)")

@@ -15,6 +15,7 @@ from typing import Any
 from masgraph.backends.base import Backend, serves_adapters
 from masgraph.events import Sink
 from masgraph.graph import Graph, Topology
+from masgraph.memory.conversations import ConversationStores
 from masgraph.registry import Registry, default_registry
 from masgraph.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.spec import PolicySpec
@@ -62,6 +63,9 @@ class Engine:
         self.tool_descriptions = tool_descriptions(self.registry.tools, spec.tools)
         self.backends: dict[tuple, Backend] = {}
         self.policies: dict[str, Policy] = {}
+        self.conversations = ConversationStores()
+        """Fact stores kept across the episodes of a conversation (in memory; `masgraph serve --conversations DIR`
+        keeps them on disk)."""
         self._started = 0
         self._given = backends or {}
         for name, pol in spec.policies.items():
@@ -105,7 +109,8 @@ class Engine:
                   concurrency: int = 16, seed: int = 0) -> Scheduler:
         """A scheduler over this engine's parts (cheap: build one per run, with that run's sinks)."""
         return Scheduler(self.graph, self.agents, self.policies, self.tools, sinks, concurrency=concurrency,
-                         seed=seed, score=score, tool_descriptions=self.tool_descriptions)
+                         seed=seed, score=score, tool_descriptions=self.tool_descriptions,
+                         conversations=self.conversations)
 
     async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
                       choice: TopologyChoice | None = None, sinks: Sequence[Sink] = (), seed: int = 0,

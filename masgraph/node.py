@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from masgraph.memory.action_log import ActionLog
+from masgraph.memory.conversations import ConversationStores
 from masgraph.spec import GraphSpec
 from masgraph.trace import MemoryOp, ToolCall
 
@@ -59,6 +60,10 @@ class NodeContext:
     """Every tool of the graph by name -> the description shown to the model."""
     prompt: str | None = None
     """The prompt template this episode's topology gives the node (a `topology.slots` choice); None: its own."""
+    conversation: str | None = None
+    """The conversation this episode belongs to (its `meta["conversation"]`), if any."""
+    conversations: ConversationStores | None = None
+    """The engine's conversation memories (a memory node with `scope: conversation` edits its conversation's)."""
 
     @property
     def node_spec(self) -> Any:

@@ -42,6 +42,9 @@ class Extension(BaseModel):
     model_config = ConfigDict(extra="forbid")
     trace: bool = False
     """Return the trace id and steps with the answer."""
+    conversation: str | None = Field(None, min_length=1, max_length=256)
+    """A conversation id of the client's choosing: memory nodes with `scope: conversation` keep their fact store
+    across the requests that name the same one (each request's facts added to what the earlier ones left)."""
 
 
 class ChatRequest(BaseModel):

@@ -33,6 +33,7 @@ from masgraph.events import (
 from masgraph.gc_scope import fewer_collections
 from masgraph.graph import Graph, GraphView, Topology
 from masgraph.memory.action_log import ActionLog
+from masgraph.memory.conversations import ConversationStores
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
 from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call, replayed
@@ -208,8 +209,10 @@ class Scheduler:
     def __init__(self, graph: Graph, agents: dict[str, Agent], policies: dict[str, Policy],
                  tools: dict[str, ToolFn], sinks: Sequence[Sink] = (), concurrency: int = 8, seed: int = 0,
                  score: Score | None = None,
-                 tool_descriptions: dict[str, str] | None = None):
+                 tool_descriptions: dict[str, str] | None = None, conversations: ConversationStores | None = None):
         self.graph, self.policies, self.tools = graph, policies, tools
+        self.conversations = conversations
+        """Conversation memories (`scope: conversation` memory nodes); None: each such episode keeps its own."""
         self.agents = {name: _as_async(agent) for name, agent in agents.items()}
         self.sinks, self.concurrency, self.seed, self.score = list(sinks), concurrency, seed, score
         if tool_descriptions is None:
@@ -331,7 +334,8 @@ class Scheduler:
             clock = WorkClock(nspec.timeout_s, episode)  # this attempt's work clock, one of the episode's steps
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
                               self._generator(ep, trace, index, node, turn, calls, clock), self._node_tools[node],
-                              self.tool_descriptions, _slot_prompt(ep.topology, node))
+                              self.tool_descriptions, _slot_prompt(ep.topology, node),
+                              conversation=ep.meta.get("conversation"), conversations=self.conversations)
             try:
                 out = await _within(agent(ctx), clock)  # no task per step, unlike wait_for
                 error = None

@@ -343,7 +343,7 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(ticket.release))
         try:
-            ans = await _answer(question, rid, ticket, request)
+            ans = await _answer(question, rid, ticket, request, conversation=req.masgraph.conversation)
         finally:
             ticket.release()
         return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
@@ -353,7 +353,7 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         rest of the answer when the episode ends (all of it when nothing streamed), the finish chunk, usage if
         asked, [DONE]. A failure after the first event is an OpenAI-style error event, then [DONE]."""
         stream = agent.answer_stream()
-        answering = asyncio.ensure_future(_answer(question, rid, ticket, None, stream))
+        answering = asyncio.ensure_future(_answer(question, rid, ticket, None, stream, req.masgraph.conversation))
         answering.add_done_callback(lambda _: stream.close())  # also when it failed before its episode began
         try:
             yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
@@ -392,11 +392,13 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             ticket.release()
 
     async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None,
-                      stream: AnswerStream | None = None) -> Answer:
+                      stream: AnswerStream | None = None, conversation: str | None = None) -> Answer:
         """The episode of one request, run as its own task: queued, then run within the timeout; cancelled when
-        the client goes away (watched here for a non-streaming `request`). `stream` gets the answer's text."""
+        the client goes away (watched here for a non-streaming `request`). `stream` gets the answer's text;
+        `conversation` names the conversation whose memory it continues (`scope: conversation` memory nodes)."""
         t0 = time.perf_counter()
-        episode = asyncio.ensure_future(_episode(question, rid, ticket, stream))
+        meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {})}
+        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream))
         episode.add_done_callback(_retrieved)
         waits = {episode}
         if request is not None:
@@ -412,14 +414,14 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             metrics.latency.observe(time.perf_counter() - t0)
         return _outcome(episode)
 
-    async def _episode(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None) -> Answer:
+    async def _episode(question: str, meta: dict[str, str], ticket: _Ticket, stream: AnswerStream | None) -> Answer:
         """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
         try:
             await ticket.start()
             limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
             try:
                 async with limit:
-                    return await agent.aask(question, sinks=sinks, meta={"request_id": rid}, stream=stream)
+                    return await agent.aask(question, sinks=sinks, meta=meta, stream=stream)
             except TimeoutError:
                 if not limit.expired():
                     raise

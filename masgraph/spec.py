@@ -166,10 +166,23 @@ class MemoryNodeSpec(_NodeBase):
     recall: int | None = Field(None, ge=1)
     """Fact-store modes: show later nodes only the `recall` entries that share the most words with the question
     (None: every entry)."""
+    scope: Literal["episode", "conversation"] = "episode"
+    """Fact-store modes: whose store it is. `episode`: a fresh store per episode. `conversation`: one store per
+    conversation, kept across its episodes (masgraph/memory/conversations.py): each episode adds its facts to what
+    the conversation's earlier ones left. An episode names its conversation in `meta["conversation"]` (`masgraph
+    serve`: the request's `masgraph.conversation`); one that names none (e.g. training rollouts) gets a fresh
+    store."""
 
     @property
     def needs_policy(self) -> bool:  # type: ignore[override]
         return self.mode == "manager"
+
+    @model_validator(mode="after")
+    def _scope_needs_a_store(self) -> MemoryNodeSpec:
+        if self.scope == "conversation" and self.mode == "summary":
+            raise ValueError("scope: conversation keeps a fact store across episodes, but mode: summary keeps none; "
+                             "use mode: manager, append or last_k, or drop scope")
+        return self
 
 
 class CustomSpec(_NodeBase):

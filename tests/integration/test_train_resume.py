@@ -1,6 +1,7 @@
 """`masgraph train` end to end: SIGKILL during a step and during a checkpoint write, then --resume, gives the
-same next-step loss and adapter weights as an uninterrupted run (hf backend, deterministic mode, same seed), also
-when the interrupted run and its resume have a busy machine and the uninterrupted one a quiet one."""
+same next-step loss and adapter weights as an uninterrupted run (hf backend, deterministic mode, same seed, step
+credit and branching rollouts on), also when the interrupted run and its resume have a busy machine and the
+uninterrupted one a quiet one."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ train:
   checkpoint_every: 1
   seed: 5
   deterministic: true
-  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step}
+  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step, branch_width: 1}
 """
 # real arithmetic items; a reward that varies inside every group, so every step has a learning signal
 TASK = """\

@@ -159,6 +159,15 @@ def test_an_os_error_on_a_user_path_is_an_error_line(tmp_path, capsys):
     assert "error: No such file or directory" in capsys.readouterr().err  # HEAD: FileNotFoundError traceback
 
 
+def test_serve_with_an_unusable_conversations_dir_is_an_error_line_before_the_model_loads(root, tmp_path, capsys,
+                                                                                          free_port):
+    (tmp_path / "file").write_text("")
+    code = main(["serve", str(root / "graphs" / "memory.yaml"), "--no-store", "--port", str(free_port()),
+                 "--conversations", str(tmp_path / "file" / "conv")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: cannot use") and "loading" not in err, err
+
+
 @pytest.mark.slow
 def test_a_cancelled_run_summary_counts_what_finished(tmp_path):
     graph = GraphBuilder("g").add_policy("main", backend="scripted").add_node("answer", role="generator",
