@@ -118,7 +118,9 @@ def extension(trace: Trace, store_path: str | None) -> dict[str, Any]:
             "topology": trace.topology.decisions if trace.topology is not None else None,
             "steps": [{"node": s.node, "role": s.role, "turn": s.turn, "route": s.route, "text": s.text,
                        "tool": s.tool.model_dump() if s.tool is not None else None, "error": s.error,
-                       "parse_error": s.parse_error, "duration_s": s.duration_s} for s in trace.steps]}
+                       "parse_error": s.parse_error, "duration_s": s.duration_s,
+                       **({"memory_ops": [op.model_dump() for op in s.memory_ops]} if s.memory_ops else {})}
+                      for s in trace.steps]}
 
 
 def completion(request_id: str, trace: Trace, answer: str, model: str, with_trace: bool,
