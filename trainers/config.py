@@ -24,7 +24,10 @@ class FlowGRPOConfig(BaseModel):
     lr: float = Field(5e-5, gt=0)
     """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
     node_lr: dict[str, float] = Field(default_factory=dict)
-    """Per-node learning rate overrides, by node name."""
+    """Per-node learning rate overrides, by trainable node name (nodes sharing an adapter must agree)."""
+    node_temperature: dict[str, float] = Field(default_factory=dict)
+    """Per-node overrides of `temperature`, by trainable node name (nodes sharing a policy must agree): e.g. more
+    exploration for a node whose output is one of a few decisions (a memory manager's operation)."""
     loss_agg: Literal["token-mean", "nested"] = "token-mean"
     """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
     group_by: Literal["query", "query_node"] = "query"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from masgraph.device import is_out_of_memory
-from masgraph.errors import MasgraphError, Problem, SpecError
+from masgraph.errors import MasgraphError, Problem, SpecError, one_of
 from masgraph.learner import Learner
 from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
@@ -201,6 +201,14 @@ class FlowGRPO(TrainAlgorithm):
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width = config.branch_width
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
+        for knob in ("node_lr", "node_temperature"):
+            for node in getattr(config, knob):
+                if node not in trainable:
+                    raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}",
+                                             f"{node!r} is not a trainable node", f"use one of {one_of(trainable)}")])
+            for node, value in getattr(config, knob).items():
+                if not value > 0:
+                    raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"must be above 0 (got {value})")])
         lrs: dict[str, float] = {}
         for node, adapter in trainable.items():
             lr = config.node_lr.get(node, config.lr)
@@ -226,8 +234,17 @@ class FlowGRPO(TrainAlgorithm):
                    queries_per_step=ctx.config.queries_per_step)
 
     def rollout_spec(self, spec: GraphSpec) -> GraphSpec:
-        """Trainable policies sample at `flow_grpo.temperature`; the rest as written."""
-        return sampling_spec(spec, self.config.temperature)
+        """Trainable policies sample at `flow_grpo.temperature` (or their nodes' `node_temperature`); the rest as
+        written."""
+        per_policy: dict[str, float] = {}
+        for node, t in self.config.node_temperature.items():
+            policy = spec.nodes[node].policy
+            if per_policy.setdefault(policy, t) != t:
+                raise SpecError([Problem(
+                    f"train.flow_grpo.node_temperature.{node}", f"nodes sharing policy {policy!r} were given "
+                    f"different temperatures ({per_policy[policy]} and {t})",
+                    "give every node of one policy the same `node_temperature`")])
+        return sampling_spec(spec, self.config.temperature, per_policy)
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         """With `zero_variance: resample` (DAPO's dynamic sampling): the queries short of `queries_per_step`
@@ -355,10 +372,13 @@ class FlowGRPO(TrainAlgorithm):
         return pg + cfg.kl_coef * kl
 
 
-def sampling_spec(spec: GraphSpec, temperature: float) -> GraphSpec:
-    """The graph with its trainable policies sampling at `temperature` (what Flow-GRPO explores with)."""
-    hot = {n: p.model_copy(update={"sampling": p.sampling.model_copy(update={"temperature": temperature})})
-           if p.trainable else p for n, p in spec.policies.items()}
+def sampling_spec(spec: GraphSpec, temperature: float, per_policy: dict[str, float] | None = None) -> GraphSpec:
+    """The graph with its trainable policies sampling at `temperature`, or at `per_policy[name]` (what Flow-GRPO
+    explores with)."""
+    per_policy = per_policy or {}
+    hot = {n: p.model_copy(update={"sampling": p.sampling.model_copy(
+        update={"temperature": per_policy.get(n, temperature)})}) if p.trainable else p
+        for n, p in spec.policies.items()}
     return spec.model_copy(update={"policies": hot})
 
 

@@ -1,0 +1,84 @@
+"""Flow-GRPO's per-node overrides: `node_temperature` sets what each trainable node's policy samples at in training
+rollouts (the others keep `temperature`; evaluation keeps the graph's own), `node_lr` its adapter's learning rate;
+a name that is not a trainable node, a non-positive value, or two nodes of one policy / adapter that disagree are
+located errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from masgraph.errors import SpecError
+from masgraph.loader import parse_spec
+from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.flow_grpo import FlowGRPO
+
+GRAPH = """\
+name: two
+policies:
+  plan: {backend: scripted, model: none, adapter: plan, trainable: true, sampling: {temperature: 0.0}}
+  check: {backend: scripted, model: none, adapter: check, trainable: true, sampling: {temperature: 0.0}}
+  fixed: {backend: scripted, model: none, sampling: {temperature: 0.0}}
+nodes:
+  planner: {role: planner, policy: plan}
+  replanner: {role: planner, policy: plan}
+  verifier: {role: verifier, policy: check}
+  answer: {role: generator, policy: fixed}
+edges:
+  - {source: planner, target: replanner}
+  - {source: replanner, target: verifier}
+  - {source: verifier, target: planner, when: continue}
+  - {source: verifier, target: answer, when: stop}
+entry: planner
+exit: answer
+"""
+TRAINABLE = {"planner": "plan", "replanner": "plan", "verifier": "check"}
+
+
+class Learner:
+    """Just what FlowGRPO's constructor asks of a learner."""
+
+    def __init__(self):
+        self.weights = {a: [torch.nn.Parameter(torch.zeros(2))] for a in ("plan", "check")}
+
+    def adapters(self):
+        return list(self.weights)
+
+    def parameters(self, adapter):
+        return self.weights[adapter]
+
+
+def _algo(**knobs) -> FlowGRPO:
+    return FlowGRPO(Learner(), TRAINABLE, FlowGRPOConfig(temperature=0.7, **knobs))
+
+
+def test_node_temperature_sets_its_policy_and_leaves_the_rest_at_the_flow_grpo_temperature():
+    spec = parse_spec(GRAPH, "g.yaml")
+    hot = _algo(node_temperature={"verifier": 1.5}).rollout_spec(spec)
+    assert {n: p.sampling.temperature for n, p in hot.policies.items()} == {"plan": 0.7, "check": 1.5, "fixed": 0.0}
+    assert _algo().rollout_spec(spec).policies["check"].sampling.temperature == 0.7  # no override: the default
+    assert spec.policies["check"].sampling.temperature == 0.0  # the graph itself (evaluation's) is untouched
+
+
+def test_node_lr_sets_its_adapters_learning_rate():
+    algo = _algo(lr=1e-3, node_lr={"verifier": 1e-4})
+    assert {a: o.param_groups[0]["lr"] for a, o in algo.optimizers.items()} == {"plan": 1e-3, "check": 1e-4}
+
+
+@pytest.mark.parametrize("knobs,where,what", [
+    ({"node_temperature": {"verifer": 1.2}}, "train.flow_grpo.node_temperature.verifer", "not a trainable node"),
+    ({"node_lr": {"answer": 1e-4}}, "train.flow_grpo.node_lr.answer", "not a trainable node"),
+    ({"node_temperature": {"verifier": 0.0}}, "train.flow_grpo.node_temperature.verifier", "must be above 0"),
+    ({"node_lr": {"planner": 1e-3, "replanner": 1e-4}}, "train.flow_grpo.node_lr.replanner", "different learning"),
+])
+def test_a_wrong_override_is_a_located_error(knobs, where, what):
+    with pytest.raises(SpecError) as err:
+        _algo(**knobs)
+    assert err.value.problems[0].path == where and what in str(err.value)
+
+
+def test_two_nodes_of_one_policy_at_different_temperatures_is_a_located_error():
+    algo = _algo(node_temperature={"planner": 1.0, "replanner": 1.3})
+    with pytest.raises(SpecError, match="nodes sharing policy 'plan' were given different temperatures") as err:
+        algo.rollout_spec(parse_spec(GRAPH, "g.yaml"))
+    assert err.value.problems[0].path == "train.flow_grpo.node_temperature.replanner"
