@@ -51,8 +51,11 @@ async def fact_store(ctx: NodeContext) -> NodeOutput:
     spec = ctx.node_spec
     facts, question = split_stream(ctx.query)
     if spec.scope == "conversation" and ctx.conversation is not None and ctx.conversations is not None:
-        async with ctx.conversations.open(ctx.conversation) as store:
-            ops, unparsed = await _edit(ctx, store, facts)
+        if ctx.turn > 1:  # a loop back here: the episode's facts are in already; read the store
+            store, ops, unparsed = ctx.conversations.peek(ctx.node, ctx.conversation), [], []
+        else:
+            async with ctx.conversations.open(ctx.node, ctx.conversation, ctx.waiting()) as store:
+                ops, unparsed = await _edit(ctx, store, facts)
     else:
         store = FactStore()
         ops, unparsed = await _edit(ctx, store, facts)

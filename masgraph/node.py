@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,9 @@ class NodeContext:
     """The conversation this episode belongs to (its `meta["conversation"]`), if any."""
     conversations: ConversationStores | None = None
     """The engine's conversation memories (a memory node with `scope: conversation` edits its conversation's)."""
+    waiting: Callable[[], AbstractContextManager[object]] = nullcontext
+    """`with ctx.waiting(): ...` — time inside is not this step's work (its time limit does not run): for a node
+    that waits its turn at something shared (a conversation's memory), as its LLM calls' queue waits are not."""
 
     @property
     def node_spec(self) -> Any:

@@ -15,6 +15,7 @@ import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from masgraph.backends.base import Backend, Request
@@ -37,7 +38,7 @@ from masgraph.memory.conversations import ConversationStores
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
 from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call, replayed
-from masgraph.workclock import WAITER, CallWait, WorkClock
+from masgraph.workclock import WAITER, CallWait, WorkClock, not_working
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,8 @@ class Scheduler:
             ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
                               self._generator(ep, trace, index, node, turn, calls, clock), self._node_tools[node],
                               self.tool_descriptions, _slot_prompt(ep.topology, node),
-                              conversation=ep.meta.get("conversation"), conversations=self.conversations)
+                              conversation=ep.meta.get("conversation"), conversations=self.conversations,
+                              waiting=partial(not_working, clock))
             try:
                 out = await _within(agent(ctx), clock)  # no task per step, unlike wait_for
                 error = None

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
@@ -227,3 +229,15 @@ class CallWait:
         self.r, self.t = rate, now
         if self.clock is not None:
             self.clock.set(self, rate)
+
+
+@contextmanager
+def not_working(clock: WorkClock | None) -> Iterator[None]:
+    """Time inside does not count as work on `clock` (a node waiting for its turn at something shared, as a call
+    waits in a queue); it still counts towards the clock's wall-clock ceiling."""
+    wait = CallWait(clock)
+    wait.rate(0.0)
+    try:
+        yield
+    finally:
+        wait.rate(None)

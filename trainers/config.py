@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class FlowGRPOConfig(BaseModel):
@@ -239,4 +239,11 @@ class JointTrainSpec(TrainSpec):
     even steps the topology (each learns against the other held fixed); `staged`: the topology first, then the
     nodes, then both (`stages`; the reasoning is in trainers/joint.py)."""
     stages: StagesConfig = Field(default_factory=StagesConfig)
-    """Stage lengths of `schedule: staged`."""
+    """Stage lengths (and the node stage's topology mode) of `schedule: staged`."""
+
+    @model_validator(mode="after")
+    def _stages_need_the_staged_schedule(self) -> JointTrainSpec:
+        if self.schedule != "staged" and "stages" in self.model_fields_set:
+            raise ValueError(f"`stages` sets up `schedule: staged`, but the schedule is {self.schedule!r}; set "
+                             "`schedule: staged`, or drop `stages`")
+        return self

@@ -1,25 +1,28 @@
-"""ConversationStores: fact stores that outlive an episode, one per conversation (Memory-R1's deployed setting: a
-manager curates one memory across the turns of a dialogue, and each turn's reader answers from it).
+"""ConversationStores: fact stores that outlive an episode, one per (memory node, conversation) (Memory-R1's deployed
+setting: a manager curates one memory across the turns of a dialogue, and each turn's reader answers from it).
 
 A memory node with `scope: conversation` opens its episode's conversation (`meta["conversation"]`, e.g. the
 `masgraph.conversation` field of a request to `masgraph serve`), applies the episode's new facts to the store the
-conversation's earlier episodes left, and reads it. Episodes of one conversation take turns (a lock per
-conversation), so two concurrent requests never interleave their operations. A step edits a copy that replaces the
-conversation's store only when the step finishes: an episode that fails, times out or is cancelled mid-step leaves
-the store as it found it. With a directory, every committed store is also written there (one JSON file per
-conversation, atomically), so a restarted server continues each conversation where it stopped; without one they
-live in memory, the least recently used dropped beyond `max_open`.
+conversation's earlier episodes left, and reads it. The memory steps of one conversation take turns (a lock per
+store, waited for outside the node's work clock, as an LLM call's queue is), so two concurrent requests never
+interleave their operations. A step edits a copy, which replaces the stored one when the step finishes (written
+to disk first, when there is a directory): a memory step that fails, times out or is cancelled leaves the store as
+it found it. What is kept is the memory step's work: a later node of the same episode that fails does not undo it
+(a client that retries such a request adds its facts again; a trained manager may NOOP them). With a directory,
+every committed store is a JSON file there (written atomically), so a restarted server continues each
+conversation where it stopped; without one they live in memory, the least recently used dropped (with a warning)
+beyond `max_open`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 from masgraph.errors import MasgraphError
@@ -28,18 +31,20 @@ from masgraph.memory.store import FactStore
 
 __all__ = ["ConversationStores"]
 
+log = logging.getLogger(__name__)
+
 
 class ConversationStores:
-    """Conversation id -> its FactStore.
+    """(memory node, conversation id) -> its FactStore.
 
     Example:
         >>> stores = ConversationStores()
         >>> async def turn(fact):
-        ...     async with stores.open("c1") as store:
+        ...     async with stores.open("memory", "c1") as store:
         ...         store.entries[store.next_id] = fact
         ...         store.next_id += 1
         >>> asyncio.run(turn("Kalo Mira lives in Rafeport."))
-        >>> stores.peek("c1").render()
+        >>> stores.peek("memory", "c1").render()
         '[1] Kalo Mira lives in Rafeport.'
     """
 
@@ -48,70 +53,96 @@ class ConversationStores:
             raise MasgraphError(f"max_open must be at least 1 (got {max_open})")
         self.directory = Path(directory) if directory is not None else None
         self.max_open = max_open
-        self._open: OrderedDict[str, FactStore] = OrderedDict()  # least recently used first
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._open: OrderedDict[tuple[str, str], FactStore] = OrderedDict()  # least recently used first
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # the lock, and its holder + waiters
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise MasgraphError(f"cannot use {self.directory} for conversation memories: {exc}") from None
 
-    @asynccontextmanager
-    async def open(self, conversation: str) -> AsyncIterator[FactStore]:
-        """The conversation's store to edit (a copy: committed when the block exits without an exception); waits
-        while another episode of the same conversation holds it."""
-        lock = self._locks.setdefault(conversation, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def open(self, node: str, conversation: str,
+                   waiting: contextlib.AbstractContextManager[object] | None = None) -> AsyncIterator[FactStore]:
+        """Node `node`'s store of `conversation`, to edit (a copy: committed when the block exits without an
+        exception); waits, inside `waiting` (e.g. a node context's `waiting()`), while another step holds it."""
+        key = _key(node, conversation)
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
         try:
-            async with lock:
-                work = copy.deepcopy(self.peek(conversation))
+            with waiting or contextlib.nullcontext():
+                await lock.acquire()
+            try:
+                start = self.peek(node, conversation)
+                work = FactStore(dict(start.entries), start.next_id)
                 yield work
-                self._commit(conversation, work)
+                self._commit(key, work)
+            finally:
+                lock.release()
         finally:
-            if not lock.locked() and conversation not in self._open:
-                self._locks.pop(conversation, None)
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
-    def peek(self, conversation: str) -> FactStore:
-        """The conversation's committed store (empty when it has none); not a copy: do not edit it."""
-        if conversation in self._open:
-            self._open.move_to_end(conversation)
-            return self._open[conversation]
-        store = self._load(conversation) or FactStore()
-        self._remember(conversation, store)
+    def peek(self, node: str, conversation: str) -> FactStore:
+        """Node `node`'s committed store of `conversation` (empty when it has none); not a copy: do not edit it."""
+        key = _key(node, conversation)
+        if key in self._open:
+            self._open.move_to_end(key)
+            return self._open[key]
+        store = self._load(key) or FactStore()
+        self._remember(key, store)
         return store
 
-    def path(self, conversation: str) -> Path | None:
-        """Where the conversation's store is written (None without a directory): a hash of the id, so any id is a
-        safe file name."""
+    def path(self, node: str, conversation: str) -> Path | None:
+        """Where the store is written (None without a directory): a hash of node and id, so any id is a safe file
+        name."""
         if self.directory is None:
             return None
-        return self.directory / f"{hashlib.sha256(conversation.encode()).hexdigest()[:32]}.json"
+        digest = hashlib.sha256(f"{node}\0{conversation}".encode("utf-8", "surrogatepass")).hexdigest()
+        return self.directory / f"{digest[:32]}.json"
 
-    def _commit(self, conversation: str, store: FactStore) -> None:
-        self._remember(conversation, store)
-        path = self.path(conversation)
-        if path is not None:
-            body = {"conversation": conversation, "next_id": store.next_id,
+    def _commit(self, key: tuple[str, str], store: FactStore) -> None:
+        path = self.path(*key)
+        if path is not None:  # disk first: a failed write leaves memory as it was, so the two never disagree
+            body = {"node": key[0], "conversation": key[1], "next_id": store.next_id,
                     "entries": [[n, text] for n, text in sorted(store.entries.items())]}
-            atomic_write(path, json.dumps(body, ensure_ascii=False))
+            atomic_write(path, json.dumps(body))  # ASCII: any id (lone surrogates too) as \u escapes
+        self._remember(key, store)
 
-    def _remember(self, conversation: str, store: FactStore) -> None:
-        self._open[conversation] = store
-        self._open.move_to_end(conversation)
+    def _remember(self, key: tuple[str, str], store: FactStore) -> None:
+        self._open[key] = store
+        self._open.move_to_end(key)
         while len(self._open) > self.max_open:
-            dropped, _ = self._open.popitem(last=False)
-            lock = self._locks.get(dropped)
-            if lock is not None and not lock.locked():
-                del self._locks[dropped]
+            (node, conversation), _ = self._open.popitem(last=False)
+            if self.directory is None:
+                log.warning("conversation memory of %r (node %r) dropped: more than %d conversations are open and "
+                            "nothing keeps them on disk (masgraph serve --conversations DIR does)", conversation,
+                            node, self.max_open)
 
-    def _load(self, conversation: str) -> FactStore | None:
-        path = self.path(conversation)
+    def _load(self, key: tuple[str, str]) -> FactStore | None:
+        path = self.path(*key)
         if path is None or not path.exists():
             return None
         try:
             body = json.loads(path.read_text())
-            if body.get("conversation") != conversation:
-                raise ValueError(f"it holds conversation {body.get('conversation')!r}")
-            return FactStore({int(n): str(text) for n, text in body["entries"]}, int(body["next_id"]))
+            if not isinstance(body, dict):
+                raise ValueError(f"it holds a JSON {type(body).__name__}, not an object")
+            if [body.get("node"), body.get("conversation")] != list(key):
+                raise ValueError(f"it holds node {body.get('node')!r}, conversation {body.get('conversation')!r}")
+            entries = {int(n): str(text) for n, text in body["entries"]}
+            next_id = int(body["next_id"])
+            if entries and next_id <= max(entries):
+                raise ValueError(f"next_id {next_id} would reuse entry {max(entries)}")
+            return FactStore(entries, next_id)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise MasgraphError(f"conversation memory {path} is unreadable ({exc}); move it away to start that "
                                 "conversation afresh") from None
+
+
+def _key(node: str, conversation: str) -> tuple[str, str]:
+    if not isinstance(conversation, str) or not conversation:
+        raise MasgraphError(f"a conversation id is a non-empty string (got {conversation!r})")
+    return node, conversation

@@ -56,7 +56,7 @@ def _replayed(start: FactStore, ops: list[MemoryOp]) -> FactStore:
 
 
 def _on_disk(conv, conversation: str) -> FactStore:
-    return ConversationStores(conv).peek(conversation)
+    return ConversationStores(conv).peek("memory", conversation)
 
 
 @pytest.mark.slow
