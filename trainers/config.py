@@ -243,7 +243,7 @@ class JointTrainSpec(TrainSpec):
 
     @model_validator(mode="after")
     def _stages_need_the_staged_schedule(self) -> JointTrainSpec:
-        if self.schedule != "staged" and "stages" in self.model_fields_set:
+        if self.schedule != "staged" and self.stages != StagesConfig():  # defaults are fine (a dumped spec has them)
             raise ValueError(f"`stages` sets up `schedule: staged`, but the schedule is {self.schedule!r}; set "
                              "`schedule: staged`, or drop `stages`")
         return self

@@ -129,3 +129,16 @@ def test_staged_learns_the_route_that_works_before_its_sampled_node_does_and_sim
     # nodes, the tool route gains at every step of the topology stage, though its sampled node cannot answer yet
     assert staged[6:] == [staged[5]] * (len(staged) - 6)  # then the node stage holds the topology
     assert staged[LEARNS_AT - 1] > skip[LEARNS_AT - 1] + 0.2 > simultaneous[LEARNS_AT - 1] + 0.4
+
+
+def test_stages_without_the_staged_schedule_is_a_located_error(root):
+    from masgraph.errors import SpecError
+    from masgraph.loader import parse_spec
+
+    text = (root / "graphs" / "mixed_router.yaml").read_text()
+    hrpo = "  hrpo: {lr: 0.1, omega: 0.5}"
+    bad = text.replace(hrpo, hrpo + "\n  stages: {node_topology: greedy}")
+    with pytest.raises(SpecError, match=r"train: `stages` sets up `schedule: staged`, but the schedule is "
+                                        r"'simultaneous'"):
+        parse_spec(bad, "g.yaml")
+    parse_spec(bad.replace("  stages:", "  schedule: staged\n  stages:"), "g.yaml")  # with the schedule: fine
