@@ -8,6 +8,13 @@ before held-out accuracy falls (the policy-only run that lost 9 points between 7
                           entropy per token; falling towards 0 is entropy collapse (DAPO's warning sign)
     reward/type/<type>    mean reward per item type, for tasks whose items are typed (`meta["type"]`): one
                           type gaining while another loses (reward hacking one route) shows here first
+    agree/<node>          how alike a query's samples decided at a trainable node: per query and call (same turn,
+                          same call of the step), the share of sampled calls whose decision is the most common
+                          one, averaged — the decision being what the runtime applied where it records it (a
+                          memory manager's operation), else the output's first line; 1.0 is a decision that no
+                          longer explores. Round 1's memory manager (seed 1) went 0.44 -> 0.95 in 4 steps (every applied
+                          operation ADD, half of them fallbacks from unparseable outputs) while `entropy/memory`
+                          rose 0.75 -> 1.2: the spread was in text the runtime ignored
     parse/<node>          share of a trainable node's steps whose output failed to parse: a node drifting off
                           its format where the outcome does not punish it (round 3's staged seed 0: the verifier
                           went from 0 to every held-out step while its reward held) shows here steps before
@@ -22,7 +29,8 @@ from collections import defaultdict
 
 from masgraph.trace import Trace
 
-__all__ = ["no_signal_fraction", "parse_failures", "reward_by_type", "sampled_entropy", "step_diagnostics"]
+__all__ = ["decision_agreement", "no_signal_fraction", "parse_failures", "reward_by_type", "sampled_entropy",
+           "step_diagnostics"]
 
 
 def _reward(trace: Trace) -> float:
@@ -55,6 +63,28 @@ def sampled_entropy(traces: list[Trace], nodes: set[str] | frozenset[str]) -> di
     return {n: total[n] / count[n] for n in sorted(count)}
 
 
+def decision_agreement(traces: list[Trace], nodes: set[str] | frozenset[str]) -> dict[str, float]:
+    """Per node of `nodes`: over each (query, turn, call index) that two or more sampled calls reached, the share of
+    them whose decision is the most common one; the mean of those shares. A call's decision is the memory operation
+    applied from it (op and entry) when its step records one per call, else its output's first non-empty line."""
+    firsts: dict[tuple[str, str, int, int], list[str]] = defaultdict(list)
+    for t in traces:
+        for step in t.steps:
+            if step.node not in nodes:
+                continue
+            ops = step.memory_ops if len(step.memory_ops) == len(step.llm) else None
+            for k, call in enumerate(step.llm):
+                if call.temperature != 0:
+                    decided = (f"{ops[k].op} {ops[k].target}" if ops else
+                               next((line.strip() for line in call.text.splitlines() if line.strip()), ""))
+                    firsts[(step.node, t.item_id, step.turn, k)].append(decided)
+    shares: dict[str, list[float]] = defaultdict(list)
+    for (node, *_), lines in firsts.items():
+        if len(lines) > 1:
+            shares[node].append(max(lines.count(x) for x in set(lines)) / len(lines))
+    return {n: sum(v) / len(v) for n, v in sorted(shares.items())}
+
+
 def reward_by_type(traces: list[Trace]) -> dict[str, float]:
     """Mean reward per item type (`trace.meta["type"]`); empty when the task's items carry no type."""
     by: dict[str, list[float]] = defaultdict(list)
@@ -77,8 +107,9 @@ def parse_failures(traces: list[Trace], nodes: set[str] | frozenset[str]) -> dic
 
 
 def step_diagnostics(traces: list[Trace], trainable: set[str] | frozenset[str]) -> dict[str, float]:
-    """The four, as `metrics.jsonl` keys."""
+    """The five, as `metrics.jsonl` keys."""
     return ({"groups/no_signal": no_signal_fraction(traces)}
             | {f"entropy/{n}": h for n, h in sampled_entropy(traces, trainable).items()}
+            | {f"agree/{n}": a for n, a in decision_agreement(traces, trainable).items()}
             | {f"parse/{n}": f for n, f in parse_failures(traces, trainable).items()}
             | {f"reward/type/{k}": r for k, r in reward_by_type(traces).items()})

@@ -334,7 +334,7 @@ def plot_keys(metrics: Sequence[dict[str, Any]]) -> list[str]:
     keys = [k for k in TRAIN_PLOTS if k in present]
     keys += sorted(k for k in present if k.startswith("grad_norm/"))
     keys += [k for k in ("groups/no_signal",) if k in present]
-    keys += sorted(k for k in present if k.startswith(("entropy/", "parse/", "reward/type/")))
+    keys += sorted(k for k in present if k.startswith(("entropy/", "agree/", "parse/", "reward/type/")))
     keys += [k for k in ("topology/entropy", "topology/loss") if k in present]
     return keys
 
