@@ -202,11 +202,10 @@ class FlowGRPO(TrainAlgorithm):
         self.branch_width = config.branch_width
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         for knob in ("node_lr", "node_temperature"):
-            for node in getattr(config, knob):
+            for node, value in getattr(config, knob).items():
                 if node not in trainable:
                     raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}",
                                              f"{node!r} is not a trainable node", f"use one of {one_of(trainable)}")])
-            for node, value in getattr(config, knob).items():
                 if not value > 0:
                     raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"must be above 0 (got {value})")])
         lrs: dict[str, float] = {}
