@@ -396,13 +396,7 @@ class MixedRoutes(PartitionedTask):
         rng = random.Random(split_seed(self.name, split, seed))
         city = [Item(f"{self.name}-{split}-{seed}-city-{i}", f"In which city does {p['name']} live?", p["city"])
                 for i, p in enumerate(_kb_people(split, rng, k))]
-        compare: list[Item] = []
-        while len(compare) < k:
-            a, b = rng.sample(range(10, 1000), 2)
-            q = f"Which number is larger, {a} or {b}?"
-            if is_test_question(q) == (split == "test"):
-                compare.append(Item(f"{self.name}-{split}-{seed}-compare-{len(compare)}", q, str(max(a, b))))
-        return _interleave(self.TYPES, (arith, city, compare))[:n]
+        return _interleave(self.TYPES, (arith, city, _compare_items(self.name, split, seed, rng, k)))[:n]
 
     def score(self, item: Item, answer: str) -> float:
         kind = item.meta["type"]
@@ -410,8 +404,25 @@ class MixedRoutes(PartitionedTask):
             return BasicArithmetic().score(item, answer)
         if kind == "city":
             return float(re.sub(r"[^a-z]", "", item.answer.lower()) in re.sub(r"[^a-z]", "", answer.lower()))
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", answer)
-        return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
+        return _last_number_is(answer, item.answer)
+
+
+def _compare_items(task: str, split: str, seed: int, rng: random.Random, k: int) -> list[Item]:
+    """k questions "Which number is larger, a or b?" (a, b in 10..999) of `split` (by `is_test_question`): the
+    mixed tasks' type a 135M model answers best on its own, without a tool's output to copy."""
+    out: list[Item] = []
+    while len(out) < k:
+        a, b = rng.sample(range(10, 1000), 2)
+        q = f"Which number is larger, {a} or {b}?"
+        if is_test_question(q) == (split == "test"):
+            out.append(Item(f"{task}-{split}-{seed}-compare-{len(out)}", q, str(max(a, b))))
+    return out
+
+
+def _last_number_is(answer: str, gold: str) -> float:
+    """1.0 when the answer's last number (decimals read: "980.0" is 980) equals `gold`."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", answer)
+    return float(bool(numbers) and numbers_equal(numbers[-1], gold))
 
 
 @register_task
@@ -419,16 +430,15 @@ class MixedSkills(PartitionedTask):
     """A second mixed task whose three query types want three different routes (each item's `meta["type"]`):
     `country` (the country a city of the shipped KB is in: only search knows; the city's document names one other
     place, the answer), `letters` (how many letters a made-up word has: code counts them, a calculator cannot, a
-    135M model guesses), `capital` (a real country's capital: the model knows about half of them when asked
-    directly; the fictional KB's search hit and a tool's output only mislead it). The types alternate; train and
-    test are disjoint (every third KB city and every third country of masgraph/data/capitals.json are held out;
-    the letters questions by `is_test_question`). benchmarks/topology_rule.py checks it needs routing. (Earlier
-    designs did not qualify: a person's job, where the 135M generator answered the city; then a product of two
-    numbers as the third type, which python answers as well as the calculator, so python alone was the best route
-    for two types of three: RESULTS.md.)"""
+    135M model guesses), `compare` (the larger of two numbers, as in `mixed_routes`: the model answers it best on
+    its own; a search hit or a tool's output only gives it another name or number to copy). The types alternate;
+    train and test are disjoint (every third KB city is held out; the other questions by `is_test_question`).
+    benchmarks/topology_rule.py checks it needs routing. (Earlier designs did not qualify: a person's job, where the
+    135M generator answered the city; a product of two numbers, which python answers as well as the calculator; a
+    real country's capital, which the supergraph's direct route answered with the country's own name: RESULTS.md.)"""
 
     name = "mixed_skills"
-    TYPES = ("country", "letters", "capital")
+    TYPES = ("country", "letters", "compare")
     SYLLABLES = ("ka", "lo", "mi", "ra", "ten", "vor", "sa", "dul", "quen", "ix", "bra", "nol", "fe", "zan", "tor")
 
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
@@ -440,27 +450,21 @@ class MixedSkills(PartitionedTask):
         rng.shuffle(cities)
         countries = [Item(f"{self.name}-{split}-{seed}-country-{i}", f"In which country is the city of {c['city']}?",
                           c["country"]) for i, c in enumerate(cities[i % len(cities)] for i in range(k))]
-        capitals = [c for i, c in enumerate(load_capitals()) if (i % 3 == 0) == held_out]
-        rng.shuffle(capitals)
-        capital = [Item(f"{self.name}-{split}-{seed}-capital-{i}", f"What is the capital of {c['country']}?",
-                        c["capital"], {"also": c["also"]})
-                   for i, c in enumerate(capitals[i % len(capitals)] for i in range(k))]
         letters: list[Item] = []
         while len(letters) < k:
             word = "".join(rng.choice(self.SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
             q = f"How many letters are in the word {word}?"
             if is_test_question(q) == held_out:
                 letters.append(Item(f"{self.name}-{split}-{seed}-letters-{len(letters)}", q, str(len(word))))
-        return _interleave(self.TYPES, (countries, letters, capital))[:n]
+        compare = _compare_items(self.name, split, seed, rng, k)
+        return _interleave(self.TYPES, (countries, letters, compare))[:n]
 
     def score(self, item: Item, answer: str) -> float:
-        """country, capital: the name (or one of its other spellings) appears in the answer, accents and case aside;
-        letters: the answer's last number is the count."""
-        if item.meta["type"] in ("country", "capital"):
-            said = _letters_only(answer)
-            return float(any(_letters_only(name) in said for name in [item.answer, *item.meta.get("also", [])]))
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", answer.replace(",", ""))
-        return float(bool(numbers) and numbers_equal(numbers[-1], item.answer))
+        """country: the name appears in the answer, accents and case aside; letters, compare: the answer's last
+        number is the gold one."""
+        if item.meta["type"] == "country":
+            return float(_letters_only(item.answer) in _letters_only(answer))
+        return _last_number_is(answer, item.answer)
 
 
 def _letters_only(text: str) -> str:
@@ -537,13 +541,6 @@ def _interleave(types: tuple[str, ...], streams: tuple[list[Item], ...]) -> list
     """One item of each stream in turn, each typed (`meta["type"]`) by its stream's name in `types`."""
     return [Item(it.id, it.question, it.answer, {**it.meta, "type": kind})
             for row in zip(*streams) for kind, it in zip(types, row)]
-
-
-@lru_cache(maxsize=1)
-def load_capitals() -> list[dict[str, Any]]:
-    """Real countries and their capitals (masgraph/data/capitals.json: country, capital, other spellings), read once
-    per process (callers must not mutate it)."""
-    return json.loads((files("masgraph.data") / "capitals.json").read_text())
 
 
 @lru_cache(maxsize=1)

@@ -148,39 +148,48 @@ def test_mixed_routes_types_alternate_and_splits_are_disjoint():
 
 
 def test_mixed_skills_types_alternate_splits_are_disjoint_and_answers_are_right():
-    from masgraph.tasks import Item, get_task, load_capitals, load_kb
+    from masgraph.tasks import Item, get_task, load_kb
 
     task = get_task("mixed_skills")
     train, test = task.items("train", 90, 0), task.items("test", 90, 0)
-    assert [it.meta["type"] for it in train[:6]] == ["country", "letters", "capital"] * 2
+    assert [it.meta["type"] for it in train[:6]] == ["country", "letters", "compare"] * 2
     assert not {it.question for it in train} & {it.question for it in test}
     cities = [d["facts"] for d in load_kb()["docs"] if d["id"].startswith("city-")]
     test_cities = {c["city"] for i, c in enumerate(cities) if i % 3 == 0}
     country = {c["city"]: c["country"] for c in cities}
-    capitals = {c["country"]: c["capital"] for c in load_capitals()}
-    test_countries = {c["country"] for i, c in enumerate(load_capitals()) if i % 3 == 0}
     for it in train + test:
         if it.meta["type"] == "country":  # held-out cities are never asked about in training
             city = it.question.removeprefix("In which country is the city of ").removesuffix("?")
             assert country[city] == it.answer and (city in test_cities) == (it in test)
         elif it.meta["type"] == "letters":
             assert it.answer == str(len(it.question.split()[-1].rstrip("?")))
-        else:  # nor held-out countries
-            name = it.question.removeprefix("What is the capital of ").removesuffix("?")
-            assert capitals[name] == it.answer and (name in test_countries) == (it in test)
+        else:
+            a, b = (int(x) for x in it.question.removeprefix("Which number is larger, ").rstrip("?").split(" or "))
+            assert a != b and it.answer == str(max(a, b))
     assert len({it.question for it in test if it.meta["type"] == "country"}) == len(test_cities) == 10
-    assert len({it.question for it in test if it.meta["type"] == "capital"}) == len(test_countries) == 30
     assert task.items("test", 90, 1) != test  # seeds give independent streams
     by_type = {it.meta["type"]: it for it in test}
-    place, letters = by_type["country"], by_type["letters"]
+    place, letters, compare = by_type["country"], by_type["letters"], by_type["compare"]
     assert task.score(place, f"It is in {place.answer}.") == 1.0 and task.score(place, "Nowhere") == 0.0
     assert task.score(letters, f"It has {letters.answer} letters.") == 1.0
     assert task.score(letters, str(int(letters.answer) + 1)) == 0.0
-    capital = Item("c", "What is the capital of Colombia?", "Bogota", {"type": "capital", "also": []})
-    assert task.score(capital, "The capital of Colombia is Bogotá.") == 1.0  # accents aside
-    assert task.score(capital, "The capital of Colombia is Medellin.") == 0.0
-    other = Item("u", "What is the capital of Ukraine?", "Kyiv", {"type": "capital", "also": ["Kiev"]})
-    assert task.score(other, "Kiev") == 1.0 and task.score(other, "Kyiv.") == 1.0 and task.score(other, "Lviv") == 0
+    assert task.score(compare, f"The larger is {compare.answer}.0") == 1.0
+    smaller = min(int(x) for x in compare.question.removeprefix("Which number is larger, ").rstrip("?").split(" or "))
+    assert task.score(compare, f"{compare.answer} or {smaller}? {smaller}") == 0.0  # the last number is the answer
+    accented = Item("c", "In which country is the city of X?", "Bogota", {"type": "country"})
+    assert task.score(accented, "In Bogotá.") == 1.0  # accents aside
+
+
+def test_mixed_routes_items_are_unchanged_by_the_shared_compare_helper():
+    """mixed_routes' items (every benchmark round's held-out set) hash as they did before `_compare_items`."""
+    import hashlib
+
+    from masgraph.tasks import get_task
+
+    task = get_task("mixed_routes")
+    items = [(it.id, it.question, it.answer, it.meta["type"]) for split in ("train", "test") for seed in (0, 1)
+             for it in task.items(split, 210, seed)]
+    assert hashlib.sha256(repr(items).encode()).hexdigest()[:16] == "87ca48643e9e445a"
 
 
 def test_building_dir_leaves_its_target_absent_or_complete(tmp_path):
