@@ -196,14 +196,35 @@ def _sd(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def report(record: bool, tag: str = "") -> str:
-    rule = json.loads(rule_path().read_text()) if rule_path().exists() else None
+def _runs(tag: str) -> dict[str, list[dict[str, Any]]]:
+    """arm -> the finished runs' records under runs/bench-topology/TASK/TAG/."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for path in sorted((OUT / TASK / tag).glob("*-s*.json")):
         r = json.loads(path.read_text())
         runs[r["arm"]].append(r)
     if not runs:
         raise SystemExit(f"error: no finished runs under {OUT / TASK / tag}")
+    return runs
+
+
+def _longer_verdict(short: list[dict[str, Any]], long: list[dict[str, Any]]) -> str:
+    """Issue 25's 'policy-only keeps its gains': the longer budget's mean ≥ the shorter's, within the spread (the
+    larger of the two arms' sd)."""
+    a, b = [r["eval"]["all"]["acc"] for r in short], [r["eval"]["all"]["acc"] for r in long]
+    (m1,), (m2,) = {r["minutes"] for r in short}, {r["minutes"] for r in long}
+    slack = max(_sd(a), _sd(b))
+    return (f"5. policy-only at {m2:g} min {_mean(b):.1%} ({', '.join(f'{x:.1%}' for x in b)}) vs at {m1:g} min "
+            f"{_mean(a):.1%} ({', '.join(f'{x:.1%}' for x in a)}): {100 * (_mean(b) - _mean(a)):+.1f} points; target "
+            f"longer ≥ shorter − the larger sd ({100 * slack:.1f} points): "
+            f"{'MET' if _mean(b) >= _mean(a) - slack else 'MISSED'}.")
+
+
+def report(record: bool, tag: str = "", longer: str | None = None) -> str:
+    rule = json.loads(rule_path().read_text()) if rule_path().exists() else None
+    runs = _runs(tag)
+    long_runs = _runs(longer)["policy"] if longer is not None else []
+    if longer is not None and not (long_runs and runs["policy"]):
+        raise SystemExit(f"error: --longer compares the policy arm of two tags; {tag!r} and {longer!r} need one each")
     first = next(iter(runs.values()))[0]["eval"]
     types = sorted(k for k in first if k != "all")
     if rule is not None:
@@ -220,19 +241,22 @@ def report(record: bool, tag: str = "") -> str:
            "| arm | seed | steps | train min | held-out acc | " + " | ".join(types)
            + " | tokens/episode | parse-failed episodes | route taken per type (share) |",
            "|---|---|---|---|---|" + "---|" * len(types) + "---|---|---|"]
-    for arm in ARMS:
-        for r in sorted(runs.get(arm, []), key=lambda r: r["seed"]):
-            e = r["eval"]
-            routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
-                                                    for rt, c in list(e[k]["routes"].items())[:2]) for k in types)
-            out.append(f"| {arm}{' λ=' + str(r['cost_lambda']) if r['cost_lambda'] else ''} | {r['seed']} | "
-                       f"{r['steps']} | {r['train_s'] / 60:.1f} | **{e['all']['acc']:.1%}** | "
-                       + " | ".join(f"{e[k]['acc']:.0%}" for k in types)
-                       + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
+    rows = [(arm, r) for arm in ARMS for r in sorted(runs.get(arm, []), key=lambda r: r["seed"])]
+    rows += [(f"policy {r['minutes']:g} min", r) for r in sorted(long_runs, key=lambda r: r["seed"])]
+    for arm, r in rows:
+        e = r["eval"]
+        routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
+                                                for rt, c in list(e[k]["routes"].items())[:2]) for k in types)
+        out.append(f"| {arm}{' λ=' + str(r['cost_lambda']) if r['cost_lambda'] else ''} | {r['seed']} | "
+                   f"{r['steps']} | {r['train_s'] / 60:.1f} | **{e['all']['acc']:.1%}** | "
+                   + " | ".join(f"{e[k]['acc']:.0%}" for k in types)
+                   + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
     acc = {arm: [r["eval"]["all"]["acc"] for r in runs.get(arm, [])] for arm in ARMS}
     out += ["", "| arm | seeds | mean held-out acc | sd | min | max |", "|---|---|---|---|---|---|"]
+    if long_runs:
+        acc_long = {f"policy {long_runs[0]['minutes']:g} min": [r["eval"]["all"]["acc"] for r in long_runs]}
     out += [f"| {arm} | {len(a)} | **{_mean(a):.1%}** | {100 * _sd(a):.1f} points | {min(a):.1%} | {max(a):.1%} |"
-            for arm, a in acc.items() if a]
+            for arm, a in (acc | (acc_long if long_runs else {})).items() if a]
     verdicts = []
     if acc["topology"] and rule is not None:
         rec = [(a - single) / (oracle - single) if oracle > single else float("nan") for a in acc["topology"]]
@@ -273,6 +297,8 @@ def report(record: bool, tag: str = "") -> str:
                         f"{most[1]:.0f} ({tok['cost'] / most[1]:.2f}x) at {most[0]:.1%}; target ≤ 0.7x of it at ≤ 2 "
                         f"points loss against λ=0: {'MET' if ok_most else 'MISSED'}"
                         f"; ≤ 0.7x of λ=0's tokens at ≤ 2 points: {'MET' if ok_zero else 'MISSED'}.")
+    if long_runs:
+        verdicts.append(_longer_verdict(runs["policy"], long_runs))
     text = "\n".join(out) + "\n\n" + "\n".join(verdicts) + "\n"
     print(text)
     if record:
@@ -283,10 +309,10 @@ def report(record: bool, tag: str = "") -> str:
         flags = (f"--minutes {minutes[0] if len(minutes) == 1 else minutes} --clock {'/'.join(clock)} --hrpo-lr "
                  f"{'/'.join(map(str, lrs))}" + (f" --cost-lambda {'/'.join(map(str, lams))}" if lams else "")
                  + (f" --topology-steps {runs['staged'][0]['topology_steps']}" if runs.get("staged") else "")
-                 + "".join(f" --{k.replace('_', '-')} {runs['staged'][0][k]}"
+                 + "".join(f" --{k.replace('_', '-')} {'/'.join(map(str, sorted({r[k] for r in rs if r.get(k)})))}"
                            for k in ("format_weight", "node_topology")
-                           if runs.get("staged") and runs["staged"][0].get(k) not in (None, 0.0, "sample"))
-                 + (f" --tag {tag}" if tag else ""))
+                           if any(r.get(k) not in (None, 0.0, "sample") for r in rs))
+                 + (f" --tag {tag}" if tag else "") + (f" (and `--longer {longer}`)" if longer else ""))
         with open(HERE / "RESULTS.md", "a") as f:
             f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                     f"`python benchmarks/topology.py all --task {TASK} --arms "
@@ -356,6 +382,8 @@ def main() -> int:
     r = sub.add_parser("report")
     r.add_argument("--no-record", action="store_true")
     r.add_argument("--tag", default="")
+    r.add_argument("--longer", metavar="TAG", help="a tag whose policy arm ran a longer budget: adds the 'policy-only "
+                   "keeps its gains' verdict (issue 25) against this tag's policy arm")
     for q in (*sub.choices.values(),):
         q.add_argument("--task", default="mixed_routes", choices=("mixed_routes", "mixed_skills"),
                        help="the mixed task (default mixed_routes)")
@@ -369,7 +397,7 @@ def main() -> int:
         return 0
     if args.cmd == "all":
         return run_all(args)
-    report(not args.no_record, args.tag)
+    report(not args.no_record, args.tag, args.longer)
     return 0
 
 
