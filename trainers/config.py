@@ -24,10 +24,11 @@ class FlowGRPOConfig(BaseModel):
     lr: float = Field(5e-5, gt=0)
     """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
     node_lr: dict[str, float] = Field(default_factory=dict)
-    """Per-node learning rate overrides, by trainable node name (nodes sharing an adapter must agree)."""
+    """Per-node learning rate overrides, by trainable node name (the nodes of a shared adapter need one value:
+    override all of them or none)."""
     node_temperature: dict[str, float] = Field(default_factory=dict)
-    """Per-node overrides of `temperature`, by trainable node name (nodes sharing a policy must agree): e.g. more
-    exploration for a node whose output is one of a few decisions (a memory manager's operation)."""
+    """Per-node overrides of `temperature`, by trainable node name (the nodes of a shared policy need one value):
+    e.g. more exploration for a node whose output is one of a few decisions (a memory manager's operation)."""
     loss_agg: Literal["token-mean", "nested"] = "token-mean"
     """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
     group_by: Literal["query", "query_node"] = "query"

@@ -208,13 +208,7 @@ class FlowGRPO(TrainAlgorithm):
                                              f"{node!r} is not a trainable node", f"use one of {one_of(trainable)}")])
                 if not value > 0:
                     raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"must be above 0 (got {value})")])
-        lrs: dict[str, float] = {}
-        for node, adapter in trainable.items():
-            lr = config.node_lr.get(node, config.lr)
-            if lrs.setdefault(adapter, lr) != lr:
-                raise SpecError([Problem(
-                    f"train.flow_grpo.node_lr.{node}", f"nodes sharing adapter {adapter!r} were given different "
-                    f"learning rates ({lrs[adapter]} and {lr})", "give every node of one adapter the same `node_lr`")])
+        lrs = per_owner("node_lr", config.node_lr, config.lr, trainable, "adapter", "learning rates")
         missing = sorted(a for a in lrs if a not in learner.adapters())
         if missing:
             raise MasgraphError(f"adapters {missing} are not on the learner; add each with "
@@ -235,14 +229,8 @@ class FlowGRPO(TrainAlgorithm):
     def rollout_spec(self, spec: GraphSpec) -> GraphSpec:
         """Trainable policies sample at `flow_grpo.temperature` (or their nodes' `node_temperature`); the rest as
         written."""
-        per_policy: dict[str, float] = {}
-        for node, t in self.config.node_temperature.items():
-            policy = spec.nodes[node].policy
-            if per_policy.setdefault(policy, t) != t:
-                raise SpecError([Problem(
-                    f"train.flow_grpo.node_temperature.{node}", f"nodes sharing policy {policy!r} were given "
-                    f"different temperatures ({per_policy[policy]} and {t})",
-                    "give every node of one policy the same `node_temperature`")])
+        per_policy = per_owner("node_temperature", self.config.node_temperature, self.config.temperature,
+                               {n: spec.nodes[n].policy for n in self.trainable}, "policy", "temperatures")
         return sampling_spec(spec, self.config.temperature, per_policy)
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
@@ -369,6 +357,21 @@ class FlowGRPO(TrainAlgorithm):
         totals["kl"] += kl.detach().sum().double()
         totals["pg"] += pg.detach().sum().double()
         return pg + cfg.kl_coef * kl
+
+
+def per_owner(knob: str, overrides: dict[str, float], default: float, owner_of: dict[str, str], owner: str,
+              what: str) -> dict[str, float]:
+    """Each owner's value of a per-node Flow-GRPO knob (`node_lr` per adapter, `node_temperature` per policy): every
+    node of `owner_of` takes its override or `default`, and the nodes of one owner must agree, so an override
+    given to some nodes of a shared adapter or policy is an error, not silently applied to the others."""
+    out: dict[str, float] = {}
+    for node, name in owner_of.items():
+        value = overrides.get(node, default)
+        if out.setdefault(name, value) != value:
+            raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"nodes sharing {owner} {name!r} were given "
+                                     f"different {what} ({out[name]} and {value})",
+                                     f"give every node of one {owner} the same `{knob}`")])
+    return out
 
 
 def sampling_spec(spec: GraphSpec, temperature: float, per_policy: dict[str, float] | None = None) -> GraphSpec:

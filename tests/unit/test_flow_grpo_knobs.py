@@ -1,7 +1,7 @@
 """Flow-GRPO's per-node overrides: `node_temperature` sets what each trainable node's policy samples at in training
 rollouts (the others keep `temperature`; evaluation keeps the graph's own), `node_lr` its adapter's learning rate;
-a name that is not a trainable node, a non-positive value, or two nodes of one policy / adapter that disagree are
-located errors."""
+a name that is not a trainable node, a non-positive value, or two nodes of one policy / adapter that disagree
+(an override for some of its nodes only, too) are located errors."""
 
 from __future__ import annotations
 
@@ -82,3 +82,16 @@ def test_two_nodes_of_one_policy_at_different_temperatures_is_a_located_error():
     with pytest.raises(SpecError, match="nodes sharing policy 'plan' were given different temperatures") as err:
         algo.rollout_spec(parse_spec(GRAPH, "g.yaml"))
     assert err.value.problems[0].path == "train.flow_grpo.node_temperature.replanner"
+
+
+@pytest.mark.parametrize("knob,value", [("node_temperature", 1.3), ("node_lr", 1e-4)])
+def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_to_the_others(knob, value):
+    """planner and replanner share one policy and adapter: overriding only the planner would silently change the
+    replanner too (it samples / updates with the planner's value), so both knobs refuse it alike."""
+    with pytest.raises(SpecError, match="nodes sharing") as err:
+        _algo(**{knob: {"planner": value}}).rollout_spec(parse_spec(GRAPH, "g.yaml"))
+    assert err.value.problems[0].path == f"train.flow_grpo.{knob}.replanner"
+    both = _algo(**{knob: {"planner": value, "replanner": value}})  # the whole policy: fine
+    hot = both.rollout_spec(parse_spec(GRAPH, "g.yaml"))
+    assert (hot.policies["plan"].sampling.temperature if knob == "node_temperature"
+            else both.optimizers["plan"].param_groups[0]["lr"]) == value
