@@ -408,8 +408,7 @@ class MixedRoutes(PartitionedTask):
 
 
 def _compare_items(task: str, split: str, seed: int, rng: random.Random, k: int) -> list[Item]:
-    """k questions "Which number is larger, a or b?" (a, b in 10..999) of `split` (by `is_test_question`): the
-    mixed tasks' type a 135M model answers best on its own, without a tool's output to copy."""
+    """k questions "Which number is larger, a or b?" (a, b in 10..999) of `split` (by `is_test_question`)."""
     out: list[Item] = []
     while len(out) < k:
         a, b = rng.sample(range(10, 1000), 2)
@@ -427,18 +426,19 @@ def _last_number_is(answer: str, gold: str) -> float:
 
 @register_task
 class MixedSkills(PartitionedTask):
-    """A second mixed task whose three query types want three different routes (each item's `meta["type"]`):
-    `country` (the country a city of the shipped KB is in: only search knows; the city's document names one other
-    place, the answer), `letters` (how many letters a made-up word has: code counts them, a calculator cannot, a
-    135M model guesses), `compare` (the larger of two numbers, as in `mixed_routes`: the model answers it best on
-    its own; a search hit or a tool's output only gives it another name or number to copy). The types alternate;
-    train and test are disjoint (every third KB city is held out; the other questions by `is_test_question`).
-    benchmarks/topology_rule.py checks it needs routing. (Earlier designs did not qualify: a person's job, where the
-    135M generator answered the city; a product of two numbers, which python answers as well as the calculator; a
-    real country's capital, which the supergraph's direct route answered with the country's own name: RESULTS.md.)"""
+    """A second mixed task whose three query types want three different tools (each item's `meta["type"]`):
+    `country` (the country a city of the shipped KB is in: only search knows; the city's document names it),
+    `letters` (how many letters a made-up word has: code counts them, a calculator cannot, a 135M model guesses),
+    `power` ("Calculate 6^3 + 45.": the calculator reads `^` as a power, python as bitwise xor, so only the calculator
+    route gets it right; the model alone cannot compute it). The types alternate; train and test are disjoint (every
+    third KB city is held out; the other questions by `is_test_question`). benchmarks/topology_rule.py checks it
+    needs routing. (Earlier designs did not qualify: a person's job, where the 135M generator answered the city; a
+    product of two numbers, which python answers as well as the calculator; a real country's capital, which the
+    supergraph's direct route answered with the country's own name; the larger of two numbers, which every route
+    answers alike: RESULTS.md.)"""
 
     name = "mixed_skills"
-    TYPES = ("country", "letters", "compare")
+    TYPES = ("country", "letters", "power")
     SYLLABLES = ("ka", "lo", "mi", "ra", "ten", "vor", "sa", "dul", "quen", "ix", "bra", "nol", "fe", "zan", "tor")
 
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
@@ -448,7 +448,7 @@ class MixedSkills(PartitionedTask):
         cities = [d["facts"] for d in load_kb()["docs"] if d["id"].startswith("city-")]
         cities = [c for i, c in enumerate(cities) if (i % 3 == 0) == held_out]
         rng.shuffle(cities)
-        countries = [Item(f"{self.name}-{split}-{seed}-country-{i}", f"In which country is the city of {c['city']}?",
+        countries = [Item(f"{self.name}-{split}-{seed}-country-{i}", f"Which country is {c['city']} in?",
                           c["country"]) for i, c in enumerate(cities[i % len(cities)] for i in range(k))]
         letters: list[Item] = []
         while len(letters) < k:
@@ -456,11 +456,16 @@ class MixedSkills(PartitionedTask):
             q = f"How many letters are in the word {word}?"
             if is_test_question(q) == held_out:
                 letters.append(Item(f"{self.name}-{split}-{seed}-letters-{len(letters)}", q, str(len(word))))
-        compare = _compare_items(self.name, split, seed, rng, k)
-        return _interleave(self.TYPES, (countries, letters, compare))[:n]
+        power: list[Item] = []
+        while len(power) < k:
+            a, b, c = rng.randint(2, 9), rng.randint(2, 3), rng.randint(1, 99)
+            q = f"Calculate {a}^{b} + {c}."
+            if is_test_question(q) == held_out:
+                power.append(Item(f"{self.name}-{split}-{seed}-power-{len(power)}", q, str(a ** b + c)))
+        return _interleave(self.TYPES, (countries, letters, power))[:n]
 
     def score(self, item: Item, answer: str) -> float:
-        """country: the name appears in the answer, accents and case aside; letters, compare: the answer's last
+        """country: the name appears in the answer, accents and case aside; letters, power: the answer's last
         number is the gold one."""
         if item.meta["type"] == "country":
             return float(_letters_only(item.answer) in _letters_only(answer))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -152,31 +153,30 @@ def test_mixed_skills_types_alternate_splits_are_disjoint_and_answers_are_right(
 
     task = get_task("mixed_skills")
     train, test = task.items("train", 90, 0), task.items("test", 90, 0)
-    assert [it.meta["type"] for it in train[:6]] == ["country", "letters", "compare"] * 2
+    assert [it.meta["type"] for it in train[:6]] == ["country", "letters", "power"] * 2
     assert not {it.question for it in train} & {it.question for it in test}
     cities = [d["facts"] for d in load_kb()["docs"] if d["id"].startswith("city-")]
     test_cities = {c["city"] for i, c in enumerate(cities) if i % 3 == 0}
     country = {c["city"]: c["country"] for c in cities}
     for it in train + test:
         if it.meta["type"] == "country":  # held-out cities are never asked about in training
-            city = it.question.removeprefix("In which country is the city of ").removesuffix("?")
+            city = it.question.removeprefix("Which country is ").removesuffix(" in?")
             assert country[city] == it.answer and (city in test_cities) == (it in test)
         elif it.meta["type"] == "letters":
             assert it.answer == str(len(it.question.split()[-1].rstrip("?")))
-        else:
-            a, b = (int(x) for x in it.question.removeprefix("Which number is larger, ").rstrip("?").split(" or "))
-            assert a != b and it.answer == str(max(a, b))
+        else:  # power: ^ is a power, as the calculator reads it (python's ^ is xor)
+            a, b, c = map(int, re.fullmatch(r"Calculate (\d)\^(\d) \+ (\d+)\.", it.question).groups())
+            assert it.answer == str(a ** b + c)
     assert len({it.question for it in test if it.meta["type"] == "country"}) == len(test_cities) == 10
     assert task.items("test", 90, 1) != test  # seeds give independent streams
     by_type = {it.meta["type"]: it for it in test}
-    place, letters, compare = by_type["country"], by_type["letters"], by_type["compare"]
+    place, letters, power = by_type["country"], by_type["letters"], by_type["power"]
     assert task.score(place, f"It is in {place.answer}.") == 1.0 and task.score(place, "Nowhere") == 0.0
     assert task.score(letters, f"It has {letters.answer} letters.") == 1.0
     assert task.score(letters, str(int(letters.answer) + 1)) == 0.0
-    assert task.score(compare, f"The larger is {compare.answer}.0") == 1.0
-    smaller = min(int(x) for x in compare.question.removeprefix("Which number is larger, ").rstrip("?").split(" or "))
-    assert task.score(compare, f"{compare.answer} or {smaller}? {smaller}") == 0.0  # the last number is the answer
-    accented = Item("c", "In which country is the city of X?", "Bogota", {"type": "country"})
+    assert task.score(power, f"The result is {power.answer}.0") == 1.0
+    assert task.score(power, f"{power.answer}? No: {int(power.answer) + 1}") == 0.0  # the last number is the answer
+    accented = Item("c", "Which country is X in?", "Bogota", {"type": "country"})
     assert task.score(accented, "In Bogotá.") == 1.0  # accents aside
 
 
