@@ -21,7 +21,10 @@ runs/bench-topology/TASK/[TAG/].
 
     .venv/bin/python benchmarks/topology.py all --minutes 10     # every arm, three seeds, then the report
     .venv/bin/python benchmarks/topology.py run topology --seed 0 --minutes 10
-    .venv/bin/python benchmarks/topology.py report [--tag T] [--no-record]
+    .venv/bin/python benchmarks/topology.py report [--tag T] [--longer T2] [--no-record]
+
+`--longer T2` adds the policy arm of tag T2 (the same arm run on a longer budget) and the verdict "policy-only keeps
+its gains": T2's mean ≥ T's mean − the larger of the two sds.
 
 `all` runs the seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
 after arm. Each run writes runs/bench-topology/<task>/[<tag>/]<arm>-s<seed>.json; `report` prints the four
