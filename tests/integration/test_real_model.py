@@ -66,8 +66,9 @@ def test_every_graph_runs_real_episodes(root, hf, runner_for, run, graph_name, t
     # a new graph needs a row
     assert {p.stem for p in graph_files} == {"agentflow", "single", "fanout", "router", "mixed_router", "memory"}
     graph = compile_spec(load_spec(root / "graphs" / f"{graph_name}.yaml"))
-    result = run(runner_for(graph, hf, n=3, concurrency=3, split="test").run_task(get_task(task_name)))
-    assert len(result.traces) == 3 and all(t.status == "ok" for t in result.traces), [t.error for t in result.traces]
+    n = 2 if graph_name == "memory" else 3  # a memory episode makes one checked call per fact of its stream (~10)
+    result = run(runner_for(graph, hf, n=n, concurrency=n, split="test").run_task(get_task(task_name)))
+    assert len(result.traces) == n and all(t.status == "ok" for t in result.traces), [t.error for t in result.traces]
     # a supergraph runs a sampled topology per episode (its untrained prior), recorded in the trace
     assert all((t.topology is not None) == (graph.spec.topology is not None) for t in result.traces)
     for tr in result.traces:
