@@ -244,8 +244,9 @@ def report(record: bool, tag: str = "", longer: str | None = None) -> str:
            "| arm | seed | steps | train min | held-out acc | " + " | ".join(types)
            + " | tokens/episode | parse-failed episodes | route taken per type (share) |",
            "|---|---|---|---|---|" + "---|" * len(types) + "---|---|---|"]
+    long_arm = f"policy {long_runs[0]['minutes']:g} min" if long_runs else ""
     rows = [(arm, r) for arm in ARMS for r in sorted(runs.get(arm, []), key=lambda r: r["seed"])]
-    rows += [(f"policy {r['minutes']:g} min", r) for r in sorted(long_runs, key=lambda r: r["seed"])]
+    rows += [(long_arm, r) for r in sorted(long_runs, key=lambda r: r["seed"])]
     for arm, r in rows:
         e = r["eval"]
         routes = "; ".join(f"{k}: " + ", ".join(f"{rt} {c / e[k]['n']:.0%}"
@@ -256,10 +257,9 @@ def report(record: bool, tag: str = "", longer: str | None = None) -> str:
                    + f" | {e['all']['tokens']:.0f} | {e['all']['parse_failed']:.1%} | {routes} |")
     acc = {arm: [r["eval"]["all"]["acc"] for r in runs.get(arm, [])] for arm in ARMS}
     out += ["", "| arm | seeds | mean held-out acc | sd | min | max |", "|---|---|---|---|---|---|"]
-    if long_runs:
-        acc_long = {f"policy {long_runs[0]['minutes']:g} min": [r["eval"]["all"]["acc"] for r in long_runs]}
+    shown = acc | {long_arm: [r["eval"]["all"]["acc"] for r in long_runs]}
     out += [f"| {arm} | {len(a)} | **{_mean(a):.1%}** | {100 * _sd(a):.1f} points | {min(a):.1%} | {max(a):.1%} |"
-            for arm, a in (acc | (acc_long if long_runs else {})).items() if a]
+            for arm, a in shown.items() if a]
     verdicts = []
     if acc["topology"] and rule is not None:
         rec = [(a - single) / (oracle - single) if oracle > single else float("nan") for a in acc["topology"]]

@@ -40,7 +40,7 @@ What follows from that, in the order it is built:
   most likely route) makes the group differ by the nodes' samples alone: the Flow-GRPO-on-a-fixed-route setting
   that was shown to work, on the routes the topology chose. Measured (round 5, 3 seeds, 15 CPU-min each): 81.0 %
   (81.0 / 81.4 / 80.5) against topology-only's 76.8 %, arithmetic 76–79 % on every seed. Off by default until the
-  second task and policy-only are measured with it.
+  second task is measured with it (policy-only on the best single route: 43.0 %, RESULTS.md).
 - Measured before being made defaults; not built yet: separate temperatures for what each part explores in the
   simultaneous schedule, and a probability floor per decision option.
 """
