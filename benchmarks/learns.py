@@ -118,6 +118,21 @@ async def _run(loop: TrainLoop, progress: Progress) -> None:
         raise
 
 
+def knob_overrides(pairs: list[str]) -> dict:
+    """`--set KNOB=VALUE ...` as flow_grpo overrides; a VALUE that parses as JSON is taken as JSON (numbers,
+    `node_temperature={"memory": 1.0}`), any other as a string (pydantic validates both like the YAML)."""
+    out = {}
+    for pair in pairs:
+        knob, sep, value = pair.partition("=")
+        if not sep or not knob:
+            raise SystemExit(f"error: --set takes KNOB=VALUE (got {pair!r})")
+        try:
+            out[knob] = json.loads(value)
+        except ValueError:
+            out[knob] = value
+    return out
+
+
 def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
           flow_grpo: dict | None = None, steps: int | None = None, model: str | None = None,
           device: str | None = None, runs_dir: Path = ROOT / "runs", clock: str = "wall") -> dict:
@@ -168,7 +183,7 @@ def main() -> int:
     args = p.parse_args()
     model = resolve(args.model, args.device or "auto") if args.model else None
     where = {"steps": args.steps, "model": model, "device": args.device, "runs_dir": args.runs_dir}
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    overrides = knob_overrides(args.set)
     task = args.task or load_spec(args.graph).train.task
     print(f"rule: greedy ≤ {GREEDY_MAX:.0%} (n={args.eval_n}) and pass@{K} ≥ {PASSK_MIN:.0%} (n={args.passk_n})",
           flush=True)

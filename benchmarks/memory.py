@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from learns import train
+from learns import knob_overrides, train
 
 from masgraph.backends.hf import HFBackend
 from masgraph.graph import compile_spec
@@ -93,7 +93,7 @@ def main() -> int:
     args = p.parse_args()
     spec = load_spec(args.graph)
     task = get_task(TASK)
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    overrides = knob_overrides(args.set)
     hf = next(pol for pol in spec.policies.values() if pol.backend == "hf")
     rows = []
     for seed in args.seeds:
