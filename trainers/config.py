@@ -221,10 +221,11 @@ class StagesConfig(BaseModel):
     """Then steps of Flow-GRPO alone (nodes sampled at `flow_grpo.temperature`, the topology held: not updated),
     so the nodes learn on the routes the topology chose; None: the rest of the run. Steps after both stages update
     both (`simultaneous`)."""
-    node_topology: Literal["sample", "greedy"] = "sample"
-    """How the node stage rolls out the topology it holds: `sample` (each episode draws its route from it, the mix
-    it chose) or `greedy` (each query its most likely route, as deployed: a query's group then differs by its
-    nodes' samples alone, so a node's advantage is not the luck of the route its episode drew)."""
+    node_topology: Literal["sample", "greedy"] = "greedy"
+    """How the node stage rolls out the topology it holds: `greedy` (each query its most likely route, as deployed:
+    a query's group then differs by its nodes' samples alone, so a node's advantage is not the luck of the route its
+    episode drew; measured better on both mixed tasks, benchmarks/RESULTS.md) or `sample` (each episode draws its
+    route from it, the mix it chose)."""
 
 
 class JointTrainSpec(TrainSpec):
@@ -244,7 +245,11 @@ class JointTrainSpec(TrainSpec):
 
     @model_validator(mode="after")
     def _stages_need_the_staged_schedule(self) -> JointTrainSpec:
-        if self.schedule != "staged" and self.stages != StagesConfig():  # defaults are fine (a dumped spec has them)
+        # defaults are fine (a dumped spec has them); node_topology is not compared: specs dumped before its default
+        # became `greedy` hold `sample`, and it means nothing outside the staged schedule
+        lengths = {"topology_steps", "node_steps"}
+        if self.schedule != "staged" and self.stages.model_dump(include=lengths) != StagesConfig().model_dump(
+                include=lengths):
             raise ValueError(f"`stages` sets up `schedule: staged`, but the schedule is {self.schedule!r}; set "
                              "`schedule: staged`, or drop `stages`")
         return self

@@ -39,8 +39,9 @@ What follows from that, in the order it is built:
   luck of the route its episode drew, not what the planner wrote. Holding the topology as deployed (each query its
   most likely route) makes the group differ by the nodes' samples alone: the Flow-GRPO-on-a-fixed-route setting
   that was shown to work, on the routes the topology chose. Measured (round 5, 3 seeds, 15 CPU-min each): 81.0 %
-  (81.0 / 81.4 / 80.5) against topology-only's 76.8 %, arithmetic 76–79 % on every seed. Off by default until the
-  second task is measured with it (policy-only on the best single route: 43.0 %, RESULTS.md).
+  (81.0 / 81.4 / 80.5) against topology-only's 76.8 %, arithmetic 76–79 % on every seed; on the second task,
+  `mixed_skills`, 82.1 % (83.8 / 83.8 / 78.6) against topology-only's 64.4 % and policy-only's 33.3 %. The default
+  since then (`sample` stays a knob).
 - Measured before being made defaults; not built yet: separate temperatures for what each part explores in the
   simultaneous schedule, and a probability floor per decision option.
 """
@@ -81,7 +82,7 @@ class Joint(TrainAlgorithm):
     """Flow-GRPO on the nodes and HRPO on the topology, from one set of rollouts."""
 
     def __init__(self, nodes: FlowGRPO, topology: HRPO, schedule: str = "simultaneous", topology_steps: int = 0,
-                 node_steps: int | None = None, node_topology: Literal["sample", "greedy"] = "sample"):
+                 node_steps: int | None = None, node_topology: Literal["sample", "greedy"] = "greedy"):
         self.nodes, self.topology, self.schedule = nodes, topology, schedule
         self.topology_steps, self.node_steps, self.node_topology = topology_steps, node_steps, node_topology
         self._last_step = 0

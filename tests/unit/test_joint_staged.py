@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from masgraph.graph import GraphBuilder
+from masgraph.trainers.config import StagesConfig
 from masgraph.trainers.joint import Joint, stage_of
 
 
@@ -71,8 +72,9 @@ def test_the_node_stage_takes_the_most_likely_route_with_node_topology_greedy():
     nodes, topology = Part("nodes"), Part("topology")
     greedy = Joint(nodes, topology, "staged", 2, 2, node_topology="greedy")  # type: ignore[arg-type]
     assert [greedy.rollout_topology_at(k) for k in range(6)] == ["sample"] * 2 + ["greedy"] * 2 + ["sample"] * 2
-    sampled, _, _ = _joint("staged")  # the default holds the topology but samples routes from it
-    assert {sampled.rollout_topology_at(k) for k in range(6)} == {"sample"}
+    sampled = Joint(nodes, topology, "staged", 2, 2, node_topology="sample")  # type: ignore[arg-type]
+    assert {sampled.rollout_topology_at(k) for k in range(6)} == {"sample"}  # holds the topology, samples its routes
+    assert StagesConfig().node_topology == "greedy"  # the default, measured better on both mixed tasks
     simultaneous = Joint(nodes, topology, "simultaneous", node_topology="greedy")  # type: ignore[arg-type]
     assert {simultaneous.rollout_topology_at(k) for k in range(6)} == {"sample"}  # topology learns every step
 
@@ -137,8 +139,11 @@ def test_stages_without_the_staged_schedule_is_a_located_error(root):
 
     text = (root / "graphs" / "mixed_router.yaml").read_text()
     hrpo = "  hrpo: {lr: 0.1, omega: 0.5}"
-    bad = text.replace(hrpo, hrpo + "\n  stages: {node_topology: greedy}")
+    bad = text.replace(hrpo, hrpo + "\n  stages: {topology_steps: 5}")
     with pytest.raises(SpecError, match=r"train: `stages` sets up `schedule: staged`, but the schedule is "
                                         r"'simultaneous'"):
         parse_spec(bad, "g.yaml")
     parse_spec(bad.replace("  stages:", "  schedule: staged\n  stages:"), "g.yaml")  # with the schedule: fine
+    # a spec dumped before node_topology's default became greedy (it holds `sample`) still loads
+    parse_spec(text.replace(hrpo, hrpo + "\n  stages: {topology_steps: 10, node_steps: null, node_topology: sample}"),
+               "g.yaml")
