@@ -245,11 +245,9 @@ class JointTrainSpec(TrainSpec):
 
     @model_validator(mode="after")
     def _stages_need_the_staged_schedule(self) -> JointTrainSpec:
-        # defaults are fine (a dumped spec has them); node_topology is not compared: specs dumped before its default
-        # became `greedy` hold `sample`, and it means nothing outside the staged schedule
-        lengths = {"topology_steps", "node_steps"}
-        if self.schedule != "staged" and self.stages.model_dump(include=lengths) != StagesConfig().model_dump(
-                include=lengths):
+        # defaults are fine (a dumped spec has them), the old default too: specs dumped before node_topology's
+        # default became `greedy` hold `sample`
+        if self.schedule != "staged" and self.stages not in (StagesConfig(), StagesConfig(node_topology="sample")):
             raise ValueError(f"`stages` sets up `schedule: staged`, but the schedule is {self.schedule!r}; set "
                              "`schedule: staged`, or drop `stages`")
         return self
