@@ -33,6 +33,10 @@ SEEDS="0 1"
 PY="${PYTHON:-}"
 [[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
 [[ -z "$PY" ]] && PY="python3"
+# `python -c` and `python -` put the working directory first on sys.path: from the repo root that is the source
+# tree's masgraph/, which has no masgraph.trainers / masgraph.agents unless masgraph is installed editable, so on a
+# bare machine (masgraph installed into a --target dir) every check failed. The checks run from / instead.
+pyout() { (cd / && "$PY" "$@"); }
 
 usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only a,b,c,d  --out DIR  --python PY"\
   "  --tokenizer DIR  --seeds '0 1' (for d)  --stage DIR  --wheels DIR"; }
@@ -52,6 +56,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+[[ "$PY" == */* ]] && PY="$(realpath -m "$PY")"   # pyout runs it from /
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LITELLM_LOCAL_MODEL_COST_MAP=True RAY_AUTH_MODE=disabled
@@ -89,17 +94,17 @@ SITE="${TMPDIR:-/tmp}/masgraph-bench-site"
 if [[ -n "$WHEELS" ]]; then
   [[ -d "$WHEELS" ]] || { echo "gpu.sh: --wheels $WHEELS: no such directory" >&2; exit 2; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  if ! "$PY" -c "import trl, pydantic, reasoning_gym" 2>/dev/null; then
+  if ! pyout -c "import trl, pydantic, reasoning_gym" 2>/dev/null; then
     echo "== installing the wheels in $WHEELS into $SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$WHEELS"/*.whl || exit 1
-    if ! "$PY" -c "import pycosat" 2>/dev/null; then
+    if ! pyout -c "import pycosat" 2>/dev/null; then
       for sd in "$WHEELS"/sdist/pycosat-*.tar.gz; do
         [[ -f "$sd" ]] && "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" "$sd" \
           >/dev/null 2>&1 && break
       done
     fi
-    if ! "$PY" -c "import pycosat" 2>/dev/null; then
+    if ! pyout -c "import pycosat" 2>/dev/null; then
       # reasoning_gym imports pycosat at import time for its zebra-puzzle dataset, which masgraph never uses
       echo "   pycosat did not build here: a stub stands in (only reasoning_gym's zebra puzzles would call it)"
       printf '%s\n' '"""Stub: pycosat could not be built on this machine (gpu.sh); only zebra puzzles need it."""' \
@@ -110,7 +115,7 @@ if [[ -n "$WHEELS" ]]; then
   [[ -z "${MASGRAPH_BENCH_TOKENIZER:-}" && -f "$WHEELS/tokenizer/tokenizer.json" ]] && \
     export MASGRAPH_BENCH_TOKENIZER="$WHEELS/tokenizer"
 fi
-if ! "$PY" -c "import masgraph.trainers, masgraph.agents" 2>/dev/null; then
+if ! pyout -c "import masgraph.trainers, masgraph.agents" 2>/dev/null; then
   echo "== installing masgraph from $ROOT into $SITE (no dependencies)"
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" "$ROOT" \
@@ -118,7 +123,7 @@ if ! "$PY" -c "import masgraph.trainers, masgraph.agents" 2>/dev/null; then
 fi
 
 # ---- preflight: the packages, and whether torch sees a GPU
-"$PY" - <<'EOF' || { echo "gpu.sh: missing packages (above); on a bare GPU machine stage them here first:" \
+pyout - <<'EOF' || { echo "gpu.sh: missing packages (above); on a bare GPU machine stage them here first:" \
   "bash benchmarks/gpu.sh --stage DIR, then --wheels DIR there" >&2; exit 1; }
 import importlib, sys
 missing = []
@@ -132,9 +137,9 @@ if missing:
     print("missing:", *missing, sep="\n  ")
     sys.exit(1)
 EOF
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! pyout -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   if [[ $SMOKE -eq 0 ]]; then
-    "$PY" -c "import torch; print(f'gpu.sh: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no GPU.')" >&2
+    pyout -c "import torch; print(f'gpu.sh: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no GPU.')" >&2
     echo "gpu.sh: these benchmarks measure a GPU and refuse to run without one; on a GPU machine run them there," \
       "or check this script on the CPU at the smallest scale: bash benchmarks/gpu.sh --cpu-smoke" >&2
     exit 2
@@ -166,14 +171,14 @@ exec > >(tee -a "$OUTDIR/gpu.log") 2>&1
 
 echo "== gpu.sh $([[ $SMOKE -eq 1 ]] && echo '--cpu-smoke (smallest scale, CPU: proves the script, measures nothing)')"
 echo "   results: $OUTDIR (gpu.log: everything; $(basename "$RECORD"): the recorded sections; one log per step)"
-"$PY" - <<'EOF'
+pyout - <<'EOF'
 import platform, torch, transformers, peft, trl
 from masgraph.device import describe, resolve_device
 print(f"   python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
       f"{transformers.__version__}, peft {peft.__version__}, trl {trl.__version__}, "
       f"device {describe(resolve_device('auto'))}")
 EOF
-"$PY" -c "
+pyout -c "
 import asyncio
 from masgraph.agents.tools.python import run_python
 try:
@@ -226,7 +231,7 @@ if wants c; then
 fi
 
 if wants d; then
-  if [[ $SMOKE -eq 0 ]] && ! "$PY" -c "from masgraph.model import resolve_model; resolve_model('smollm2-135m')" \
+  if [[ $SMOKE -eq 0 ]] && ! pyout -c "from masgraph.model import resolve_model; resolve_model('smollm2-135m')" \
       >/dev/null 2>&1; then
     echo; echo "=== (d) SKIPPED: the embedded model's real weights are not here (masgraph.model.resolve_model"
     echo "    ('smollm2-135m') failed); the learning benchmark needs them: put the converted directory at"

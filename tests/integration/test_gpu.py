@@ -3,7 +3,7 @@ in an update is one error line naming the knob, with the last checkpoint intact.
 the other `gpu`-marked real-model tests (flow-grpo, joint, determinism, kill -9 resume, export, serve), which
 run on CUDA there because their graphs say `device: auto`. Skipped where torch sees no GPU.
 
-NOT YET RUN ON A GPU: no GPU machine was lent while they were written (see README "What runs where")."""
+These three passed on an H200 (RESULTS.md, 2026-11-27 20:00); the Flow-GRPO real-model ones failed there."""
 
 from __future__ import annotations
 

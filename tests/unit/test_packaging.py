@@ -1,11 +1,14 @@
-"""agents/ and trainers/ install only as masgraph.agents / masgraph.trainers: no generic top-level names."""
+"""agents/ and trainers/ install only as masgraph.agents / masgraph.trainers: no generic top-level names; a
+non-editable install (`pip install .`, a wheel) ships every package folder of the source tree."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
+import tomllib
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +36,7 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
                    check=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "TMPDIR": str(build.parent)})
     probe = (
         "import importlib.util, masgraph, masgraph.agents, masgraph.trainers, masgraph.agents.tools.calculator;"
+        "assert all(importlib.util.find_spec(m) for m in ('masgraph.topology', 'masgraph.watch', 'masgraph.memory'));"
         "assert importlib.util.find_spec('agents') is None, 'agents importable';"
         "assert importlib.util.find_spec('trainers') is None, 'trainers importable';"
         f"assert masgraph.agents.__file__.startswith({str(site)!r}), masgraph.agents.__file__;"
@@ -43,3 +47,22 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
         "print('ok')")
     out = subprocess.run([str(py), "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """pyproject lists packages by hand (agents/ and trainers/ install under masgraph.), so a new package folder must
+    be added there; masgraph.topology and masgraph.watch were missing until a bare GPU machine installed masgraph
+    into a --target dir and `import masgraph.trainers.loop` failed."""
+    root = Path(__file__).resolve().parents[2]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for name, folder in tool["package-dir"].items():
+        base = root / folder
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base)
+            if "__pycache__" not in rel.parts:
+                found.add(".".join((name, *rel.parts)))
+    assert {"masgraph", "masgraph.agents", "masgraph.trainers"} <= found
+    assert found - listed == set(), f"package folders missing from pyproject's packages: {sorted(found - listed)}"
+    assert listed - found == set(), f"pyproject lists packages with no folder: {sorted(listed - found)}"
