@@ -76,6 +76,7 @@ async def _edit(ctx: NodeContext, store: FactStore, facts: list[str]) -> tuple[l
             except ValueError as exc:
                 op = MemoryOp(fact=fact, op="ADD", text=fact, output=completion.text, error=str(exc))
                 unparsed.append(str(exc))
+                ctx.unparsed(completion, str(exc))
         else:
             op = MemoryOp(fact=fact, op="ADD", text=fact)
         ops.append(store.apply(op))

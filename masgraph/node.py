@@ -68,6 +68,10 @@ class NodeContext:
     waiting: Callable[[], AbstractContextManager[object]] = nullcontext
     """`with ctx.waiting(): ...` — time inside is not this step's work (its time limit does not run): for a node
     that waits its turn at something shared (a conversation's memory), as its LLM calls' queue waits are not."""
+    unparsed: Callable[[Any, str], None] = lambda completion, reason: None
+    """`ctx.unparsed(completion, reason)`: the call that returned `completion` (from `generate`) did not follow the
+    node's format; recorded on that call (`LLMCall.parse_error`), so a node making several calls a step has its
+    format credited per call. The step's own `NodeOutput.parse_error` is still the node's to set."""
 
     @property
     def node_spec(self) -> Any:

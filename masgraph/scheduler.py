@@ -333,11 +333,11 @@ class Scheduler:
         for attempt in range(1, nspec.retries + 2):  # noqa: B007 (the last attempt's number is recorded)
             calls = []  # only the last attempt's LLM calls are part of the step
             clock = WorkClock(nspec.timeout_s, episode)  # this attempt's work clock, one of the episode's steps
-            ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory,
-                              self._generator(ep, trace, index, node, turn, calls, clock), self._node_tools[node],
-                              self.tool_descriptions, _slot_prompt(ep.topology, node),
+            generate, unparsed = self._generator(ep, trace, index, node, turn, calls, clock)
+            ctx = NodeContext(node, self._spec, ep.query, turn, inputs, merged, memory, generate,
+                              self._node_tools[node], self.tool_descriptions, _slot_prompt(ep.topology, node),
                               conversation=ep.meta.get("conversation"), conversations=self.conversations,
-                              waiting=partial(not_working, clock))
+                              waiting=partial(not_working, clock), unparsed=unparsed)
             try:
                 out = await _within(agent(ctx), clock)  # no task per step, unlike wait_for
                 error = None
@@ -364,7 +364,16 @@ class Scheduler:
 
     def _generator(self, ep: EpisodeInput, trace: Trace, index: int, node: str, turn: int, calls: list[LLMCall],
                    clock: WorkClock):
+        """The step's `generate` (each call recorded in `calls`) and `unparsed` (marks the recorded call that returned
+        a given completion as off-format)."""
         policy_name = self._spec.nodes[node].policy
+        made: list[tuple[Any, LLMCall]] = []  # (completion handed to the node, its record)
+
+        def unparsed(completion: Any, reason: str) -> None:
+            for c, call in made:
+                if c is completion:
+                    call.parse_error = reason
+                    return
 
         async def generate(messages: list[dict[str, str]]):
             if policy_name is None:
@@ -372,8 +381,9 @@ class Scheduler:
             policy = self.policies[policy_name]
             k = len(calls)
             if ep.replay and (node, turn, k) in ep.replay:  # a branched sibling's shared prefix
-                calls.append(ep.replay[(node, turn, k)])
-                return replayed(calls[-1])
+                calls.append(ep.replay[(node, turn, k)].model_copy(update={"parse_error": None}))
+                made.append((replayed(calls[-1]), calls[-1]))
+                return made[-1][0]
             seed = zlib.crc32(f"{self.seed}|{ep.item_id}|{ep.sample}|{node}|{turn}|{k}".encode())
             req = Request(messages, policy_name, policy.spec.adapter, policy.spec.sampling, seed,
                           key=(index, node, turn, k))
@@ -383,13 +393,14 @@ class Scheduler:
             [c] = await policy.backend.complete([req])
             latency = time.perf_counter() - t0
             calls.append(llm_call(req, c, latency, wait.queue_s))
+            made.append((c, calls[-1]))
             self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
                             adapter=policy.spec.adapter, prompt_tokens=c.n_prompt,
                             completion_tokens=c.n_completion, latency_s=latency,
                             batch_size=getattr(c, "batch_size", 1), queue_s=wait.queue_s))
             return c
 
-        return generate
+        return generate, unparsed
 
     def _emit(self, event: Any) -> None:
         for sink in self.sinks:

@@ -47,6 +47,11 @@ class LLMCall(Record):
     left out of the stored trace when None, as it is for every call that has its ids."""
     completion_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
     """Output length the server reported, like `prompt_tokens`."""
+    parse_error: str | None = Field(None, exclude_if=lambda v: v is None)
+    """This call's output did not follow its node's format: set by a node that calls its model several times in a
+    step (a memory manager, once per fact) through `NodeContext.unparsed`, so the format is credited per call
+    (trainers/credit.py); the step's `parse_error` says whether any call failed. None otherwise (left out of the
+    stored trace)."""
 
     @property
     def n_prompt(self) -> int:

@@ -57,8 +57,9 @@ class FlowGRPOConfig(BaseModel):
     group keeps its size); pair with `advantage: episode+step` so siblings compare where they split. 0: off."""
     format_weight: float = Field(0.0, ge=0)
     """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
-    group, each step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that
-    node's steps in the group (`flow_grpo.format_advantages`). A node whose format can drift without changing the
+    group, each call of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that
+    node's calls in the group (`credit.step_format_advantages`; a call fails by its own flag where its node sets
+    one, as a memory manager does per fact, else by its step's). A node whose format can drift without changing the
     outcome (a verifier whose unparseable verdict falls back to `continue`, after which the loop bound still exits)
     is pushed back to its format, which the outcome alone never does, also in a group whose outcome has no signal.
     Unlike `parse_penalty`, the push lands on the node that broke its format only. 0: outcome only (the paper)."""

@@ -21,8 +21,13 @@ its A^S equals A^E (with gamma = 1); later steps are compared only with the traj
 memory.
 
 A node's format is credited the same way, per node rather than per state (`format_weight`): within a group, each
-step of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that node's steps, so
-the push lands on the node that broke its format and on no other. Pure functions, tested against hand-computed
+call of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that node's calls, so
+the push lands on the node that broke its format and on no other. A call failed when it says so
+(`LLMCall.parse_error`, set by a node that calls its model several times a step: a memory manager, once per
+fact); in a step where no call says so, every call takes the step's `parse_error`. Per call because a step-level
+flag cannot move a many-call node: a memory step fails if any of its ~9 calls does, so at a sampling temperature
+where one call in ten slips, nearly every step fails alike and the format advantage has no variance (measured:
+`parse/memory` 1.00 on every step of memory round 2, RESULTS.md). Pure functions, tested against hand-computed
 values; `flow_grpo.build_rows` applies them.
 """
 
@@ -35,8 +40,8 @@ from collections.abc import Iterator
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "call_state", "format_advantages", "group_steps", "state_key", "step_advantages",
-           "step_format_advantages", "step_returns"]
+__all__ = ["anchor_groups", "call_failures", "call_state", "format_advantages", "group_steps", "state_key",
+           "step_advantages", "step_format_advantages", "step_returns"]
 
 
 def call_state(node: str, call: LLMCall) -> str | None:
@@ -101,16 +106,24 @@ def format_advantages(failed: list[bool], eps: float = 1e-6) -> list[float]:
     return normalise([-float(f) for f in failed], eps)
 
 
+def call_failures(step: Step) -> list[bool]:
+    """Per LLM call of a step, whether its output failed the node's format: the calls' own flags where the node set
+    any (`LLMCall.parse_error`), else the step's `parse_error` for every call."""
+    if any(c.parse_error is not None for c in step.llm):
+        return [c.parse_error is not None for c in step.llm]
+    return [step.parse_error is not None] * len(step.llm)
+
+
 def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]], trainable: dict[str, str] | set[str],
-                           eps: float = 1e-6) -> dict[tuple[int, int], float]:
-    """(trajectory, step index) -> its node's format advantage within its group (`format_advantages`), for every
-    trainable step with an LLM call."""
-    by_node: dict[tuple, list[tuple[int, int, bool]]] = defaultdict(list)
+                           eps: float = 1e-6) -> dict[tuple[int, int, int], float]:
+    """(trajectory, step index, call index) -> the call's format advantage among its node's calls in its group
+    (`format_advantages` over `call_failures`), for every call of a trainable step."""
+    by_node: dict[tuple, list[tuple[int, int, int, bool]]] = defaultdict(list)
     for key, i, s in group_steps(traces, members, trainable):
-        if s.llm:
-            by_node[(key, s.node)].append((i, s.index, s.parse_error is not None))
-    out: dict[tuple[int, int], float] = {}
-    for steps in by_node.values():
-        for (i, index, _), a in zip(steps, format_advantages([f for _, _, f in steps], eps)):
-            out[(i, index)] = a
+        for k, failed in enumerate(call_failures(s)):
+            by_node[(key, s.node)].append((i, s.index, k, failed))
+    out: dict[tuple[int, int, int], float] = {}
+    for calls in by_node.values():
+        for (i, index, k, _), a in zip(calls, format_advantages([f for *_, f in calls], eps)):
+            out[(i, index, k)] = a
     return out

@@ -171,9 +171,9 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
                 continue
             key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
             outcome = adv.get((i, key)) if episode else None
-            fmt_term = config.format_weight * fmt.get((i, step.index), 0.0)
             for k, call in enumerate(step.llm):
-                extra = fmt_term + w * step_adv.get((i, step.index, k), 0.0)
+                at = (i, step.index, k)
+                extra = config.format_weight * fmt.get(at, 0.0) + w * step_adv.get(at, 0.0)
                 if call.completion_ids and (outcome is not None or extra != 0.0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,

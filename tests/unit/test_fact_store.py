@@ -14,7 +14,7 @@ from masgraph.spec import GraphSpec
 from masgraph.store import read_traces
 from masgraph.tasks import Item, Task, get_task, load_kb
 from masgraph.trace import LLMCall, Step, Trace
-from masgraph.trainers.credit import anchor_groups, step_advantages
+from masgraph.trainers.credit import anchor_groups, call_failures, step_advantages, step_format_advantages
 from masgraph.trainers.flow_grpo import FlowGRPOConfig, build_rows
 
 FACT = "Kalo Mira moved to Sadport."
@@ -173,6 +173,28 @@ def test_unparseable_manager_output_adds_the_fact_and_is_a_parse_failure(root, s
     assert [op.op for op in mem.memory_ops] == ["ADD"] * 5 and all("no operation" in op.error for op in mem.memory_ops)
     assert mem.parse_error.startswith("5 of 5 outputs had no operation")
     assert result.traces[0].status == "ok"  # the episode goes on with every fact kept
+    assert all(c.parse_error and "no operation" in c.parse_error for c in mem.llm)  # each call says so
+
+
+def test_each_manager_call_records_its_own_format_failure(root, scripted, runner_for, run):
+    """Only the calls whose output had no operation are marked; the step's flag says some did. The marks travel in
+    the stored trace and are left out of it where a call parsed."""
+    def replies(req):
+        if req.key[1] == "generator":
+            return "Answer: Orrinford"
+        fact = req.messages[-1]["content"].rsplit("New fact: ", 1)[1]
+        return "hmm" if "rained" in fact or "visited" in fact else "Operation: ADD"
+
+    result = run(runner_for(memory_graph(root, "manager"), scripted({"memory": replies, "generator": replies}),
+                            n=1).run_task(OneStream()))
+    mem = result.traces[0].steps[0]
+    assert [c.parse_error is not None for c in mem.llm] == [False, True, False, True, False]
+    assert mem.parse_error.startswith("2 of 5 outputs had no operation")
+    assert call_failures(mem) == [False, True, False, True, False]
+    [stored] = read_traces(result.run_dir)
+    dumped = [c.model_dump(mode="json") for c in stored.steps[0].llm]
+    assert ["parse_error" in c for c in dumped] == [False, True, False, True, False]
+    assert stored.steps[1].llm[0].parse_error is None  # the reader's one call: no flag of its own
 
 
 def test_a_manager_needs_a_policy_and_modes_are_checked(root):
@@ -221,6 +243,30 @@ def _manager_step(prompts: list[list[int]]) -> Step:
     calls = [LLMCall(policy="m", adapter="memory", prompt_ids=p, completion_ids=[9], logprobs=[-0.5], text="x",
                      temperature=1.0) for p in prompts]
     return Step(episode_id="e", index=0, node="memory", role="memory", turn=1, llm=calls)
+
+
+def test_format_is_credited_per_manager_call():
+    """Two trajectories of one query with the same reward (no outcome signal); trajectory 0's second of three
+    manager calls had no operation. Per call, the failures over the six calls are [0, 1, 0, 0, 0, 0]: rewards
+    [0, -1, 0, 0, 0, 0], mean -1/6, unbiased std sqrt((5 (1/6)^2 + (5/6)^2) / 5) = sqrt(1/6) = 0.408248, so the
+    failed call gets (-1 + 1/6) / 0.408248 = -2.041241 and every other +0.408248. Step-level, both of trajectory 0's
+    other calls would have been pushed down with it (its step failed): [1, 1, 1, 0, 0, 0] -> -+0.912871."""
+    traces = [Trace(episode_id=f"t{i}", item_id="q", query="q", reward=1.0,
+                    steps=[_manager_step([[1], [1, 2], [1, 2, 3]])]) for i in range(2)]
+    traces[0].steps[0].llm[1].parse_error = "no operation"
+    traces[0].steps[0].parse_error = "1 of 3 outputs had no operation"
+    fmt = step_format_advantages(traces, {("q",): [0, 1]}, {"memory"}, eps=0.0)
+    assert [fmt[(i, 0, k)] for i in range(2) for k in range(3)] == pytest.approx(
+        [0.408248, -2.041241, 0.408248, 0.408248, 0.408248, 0.408248], abs=1e-6)
+    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.5))
+    assert [(r.traj, r.call, round(r.advantage, 4)) for r in rows] == [
+        (0, 0, 0.2041), (0, 1, -1.0206), (0, 2, 0.2041), (1, 0, 0.2041), (1, 1, 0.2041), (1, 2, 0.2041)]
+    # a node that flags no call of its own: the step's failure is every call's
+    traces[0].steps[0].llm[1].parse_error = None
+    assert call_failures(traces[0].steps[0]) == [True, True, True]
+    fmt = step_format_advantages(traces, {("q",): [0, 1]}, {"memory"}, eps=0.0)
+    assert [fmt[(i, 0, k)] for i in range(2) for k in range(3)] == pytest.approx(
+        [-0.912871, -0.912871, -0.912871, 0.912871, 0.912871, 0.912871], abs=1e-6)
 
 
 def test_each_manager_call_is_its_own_anchor_state():

@@ -162,8 +162,8 @@ def test_format_groups_follow_group_by():
     traces[0].steps[0].parse_error = "x"
     fmt = step_format_advantages(traces, {("q1",): [0, 1], ("q2",): [2]}, {"verifier": "v"}, eps=0.0)
     # q1's three verifier steps [fail, ok, ok] -> [-1.1547, 0.5774, 0.5774]; q2 alone: 0
-    assert [fmt[(0, 0)], fmt[(0, 1)], fmt[(1, 0)], fmt[(2, 0)]] == pytest.approx([-1.1547005, 0.5773503,
-                                                                                  0.5773503, 0.0])
+    assert [fmt[(0, 0, 0)], fmt[(0, 1, 0)], fmt[(1, 0, 0)], fmt[(2, 0, 0)]] == pytest.approx([-1.1547005, 0.5773503,
+                                                                                              0.5773503, 0.0])
     by_node = build_rows(traces, {"verifier": "v"}, FlowGRPOConfig(group_by="query_node", format_weight=1.0,
                                                                    adv_eps=0.0))
     assert [round(r.advantage, 4) for r in by_node] == [-1.1547, 0.5774, 0.5774]
