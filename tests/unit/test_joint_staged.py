@@ -138,12 +138,13 @@ def test_stages_without_the_staged_schedule_is_a_located_error(root):
     from masgraph.loader import parse_spec
 
     text = (root / "graphs" / "mixed_router.yaml").read_text()
-    hrpo = "  hrpo: {lr: 0.1, omega: 0.5}"
-    bad = text.replace(hrpo, hrpo + "\n  stages: {topology_steps: 5}")
+    staged, stages = "  schedule: staged", "  stages: {topology_steps: 10}"
+    assert staged in text and stages in text  # the shipped graph: the measured staged arm
+    parse_spec(text.replace(stages, "  stages: {topology_steps: 5}"), "g.yaml")  # staged: any stages
+    bad = text.replace(staged, "  schedule: simultaneous").replace(stages, "  stages: {topology_steps: 5}")
     with pytest.raises(SpecError, match=r"train: `stages` sets up `schedule: staged`, but the schedule is "
                                         r"'simultaneous'"):
         parse_spec(bad, "g.yaml")
-    parse_spec(bad.replace("  stages:", "  schedule: staged\n  stages:"), "g.yaml")  # with the schedule: fine
     # a spec dumped before node_topology's default became greedy (it holds `sample`) still loads
-    parse_spec(text.replace(hrpo, hrpo + "\n  stages: {topology_steps: 10, node_steps: null, node_topology: sample}"),
-               "g.yaml")
+    old = "  stages: {topology_steps: 10, node_steps: null, node_topology: sample}"
+    parse_spec(text.replace(staged, "  schedule: simultaneous").replace(stages, old), "g.yaml")
