@@ -45,8 +45,8 @@ PY="${PYTHON:-}"
 [[ -z "$PY" ]] && PY="python3"
 # `python -c` and `python -` put the working directory first on sys.path: from the repo root that is the source
 # tree's masgraph/, which has no masgraph.trainers / masgraph.agents unless masgraph is installed editable, so on a
-# bare machine (masgraph installed into a --target dir) every check failed. The checks run from / instead.
-pyout() { (cd / && "$PY" "$@"); }
+# bare machine (masgraph installed into a --target dir) every check failed. `-P` (Python >= 3.11) leaves it out.
+pyout() { "$PY" -P "$@"; }
 
 usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only a,b,c,d  --out DIR  --python PY"\
   "  --tokenizer DIR  --seeds '0 1' (for d)  --stage DIR  --wheels DIR"; }
@@ -67,7 +67,6 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-[[ "$PY" == */* ]] && PY="$(realpath -ms "$PY")"   # absolute, links kept (a venv's python is one): pyout runs it from /
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LITELLM_LOCAL_MODEL_COST_MAP=True RAY_AUTH_MODE=disabled
@@ -291,8 +290,7 @@ if wants d; then
 fi
 
 if wants t; then
-  # `python -P`: the working directory (the repo root, whose masgraph/ lacks trainers/ and agents/) is not put first
-  # on sys.path, so the masgraph installed in $SITE is the one the tests import
+  # `-P` as in pyout (which `timeout` cannot run: a shell function), so the tests import the installed masgraph
   for f in $(grep -l "mark.gpu" tests/integration/*.py | sort); do
     step "t-$(basename "$f" .py)" "(t) gpu test tier: $f" timeout "${TIER_FILE_S:-240}" "$PY" -P -m pytest -q -rA \
       --tb=short -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu -k "not litellm" "$f"

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tomllib
 import venv
-from pathlib import Path
 
 import pytest
 
@@ -49,11 +48,10 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_every_package_folder_is_listed_in_pyproject():
+def test_every_package_folder_is_listed_in_pyproject(root):
     """pyproject lists packages by hand (agents/ and trainers/ install under masgraph.), so a new package folder must
     be added there; masgraph.topology and masgraph.watch were missing until a bare GPU machine installed masgraph
     into a --target dir and `import masgraph.trainers.loop` failed."""
-    root = Path(__file__).resolve().parents[2]
     tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     found = set()
