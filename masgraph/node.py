@@ -71,7 +71,8 @@ class NodeContext:
     unparsed: Callable[[Any, str], None] = lambda completion, reason: None
     """`ctx.unparsed(completion, reason)`: the call that returned `completion` (from `generate`) did not follow the
     node's format; recorded on that call (`LLMCall.parse_error`), so a node making several calls a step has its
-    format credited per call. The step's own `NodeOutput.parse_error` is still the node's to set."""
+    format credited per call. The step's own `NodeOutput.parse_error` is still the node's to set. Any other
+    object (not a completion this step's `generate` returned) fails the step with an error saying so."""
 
     @property
     def node_spec(self) -> Any:

@@ -374,6 +374,8 @@ class Scheduler:
                 if c is completion:
                     call.parse_error = reason
                     return
+            raise MasgraphError(f"node {node!r}: ctx.unparsed() was given an object that none of this step's "
+                                "generate() calls returned; pass it the completion generate() returned")
 
         async def generate(messages: list[dict[str, str]]):
             if policy_name is None:

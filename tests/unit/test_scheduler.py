@@ -622,3 +622,17 @@ def test_an_episode_stalled_by_another_agent_blocking_the_loop_is_not_blamed(run
     blocker, waiter = run(sched.run([EpisodeInput("b", "blocker"), EpisodeInput("w", "waiter")]))
     assert "blocked the event loop" in blocker.steps[0].error
     assert "blocked" not in (waiter.steps[0].error or "")  # ok, or timed out in the same loop pass
+
+
+def test_unparsed_with_an_object_generate_did_not_return_fails_the_step(scripted, runner_for, run):
+    """A node that marks something other than its own completion gets an error, not a silently lost mark."""
+    @register_agent("marks-a-copy")
+    async def marks_a_copy(ctx):
+        completion = await ctx.generate([{"role": "user", "content": ctx.query}])
+        ctx.unparsed(str(completion), "off format")  # a copy of it, not the completion itself
+        return NodeOutput(text="x", answer="2")
+
+    graph = (GraphBuilder("marks").add_policy("p", backend="scripted")
+             .add_node("solo", role="custom", agent="marks-a-copy", policy="p").compile())
+    [tr] = run(runner_for(graph, scripted({"solo": "hello"}), n=1).run_task(Sum())).traces
+    assert tr.status == "error" and "ctx.unparsed()" in tr.steps[0].error
