@@ -63,6 +63,13 @@ class FlowGRPOConfig(BaseModel):
     outcome (a verifier whose unparseable verdict falls back to `continue`, after which the loop bound still exits)
     is pushed back to its format, which the outcome alone never does, also in a group whose outcome has no signal.
     Unlike `parse_penalty`, the push lands on the node that broke its format only. 0: outcome only (the paper)."""
+    entropy_bonus: float = Field(0.0, ge=0)
+    """beta of an entropy bonus on every trainable call: each sampled token's advantage gains beta * its surprisal
+    (-log pi_old of the token, at the temperature it was sampled), the REINFORCE estimate of the entropy's gradient
+    (`pg_math.surprisal_bonus`), so a rarely sampled choice is pushed up and a certain token (surprisal ~0) is left
+    alone. It needs no full-vocabulary pass, and it also acts on groups whose outcome has no signal (their rows are
+    kept with outcome advantage 0): a node whose few choices collapse to one (a memory manager's operation) keeps
+    exploring, so its groups keep a signal. 0: off (the paper)."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

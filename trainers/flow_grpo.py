@@ -35,12 +35,12 @@ from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.credit import format_advantages, step_advantages, step_format_advantages
-from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss
+from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss, surprisal_bonus
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
            "informative_queries", "step_format_advantages",
            "kl_k3", "logprob_temperature", "micro_batches", "mini_batches", "ppo_clip_loss", "row_weights",
-           "sampling_spec", "trajectory_rewards"]
+           "sampling_spec", "surprisal_bonus", "trajectory_rewards"]
 
 
 @dataclass
@@ -143,7 +143,8 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
     trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
     step | episode+step` a call's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
-    `format_weight` the node's own format advantage joins it; a row is kept when any term can push it."""
+    `format_weight` the node's own format advantage joins it; a row is kept when any term can push it (with
+    `entropy_bonus`, every row: the bonus is per token, added in the update)."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i in rewards:
@@ -174,7 +175,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             for k, call in enumerate(step.llm):
                 at = (i, step.index, k)
                 extra = config.format_weight * fmt.get(at, 0.0) + w * step_adv.get(at, 0.0)
-                if call.completion_ids and (outcome is not None or extra != 0.0):
+                if call.completion_ids and (outcome is not None or extra != 0.0 or config.entropy_bonus > 0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config), step.index, k))
@@ -340,10 +341,13 @@ class FlowGRPO(TrainAlgorithm):
                 for chunk in micro_batches(lengths, self.config.micro_batch, self.config.micro_batch_tokens)]
 
     def _token_loss(self, row: Row, logp: torch.Tensor, ref: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
-        """Per-token PPO-clip + beta * k3 KL of one row; adds its clip count, KLs and policy loss to `totals`."""
+        """Per-token PPO-clip + beta * k3 KL of one row (its advantage plus, with `entropy_bonus`, each token's
+        surprisal bonus); adds its clip count, KLs and policy loss to `totals`."""
         cfg = self.config
         old = torch.tensor(row.old_logprobs, device=logp.device)
         adv = torch.tensor(row.advantage, device=logp.device)
+        if cfg.entropy_bonus:
+            adv = adv + surprisal_bonus(old, cfg.entropy_bonus)
         pg = ppo_clip_loss(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
         kl = kl_k3(logp, ref)
         log_ratio = logp.detach() - old

@@ -46,3 +46,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-element k3 estimator of KL(pi_theta || pi_ref): r - log r - 1 with r = pi_ref / pi_theta (>= 0)."""
     log_r = ref_logp - logp
     return torch.exp(log_r) - log_r - 1
+
+
+def surprisal_bonus(old_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token advantage term beta * (-log pi_old(a_t)): in expectation over sampled tokens, its policy gradient is
+    beta times the gradient of the policy's entropy (grad H = -E[(log pi + 1) grad log pi], the +1 having mean 0)."""
+    return -beta * old_logp

@@ -11,6 +11,7 @@ import torch
 from masgraph.errors import MasgraphError
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.flow_grpo import (
+    FlowGRPO,
     FlowGRPOConfig,
     aggregate,
     build_rows,
@@ -23,6 +24,7 @@ from masgraph.trainers.flow_grpo import (
     ppo_clip_loss,
     row_weights,
     step_format_advantages,
+    surprisal_bonus,
     trajectory_rewards,
 )
 
@@ -154,6 +156,76 @@ def test_format_weight_pushes_only_the_node_that_broke_its_format():
     got = {(r.traj, r.node): r.advantage for r in rows}
     assert got[(0, "planner")] == pytest.approx(1.5) and got[(0, "verifier")] == pytest.approx(1.5 - 0.3)
     assert got[(1, "planner")] == pytest.approx(-0.5) and got[(1, "verifier")] == pytest.approx(-0.5 + 0.1)
+
+
+def test_surprisal_bonus_hand_computed():
+    # beta * -log p: a token sampled at p = 0.5 gains 0.1 * 0.6931; a certain one (log p = 0) nothing
+    got = surprisal_bonus(torch.tensor([math.log(0.5), 0.0, math.log(0.01)]), 0.1)
+    assert got.tolist() == pytest.approx([0.0693147, 0.0, 0.4605170])
+
+
+def test_entropy_bonus_keeps_the_rows_of_a_flat_group():
+    traces = [_trace("q1", 1.0, {"memory": 2}) for _ in range(3)]  # every episode alike: no outcome signal
+    assert build_rows(traces, {"memory": "m"}, FlowGRPOConfig()) == []
+    rows = build_rows(traces, {"memory": "m"}, FlowGRPOConfig(entropy_bonus=0.1))
+    assert len(rows) == 6 and {r.advantage for r in rows} == {0.0}  # the bonus is per token, added in the update
+
+
+class _Categorical:
+    """A learner whose one adapter is a context-free categorical over 4 tokens (logits trained from 0); the
+    reference is the uniform distribution: enough to see what an update does to one decision's probabilities."""
+
+    def __init__(self):
+        self.logits = torch.nn.Parameter(torch.tensor([3.0, 0.0, 0.0, 0.0]))  # token 0 near-certain (p 0.87)
+        self.versions = {"m": 0}
+
+    def adapters(self):
+        return ["m"]
+
+    def parameters(self, adapter):
+        return [self.logits]
+
+    def probs(self) -> list[float]:
+        return torch.softmax(self.logits.detach(), -1).tolist()
+
+    def sequence_logprobs(self, rows, adapter):
+        logits = self.logits if adapter else torch.zeros(4)
+        return [torch.log_softmax(logits, -1)[torch.tensor(r.completion_ids)] for r in rows]
+
+    def train(self, mode=True):
+        pass
+
+    def new_version(self, adapter):
+        self.versions[adapter] += 1
+        return self.versions[adapter]
+
+
+def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome_signal():
+    """Seven episodes sampled the common token, one the rare token 2; all scored alike. Without the bonus the update
+    has no rows and changes nothing; with it token 2's probability rises and the common token's falls (no KL term,
+    so the bonus is the only push)."""
+    def traces(learner):
+        lp = torch.log_softmax(learner.logits.detach(), -1).tolist()
+        out = []
+        for tok in [0] * 7 + [2]:
+            call = LLMCall(policy="m", adapter="m", prompt_ids=[9], completion_ids=[tok], logprobs=[lp[tok]], text="x",
+                           policy_version=0)
+            out.append(Trace(episode_id=f"e{len(out)}", item_id="q", query="q", reward=1.0,
+                             steps=[Step(episode_id=f"e{len(out)}", index=0, node="memory", role="memory", turn=1,
+                                         llm=[call])]))
+        return out
+
+    plain = _Categorical()
+    before = plain.probs()
+    metrics = FlowGRPO(plain, {"memory": "m"}, FlowGRPOConfig(lr=0.1, kl_coef=0.0)).update(traces(plain))
+    assert metrics["rows"] == 0 and plain.probs() == before
+    bonus = _Categorical()
+    cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, entropy_bonus=0.5)
+    metrics = FlowGRPO(bonus, {"memory": "m"}, cfg).update(traces(bonus))
+    after = bonus.probs()
+    assert metrics["rows"] == 8 and bonus.versions["m"] == 1
+    assert after[2] > 1.15 * before[2] and after[0] < before[0] - 0.005
+    assert after[1] == pytest.approx(after[3])  # the unsampled tokens move together
 
 
 def test_format_groups_follow_group_by():
