@@ -68,9 +68,10 @@ class FlowGRPOConfig(BaseModel):
     (-log pi_old of the token, at the temperature it was sampled), the REINFORCE estimate of the entropy's gradient
     (`pg_math.surprisal_bonus`), so a rarely sampled choice is pushed up and a certain token (surprisal ~0) is left
     alone. It needs no full-vocabulary pass, and it also acts on groups whose outcome has no signal (their rows are
-    kept with outcome advantage 0): a node whose few choices collapse to one (a memory manager's operation) keeps
-    exploring, so its groups keep a signal. The advantage the TUI shows per call is the row's, before this per-token
-    term. 0: off (the paper)."""
+    kept with outcome advantage 0, which makes a step's update dearer). It acts on every token of a completion:
+    on the memory task (RESULTS.md, "Memory round 4") the entropy it bought went into the words after the manager's
+    operation while the operation itself still collapsed to one choice. The advantage the TUI shows per call is the
+    row's, before this per-token term. 0: off (the paper)."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

@@ -172,7 +172,7 @@ def test_entropy_bonus_keeps_the_rows_of_a_flat_group():
 
 
 class _Categorical:
-    """A learner whose one adapter is a context-free categorical over 4 tokens (logits trained from 0); the
+    """A learner whose one adapter is a context-free categorical over 4 tokens (logits start at [3, 0, 0, 0]); the
     reference is the uniform distribution: enough to see what an update does to one decision's probabilities."""
 
     def __init__(self):
