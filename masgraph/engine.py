@@ -106,11 +106,11 @@ class Engine:
                     backend.load_adapter(name, str(adapter_dir))
 
     def scheduler(self, sinks: Sequence[Sink] = (), score: Callable[[EpisodeInput, Trace], float] | None = None,
-                  concurrency: int = 16, seed: int = 0) -> Scheduler:
+                  concurrency: int = 16, seed: int = 0, memo_greedy: bool = False) -> Scheduler:
         """A scheduler over this engine's parts (cheap: build one per run, with that run's sinks)."""
         return Scheduler(self.graph, self.agents, self.policies, self.tools, sinks, concurrency=concurrency,
                          seed=seed, score=score, tool_descriptions=self.tool_descriptions,
-                         conversations=self.conversations)
+                         conversations=self.conversations, memo_greedy=memo_greedy)
 
     async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
                       choice: TopologyChoice | None = None, sinks: Sequence[Sink] = (), seed: int = 0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -57,6 +57,10 @@ class RunConfig:
     branch_width: int = 0
     """Branching rollouts (masgraph/branching.py): each item's `samples` are roots and, after each root, this many
     siblings forked at its least certain trainable step; 0: independent samples."""
+    counterfactual: dict[str, list[str]] = field(default_factory=dict)
+    """Counterfactual calls (masgraph/counterfactual.py): node -> the alternative completions of its calls; after the
+    episodes, every call of those nodes is re-scored with each alternative in its place, recorded on the episode's
+    `trace.meta["counterfactual"]`. Empty: off."""
 
 
 @dataclass
@@ -125,6 +129,9 @@ class Runner:
         width, samples = self.config.branch_width, self.config.samples
         if width:
             self._on_driver("branching rollouts (`branch_width`)", "set branch_width: 0, or train without --ray")
+        if self.config.counterfactual:
+            self._on_driver("counterfactual calls (`counterfactual`)",
+                            "leave `counterfactual` empty, or train without --ray")
         sched = self.scheduler(all_sinks, score=self._scorer(task, by_id))
         roots = max(1, samples // (1 + width)) if width else samples
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
@@ -138,6 +145,8 @@ class Runner:
             traces = await sched.run(episodes)  # in input order
             if roots < samples:
                 traces, episodes = await self._branch(sched, episodes, traces, roots, samples)
+            if self.config.counterfactual:
+                await self._counterfactuals(task, by_id, episodes, traces)
         except BaseException:
             interrupted = True
             raise
@@ -171,6 +180,27 @@ class Runner:
             out_eps += [ep, *ks]
             out_traces += [tr, *(next(done) for _ in ks)]
         return out_traces, out_eps
+
+    async def _counterfactuals(self, task: Task, by_id: dict[str, Item], episodes: list[EpisodeInput],
+                               traces: list[Trace]) -> None:
+        """Score every decision of the finished episodes with each alternative in its place (their variants run on a
+        scheduler of their own: scored, not stored or shown) and record `[step, call, alternative, reward]` on each
+        root's meta. A variant that fails scores 0, as a failed episode does. Their greedy calls are memoised: most
+        variants show a frozen reader an input another variant already showed it."""
+        from masgraph.counterfactual import META, variants
+
+        todo = [(tr, ref, alt, ep) for root, tr in zip(episodes, traces)
+                for ref, alt, ep in variants(root, tr, self.config.counterfactual)]
+        if not todo:
+            return
+        sched = self.engine.scheduler((), self._scorer(task, by_id), concurrency=self.config.concurrency,
+                                      seed=self.config.seed, memo_greedy=True)
+        done = await sched.run([ep for *_, ep in todo])
+        for tr in traces:
+            tr.meta[META] = []
+        for (tr, (step, call), alt, _), out in zip(todo, done):
+            reward = out.reward if out.status == "ok" and out.reward is not None else 0.0
+            tr.meta[META].append([step, call, alt, reward])
 
     def _scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
         """The run's reward: the task's own scoring, or its judge's (a task with a `judge`: an async call)."""

@@ -210,8 +210,13 @@ class Scheduler:
     def __init__(self, graph: Graph, agents: dict[str, Agent], policies: dict[str, Policy],
                  tools: dict[str, ToolFn], sinks: Sequence[Sink] = (), concurrency: int = 8, seed: int = 0,
                  score: Score | None = None,
-                 tool_descriptions: dict[str, str] | None = None, conversations: ConversationStores | None = None):
+                 tool_descriptions: dict[str, str] | None = None, conversations: ConversationStores | None = None,
+                 memo_greedy: bool = False):
         self.graph, self.policies, self.tools = graph, policies, tools
+        self._memo: dict[tuple, asyncio.Future] | None = {} if memo_greedy else None
+        """With `memo_greedy`: a greedy (temperature 0) call whose policy and messages equal an earlier one's of this
+        scheduler takes that call's completion instead of decoding again (counterfactual variants, which re-run the
+        same frozen reader on mostly the same inputs); in-flight duplicates wait for the first."""
         self.conversations = conversations
         """Conversation memories (`scope: conversation` memory nodes); None: each such episode keeps its own."""
         self.agents = {name: _as_async(agent) for name, agent in agents.items()}
@@ -392,7 +397,10 @@ class Scheduler:
             t0 = time.perf_counter()
             wait = CallWait(clock)  # the backend's queue charges the call's wait to it, not to the node's clock
             WAITER.set(wait)  # (not reset: this may resume in another context, see eager.py; a stale one is inert)
-            [c] = await policy.backend.complete([req])
+            if self._memo is not None and not policy.spec.sampling.temperature:
+                [c] = await self._memoised((policy_name, policy.spec.adapter, repr(messages)), policy.backend, req)
+            else:
+                [c] = await policy.backend.complete([req])
             latency = time.perf_counter() - t0
             calls.append(llm_call(req, c, latency, wait.queue_s))
             made.append((c, calls[-1]))
@@ -403,6 +411,15 @@ class Scheduler:
             return c
 
         return generate, unparsed
+
+    async def _memoised(self, key: tuple, backend: Backend, req: Request) -> list[Any]:
+        """`backend.complete([req])`, shared by every call with this key (a failed one is forgotten)."""
+        assert self._memo is not None
+        shared = self._memo.get(key)
+        if shared is None:
+            shared = self._memo[key] = asyncio.ensure_future(backend.complete([req]))
+            shared.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._memo.pop(key, None))
+        return await asyncio.shield(shared)
 
     def _emit(self, event: Any) -> None:
         for sink in self.sinks:

@@ -55,6 +55,9 @@ class TrainAlgorithm(ABC):
     """Episodes per training query (the group its advantages compare within)."""
     branch_width: int = 0
     """Branching rollouts: siblings forked after each root of a group (masgraph/branching.py); 0: independent."""
+    counterfactual: dict[str, list[str]] | None = None
+    """Counterfactual calls: node -> alternative completions each of its calls is re-scored with after the rollouts
+    (masgraph/counterfactual.py); None: off."""
 
     @classmethod
     @abstractmethod

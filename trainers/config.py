@@ -72,6 +72,17 @@ class FlowGRPOConfig(BaseModel):
     on the memory task (RESULTS.md, "Memory round 4") the entropy it bought went into the words after the manager's
     operation while the operation itself still collapsed to one choice. The advantage the TUI shows per call is the
     row's, before this per-token term. 0: off (the paper)."""
+    counterfactual: dict[str, list[str]] = Field(default_factory=dict)
+    """Counterfactual credit (masgraph/counterfactual.py), per trainable node whose calls choose among a closed set
+    of completions: those completions, e.g. `{memory: ["Operation: ADD", "Operation: UPDATE", "Operation:
+    DELETE", "Operation: NOOP"]}`. After each step's rollouts every call of such a node is re-scored with each
+    alternative in its place (the rest of the record replayed, the later nodes run afresh), and the call's
+    advantage gains `counterfactual_weight` * (its episode's reward - the mean of those scores), COMA's baseline:
+    a decision is credited against the ones it did not take, also in a group whose episodes all scored alike.
+    Costs one extra episode per call and alternative (each replays the record, so only the later nodes decode).
+    Empty: off (the paper)."""
+    counterfactual_weight: float = Field(1.0, ge=0)
+    """w in A = A^E + ... + w * A^C for the calls of `counterfactual` nodes."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

@@ -27,8 +27,13 @@ the push lands on the node that broke its format and on no other. A call failed 
 fact); in a step where no call says so, every call takes the step's `parse_error`. Per call because a step-level
 flag cannot move a many-call node: a memory step fails if any of its ~9 calls does, so at a sampling temperature
 where one call in ten slips, nearly every step fails alike and the format advantage has no variance (measured:
-`parse/memory` 1.00 on every step of memory round 2, RESULTS.md). Pure functions, tested against hand-computed
-values; `flow_grpo.build_rows` applies them.
+`parse/memory` 1.00 on every step of memory round 2, RESULTS.md).
+
+A call that chose among a closed set of completions can be credited against the alternatives it did not take
+(`counterfactual`, masgraph/counterfactual.py): A^C = R - mean over alternatives a' of R(a'), each R(a') the score
+of the episode re-run with a' in the call's place (COMA's counterfactual baseline).
+
+Pure functions, tested against hand-computed values; `flow_grpo.build_rows` applies them.
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Iterator
 
+from masgraph.counterfactual import META
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "call_failures", "call_state", "format_advantages", "group_steps", "state_key",
-           "step_advantages", "step_format_advantages", "step_returns"]
+__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "format_advantages",
+           "group_steps", "state_key", "step_advantages", "step_format_advantages", "step_returns"]
 
 
 def call_state(node: str, call: LLMCall) -> str | None:
@@ -126,4 +132,29 @@ def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]],
     for calls in by_node.values():
         for (i, index, k, _), a in zip(calls, format_advantages([f for *_, f in calls], eps)):
             out[(i, index, k)] = a
+    return out
+
+
+def counterfactual_advantages(traces: list[Trace], alternatives: dict[str, list[str]]
+                              ) -> dict[tuple[int, int, int], float]:
+    """(trajectory, step index, call index) -> the call's counterfactual advantage (masgraph/counterfactual.py):
+    its episode's reward less the mean, over the node's alternatives, of the reward the episode scored with that
+    alternative in the call's place (the alternative it wrote itself counts with the episode's own reward). Only
+    for calls whose variants were scored (`trace.meta["counterfactual"]`), of finished episodes."""
+    out: dict[tuple[int, int, int], float] = {}
+    for i, tr in enumerate(traces):
+        if tr.status != "ok" or tr.reward is None or not tr.meta.get(META):
+            continue
+        scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+        for step, k, alt, reward in tr.meta[META]:
+            scored[(step, k)][alt] = reward
+        for s in tr.steps:
+            for k, call in enumerate(s.llm):
+                if (s.index, k) not in scored or s.node not in alternatives:
+                    continue
+                q = [tr.reward if alt.strip() == call.text.strip() else scored[(s.index, k)].get(alt)
+                     for alt in alternatives[s.node]]
+                if any(v is None for v in q):
+                    continue  # a variant went unscored: no baseline for this call
+                out[(i, s.index, k)] = tr.reward - sum(q) / len(q)
     return out

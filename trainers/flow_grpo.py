@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from masgraph.counterfactual import META
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError, one_of
 from masgraph.learner import Learner
@@ -34,7 +35,12 @@ from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.credit import format_advantages, step_advantages, step_format_advantages
+from masgraph.trainers.credit import (
+    counterfactual_advantages,
+    format_advantages,
+    step_advantages,
+    step_format_advantages,
+)
 from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss, surprisal_bonus
 
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
@@ -143,7 +149,8 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
     trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
     step | episode+step` a call's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
-    `format_weight` the node's own format advantage joins it; a row is kept when any term can push it (with
+    `format_weight` the node's own format advantage joins it, and with `counterfactual` a decision's counterfactual
+    advantage (its reward against the alternatives it did not take); a row is kept when any term can push it (with
     `entropy_bonus`, every row: the bonus is per token, added in the update)."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -164,6 +171,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     step_adv = (step_advantages(traces, rewards, groups, trainable, config.step_gamma, config.adv_eps)
                 if config.advantage != "episode" else {})
     w = 1.0 if config.advantage == "step" else config.step_weight
+    cf = counterfactual_advantages(traces, config.counterfactual) if config.counterfactual else {}
     rows = []
     for i in rewards:
         tr = traces[i]
@@ -174,7 +182,8 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             outcome = adv.get((i, key)) if episode else None
             for k, call in enumerate(step.llm):
                 at = (i, step.index, k)
-                extra = config.format_weight * fmt.get(at, 0.0) + w * step_adv.get(at, 0.0)
+                extra = (config.format_weight * fmt.get(at, 0.0) + w * step_adv.get(at, 0.0)
+                         + config.counterfactual_weight * cf.get(at, 0.0))
                 if call.completion_ids and (outcome is not None or extra != 0.0 or config.entropy_bonus > 0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,
@@ -200,7 +209,7 @@ class FlowGRPO(TrainAlgorithm):
         self.learner, self.trainable, self.config = learner, trainable, config
         self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
-        self.branch_width = config.branch_width
+        self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         for knob in ("node_lr", "node_temperature"):
             for node, value in getattr(config, knob).items():
@@ -209,6 +218,15 @@ class FlowGRPO(TrainAlgorithm):
                                              f"{node!r} is not a trainable node", f"use one of {one_of(trainable)}")])
                 if not value > 0:
                     raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"must be above 0 (got {value})")])
+        for node, alts in config.counterfactual.items():
+            where = f"train.flow_grpo.counterfactual.{node}"
+            if node not in trainable:
+                raise SpecError([Problem(where, f"{node!r} is not a trainable node",
+                                         f"use one of {one_of(trainable)}")])
+            if len({a.strip() for a in alts}) < 2 or not all(a.strip() for a in alts):
+                raise SpecError([Problem(where, f"needs two or more distinct, non-empty completions (got {alts!r})",
+                                         "list the outputs the node chooses among, e.g. [\"Operation: ADD\", "
+                                         "\"Operation: NOOP\"]")])
         lrs = per_owner("node_lr", config.node_lr, config.lr, trainable, "adapter", "learning rates")
         missing = sorted(a for a in lrs if a not in learner.adapters())
         if missing:
@@ -242,8 +260,14 @@ class FlowGRPO(TrainAlgorithm):
         return max(0, self.queries_per_step - len(informative_queries(traces, self.config)))
 
     def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
-        return self.update(traces, seed=f"{self.seed}:{step}") | {
+        metrics = self.update(traces, seed=f"{self.seed}:{step}") | {
             "informative_groups": float(len(informative_queries(traces, self.config)))}
+        if self.counterfactual:  # how many decisions the counterfactuals scored, and how many of them mattered
+            cf = counterfactual_advantages(traces, self.counterfactual)
+            metrics |= {"counterfactual/variants": float(sum(len(t.meta.get(META, [])) for t in traces)),
+                        "counterfactual/calls": float(len(cf)),
+                        "counterfactual/mattered": sum(a != 0 for a in cf.values()) / max(1, len(cf))}
+        return metrics
 
     def credit(self) -> dict[str, list[tuple[int, int, float]]]:
         return self._credit

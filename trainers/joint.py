@@ -87,6 +87,7 @@ class Joint(TrainAlgorithm):
         self.topology_steps, self.node_steps, self.node_topology = topology_steps, node_steps, node_topology
         self._last_step = 0
         self.group_size, self.branch_width = nodes.group_size, getattr(nodes, "branch_width", 0)
+        self.counterfactual = getattr(nodes, "counterfactual", None)
         self.topology.group_size = nodes.group_size  # one set of groups for both
         self.max_extra_rounds = nodes.max_extra_rounds
 

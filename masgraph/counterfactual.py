@@ -1,0 +1,66 @@
+"""Counterfactual calls: what would the episode have scored had one decision gone another way?
+
+A node whose calls choose among a closed set of completions (a memory manager's `Operation: ADD / UPDATE /
+DELETE / NOOP`) can be asked that exactly. For each such call of a finished episode and each alternative, a
+variant episode replays the record (`EpisodeInput.replay`) of every call up to and including the call's step,
+with that one call's completion replaced by the alternative, and runs the rest of the graph afresh; its score is
+Q(s, a'), the return of taking a' in the state the call saw with everything else as recorded. The sampled call's
+own Q is the episode's reward. COMA's counterfactual baseline (Foerster et al. 2018) then credits the call with
+
+    A^C = Q(s, a) - mean over alternatives a' of Q(s, a')
+
+a baseline that does not depend on the action taken, so the estimate stays unbiased, and it is not zero in a
+group whose episodes all scored alike: a manager that adds every fact learns which facts it should not have
+added. The later calls of the same step are replayed as recorded (their text, not a fresh decision), so Q is the
+value of the decision with the rest of the episode's decisions held fixed; later steps are sampled afresh with
+the root's own seeds (common random numbers: a frozen, greedy reader answers exactly as it would have).
+
+    variants      (call reference, alternative, episode input) for every decision of a finished episode
+    recorded      a root's `trace.meta["counterfactual"]`: [[step index, call index, alternative, reward], ...]
+
+Pure functions here; `runner.Runner.run_items` runs the variants, `trainers/credit.counterfactual_advantages`
+turns their scores into advantages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from masgraph.scheduler import EpisodeInput
+from masgraph.trace import LLMCall, Trace
+
+__all__ = ["META", "CallRef", "forced", "variants"]
+
+META = "counterfactual"
+"""The root trace's meta key that holds its variants' scores."""
+
+CallRef = tuple[int, int]
+"""(step index, call index within the step) of a decision in a trace."""
+
+
+def variants(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]]
+             ) -> list[tuple[CallRef, str, EpisodeInput]]:
+    """One variant per decision of `trace` (a call of a node in `alternatives`) and alternative that differs from
+    what the call wrote; none for an episode that did not finish (its reward is not a return to compare with)."""
+    if trace.status != "ok" or trace.reward is None:
+        return []
+    out = []
+    for pos, step in enumerate(trace.steps):
+        if step.node not in alternatives or not step.llm:
+            continue
+        before = {(s.node, s.turn, k): call for s in trace.steps[:pos + 1] for k, call in enumerate(s.llm)}
+        for k, call in enumerate(step.llm):
+            for alt in alternatives[step.node]:
+                if alt.strip() == call.text.strip():
+                    continue
+                replay = {**before, (step.node, step.turn, k): forced(call, alt)}
+                meta = {**root.meta, META: {"root": trace.episode_id, "step": step.index, "call": k}}
+                out.append(((step.index, k), alt, EpisodeInput(root.item_id, root.query, root.sample, meta,
+                                                              root.topology, root.choice, replay=replay)))
+    return out
+
+
+def forced(call: LLMCall, text: str) -> LLMCall:
+    """`call` as if it had written `text` (no tokens: it is replayed, never trained on)."""
+    return call.model_copy(update={"text": text, "completion_ids": [], "logprobs": [], "parse_error": None,
+                                   "finish_reason": "stop"})

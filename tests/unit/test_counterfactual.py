@@ -1,0 +1,206 @@
+"""Counterfactual credit (masgraph/counterfactual.py, trainers/credit.counterfactual_advantages): the variants of an
+episode, their scores on a scripted memory graph, hand-computed advantages, and the rows they give a group whose
+episodes all scored alike (which has none without them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from masgraph.counterfactual import META, variants
+from masgraph.errors import SpecError
+from masgraph.graph import compile_spec
+from masgraph.loader import load_spec
+from masgraph.scheduler import EpisodeInput
+from masgraph.tasks import Item, Task, get_task
+from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trainers.credit import counterfactual_advantages
+from masgraph.trainers.flow_grpo import FlowGRPOConfig, build_rows
+
+OPS = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
+# Kalo Mira moves, then visits: a store of every fact shows the reader the visit last, so it answers the visit
+STREAM = ("Kalo Mira lives in Rafeport.\nIt rained all afternoon.\nTomo Rii lives in Velport.\n"
+          "Kalo Mira moved to Orrinford.\nKalo Mira visited Ashmere last week.\n"
+          "Question: In which city does Kalo Mira live now?")
+
+
+class MoveThenVisit(Task):
+    name = "move-then-visit"
+
+    def generate(self, split, n, seed):
+        return [Item(f"{split}-{i}", STREAM, "Orrinford", {"others": ["Rafeport", "Velport", "Ashmere"]})
+                for i in range(n)]
+
+    def score(self, item, answer):
+        return get_task("memory_updates").score(item, answer)
+
+
+def replies(req):
+    """A manager collapsed to ADD; a reader that answers with the last city it is shown."""
+    if req.key[1] == "generator":
+        shown = req.messages[-1]["content"].split("Question:")[0].rstrip()
+        return "Answer: " + shown.rsplit(" ", 1)[-1].rstrip(".")
+    return "Operation: ADD"
+
+
+def memory_graph(root):
+    spec = load_spec(root / "graphs" / "memory.yaml")
+    policies = {k: p.model_copy(update={"backend": "scripted"}) for k, p in spec.policies.items()}
+    return compile_spec(spec.model_copy(update={"policies": policies, "train": None}))
+
+
+def _call(text: str) -> LLMCall:
+    return LLMCall(policy="p", prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], text=text)
+
+
+def _trace(reward: float, texts: list[str], scored: list | None = None, status: str = "ok") -> Trace:
+    steps = [Step(episode_id="e", index=0, node="memory", role="memory", turn=1, llm=[_call(t) for t in texts]),
+             Step(episode_id="e", index=1, node="generator", role="generator", turn=1, llm=[_call("Answer: x")])]
+    return Trace(episode_id="e", item_id="q", query="q", steps=steps, reward=reward, status=status,
+                 meta={META: scored} if scored is not None else {})
+
+
+def test_variants_replay_the_record_with_one_call_replaced():
+    trace = _trace(1.0, ["Operation: ADD", "NOOP"])
+    out = variants(EpisodeInput("q", "q", 3, {"gold": "x"}), trace, {"memory": ["Operation: ADD", "Operation: NOOP"]})
+    # call 0 wrote the first alternative (no variant for it); call 1 wrote neither
+    assert [(ref, alt) for ref, alt, _ in out] == [((0, 0), "Operation: NOOP"), ((0, 1), "Operation: ADD"),
+                                                   ((0, 1), "Operation: NOOP")]
+    ep = out[0][2]
+    assert ep.sample == 3 and ep.meta["gold"] == "x" and ep.meta[META] == {"root": "e", "step": 0, "call": 0}
+    assert sorted(ep.replay) == [("memory", 1, 0), ("memory", 1, 1)]  # the reader's call is not replayed
+    assert ep.replay[("memory", 1, 0)].text == "Operation: NOOP" and ep.replay[("memory", 1, 0)].completion_ids == []
+    assert ep.replay[("memory", 1, 1)] is trace.steps[0].llm[1]
+    assert variants(EpisodeInput("q", "q"), _trace(1.0, ["ADD"], status="error"), {"memory": OPS}) == []
+    assert variants(EpisodeInput("q", "q"), trace, {"planner": OPS}) == []
+
+
+def test_counterfactual_advantage_is_the_reward_less_the_mean_over_alternatives():
+    alts = {"memory": ["A", "B", "C"]}
+    # call 0 wrote "A" (its Q is the episode's reward, 1); B scored 0, C 1: baseline 2/3
+    # call 1 wrote "junk" (none of them): A 0, B 0, C 0: baseline 0
+    # call 2 lacks C's score: no advantage
+    scored = [[0, 0, "B", 0.0], [0, 0, "C", 1.0], [0, 1, "A", 0.0], [0, 1, "B", 0.0], [0, 1, "C", 0.0],
+              [0, 2, "B", 1.0]]
+    traces = [_trace(1.0, ["A", "junk", "A"], scored), _trace(0.0, ["A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]]),
+              _trace(1.0, ["A"], [[0, 0, "B", 0.0], [0, 0, "C", 0.0]], status="error"), _trace(1.0, ["A"])]
+    got = counterfactual_advantages(traces, alts)
+    assert got == pytest.approx({(0, 0, 0): 1 / 3, (0, 0, 1): 1.0, (1, 0, 0): -2 / 3})
+
+
+def test_a_collapsed_manager_is_credited_against_what_it_did_not_do(root, scripted, runner_for, run):
+    backend = scripted({"memory": replies, "generator": replies})
+    runner = runner_for(memory_graph(root), backend, n=1, samples=2, counterfactual={"memory": OPS})
+    traces = run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1))).traces
+    assert [t.reward for t in traces] == [0.0, 0.0]  # every fact added: the reader answers the visit
+    scored = {(s, k, alt): r for s, k, alt, r in traces[0].meta[META]}
+    assert len(scored) == 5 * 3  # 5 calls × the 3 operations each did not write
+    # only skipping the visit saves it: the reader then sees the move last
+    assert [alt for (s, k, alt), r in scored.items() if r] == ["Operation: NOOP"]
+    assert scored[(0, 4, "Operation: NOOP")] == 1.0
+    # variants replay the manager; only the reader decodes again, once per distinct input: the 30 variants show it
+    # 7 different memories (counted with the memo off), the two roots decoded theirs in their own run
+    nodes = [r.key[1] for r in backend.requests]
+    assert nodes.count("memory") == 2 * 5 and nodes.count("generator") == 2 + 7
+
+    plain = FlowGRPOConfig()
+    assert build_rows(traces, {"memory": "memory"}, plain) == []  # a flat group: no signal without them
+    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS}))
+    # the visit's ADD: 0 - mean(ADD 0, UPDATE 0, DELETE 0, NOOP 1); no other call changed the outcome
+    assert [(r.traj, r.call, r.advantage) for r in rows] == [(0, 4, -0.25), (1, 4, -0.25)]
+    half = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS},
+                                                                    counterfactual_weight=2.0))
+    assert [r.advantage for r in half] == [-0.5, -0.5]
+
+
+def test_without_the_knob_no_variant_runs(root, scripted, runner_for, run):
+    backend = scripted({"memory": replies, "generator": replies})
+    traces = run(runner_for(memory_graph(root), backend, n=1, samples=2).run_items(
+        MoveThenVisit(), MoveThenVisit().items("train", 1))).traces
+    assert META not in traces[0].meta and len(backend.requests) == 2 * 6
+
+
+def test_counterfactual_on_ray_rollout_workers_is_refused_with_the_fix(root, scripted, runner_for, run):
+    from masgraph.errors import MasgraphError
+
+    runner = runner_for(memory_graph(root), scripted({"memory": replies, "generator": replies}), n=1, samples=2,
+                        counterfactual={"memory": OPS})
+    runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    with pytest.raises(MasgraphError, match=r"counterfactual calls .* Ray rollouts yet; leave `counterfactual` empty"):
+        run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1)))
+
+
+@pytest.mark.parametrize(("knob", "match"), [
+    ({"planner": OPS}, r"counterfactual\.planner.*not a trainable node"),
+    ({"memory": ["Operation: ADD"]}, r"counterfactual\.memory.*two or more distinct"),
+    ({"memory": ["ADD", " ADD "]}, r"two or more distinct"),
+    ({"memory": ["ADD", ""]}, r"non-empty"),
+])
+def test_the_knob_is_checked_against_the_graph(tiny, knob, match):
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec
+    from masgraph.trainers.flow_grpo import FlowGRPO
+
+    learner = HFLearner(str(tiny), dtype="float32")
+    learner.add_adapter("memory", LoraConfigSpec())
+    with pytest.raises(SpecError, match=match):
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual=knob))
+
+
+def test_flow_grpo_counterfactual_reaches_the_training_rollouts(tiny, tmp_path):
+    import asyncio
+    import json
+
+    from masgraph.loader import parse_spec
+    from masgraph.tasks import BasicArithmetic
+    from masgraph.trainers.loop import TrainLoop
+
+    text = f"""\
+name: counterfactual
+policies:
+  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
+         flow_grpo: {{group_size: 2, lr: 0.01, counterfactual: {{answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}}}}}}
+"""
+    loop = TrainLoop(compile_spec(parse_spec(text, "counterfactual.yaml")), BasicArithmetic(), tmp_path / "run",
+                     dtype="float32")
+    asyncio.run(loop.run())
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"counterfactual/calls"' in line]
+    # 2 queries × 2 episodes, one call each, scored with the 3 alternatives (a call that wrote one skips it)
+    assert row["counterfactual/calls"] == 4 and 8 <= row["counterfactual/variants"] <= 12
+
+
+def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
+    import asyncio
+
+    from masgraph.backends.base import Request
+    from masgraph.scheduler import Scheduler
+
+    class Flaky:
+        calls = 0
+
+        async def complete(self, requests):
+            Flaky.calls += 1
+            await asyncio.sleep(0.01)
+            if Flaky.calls == 1:
+                raise RuntimeError("backend down")
+            return [f"done {Flaky.calls}"]
+
+    sched = Scheduler.__new__(Scheduler)
+    sched._memo = {}
+    req = Request([{"role": "user", "content": "x"}], "p", None, None, 0)
+
+    async def main():
+        with pytest.raises(RuntimeError):
+            await sched._memoised(("p", None, "x"), Flaky(), req)
+        await asyncio.sleep(0)  # the failure's done-callback forgets it
+        both = await asyncio.gather(*(sched._memoised(("p", None, "x"), Flaky(), req) for _ in range(2)))
+        later = await sched._memoised(("p", None, "x"), Flaky(), req)
+        return both, later
+
+    both, later = run(main())
+    assert both == [["done 2"], ["done 2"]] and later == ["done 2"] and Flaky.calls == 2
