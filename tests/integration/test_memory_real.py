@@ -66,3 +66,45 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
     assert metrics["rows"] == len(rows) > 0 and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
     assert learner.version("memory") == 1 and learner.adapters() == ["memory"]
+
+
+@pytest.mark.slow
+def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root, runner_for, run):
+    """Real rollouts of the memory graph on `memory_updates` with counterfactual calls: every manager decision is
+    re-scored by the real reader with each operation it did not write, and one update with those advantages trains
+    the manager's adapter."""
+    from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.counterfactual import META
+    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.trainers.credit import counterfactual_advantages
+
+    ops = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
+    spec = load_spec(root / "graphs" / "memory.yaml")
+    policies = dict(spec.policies)
+    policies["manager"] = policies["manager"].model_copy(update={"sampling": SamplingSpec(temperature=1.0,
+                                                                                          max_tokens=8)})
+    graph = compile_spec(spec.model_copy(update={"policies": policies}))
+    learner = HFLearner(dtype="float32")
+    learner.add_adapter("memory", LoraConfigSpec())
+    backend = HFBackend(learner.weights, max_batch_size=16)
+    WeightSync(learner, [backend])()
+    runner = runner_for(graph, backend, n=1, samples=2, concurrency=16, counterfactual={"memory": ops})
+    traces = run(runner.run_task(MemoryUpdates())).traces
+    assert all(t.status == "ok" for t in traces)
+    for t in traces:
+        calls = t.steps[0].llm
+        want = sum(4 - (c.text.strip() in ops) for c in calls)  # each call: the operations it did not write
+        assert len(t.meta[META]) == want and {r for *_, r in t.meta[META]} <= {0.0, 1.0}
+    cf = counterfactual_advantages(traces, {"memory": ops})
+    assert len(cf) == sum(len(t.steps[0].llm) for t in traces)  # every decision has its advantage
+    assert any(a != 0 for a in cf.values())  # and some decision changed the answer
+
+    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual={"memory": ops})
+    rows = [r for r in build_rows(traces, {"memory": "memory"}, config) if r.advantage != 0]
+    assert rows and all(r.adapter == "memory" for r in rows)
+    algo = FlowGRPO(learner, {"memory": "memory"}, config)
+    before = [p.detach().clone() for p in algo.params["memory"]]
+    metrics = algo.update(traces)
+    assert metrics["rows"] > 0 and metrics["grad_norm/memory"] > 0
+    assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
