@@ -26,8 +26,9 @@ class AlternatingMemory(MemoryUpdates):
         return float(trace.meta["sample"] % 2)
 
 
-@pytest.mark.slow
-def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_for, run):
+def manager_at_t1(root):
+    """The memory graph with its manager sampling at T 1.0 (8 tokens), a learner with its adapter, and a backend
+    serving the learner's weights."""
     from masgraph.backends.hf import HFBackend
     from masgraph.backends.hf_learner import HFLearner
     from masgraph.learner import LoraConfigSpec, WeightSync
@@ -36,11 +37,16 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
     policies = dict(spec.policies)
     policies["manager"] = policies["manager"].model_copy(update={"sampling": SamplingSpec(temperature=1.0,
                                                                                           max_tokens=8)})
-    graph = compile_spec(spec.model_copy(update={"policies": policies}))
     learner = HFLearner(dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
     backend = HFBackend(learner.weights, max_batch_size=8)
     WeightSync(learner, [backend])()
+    return compile_spec(spec.model_copy(update={"policies": policies})), learner, backend
+
+
+@pytest.mark.slow
+def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_for, run):
+    graph, learner, backend = manager_at_t1(root)
     traces = run(runner_for(graph, backend, n=1, samples=4, concurrency=4).run_task(AlternatingMemory())).traces
     assert all(t.status == "ok" for t in traces) and {t.reward for t in traces} == {0.0, 1.0}
 
@@ -73,22 +79,11 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     """Real rollouts of the memory graph on `memory_updates` with counterfactual calls: every manager decision is
     re-scored by the real reader with each operation it did not write, and one update with those advantages trains
     the manager's adapter."""
-    from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
     from masgraph.counterfactual import META
-    from masgraph.learner import LoraConfigSpec, WeightSync
     from masgraph.trainers.credit import counterfactual_advantages
 
     ops = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
-    spec = load_spec(root / "graphs" / "memory.yaml")
-    policies = dict(spec.policies)
-    policies["manager"] = policies["manager"].model_copy(update={"sampling": SamplingSpec(temperature=1.0,
-                                                                                          max_tokens=8)})
-    graph = compile_spec(spec.model_copy(update={"policies": policies}))
-    learner = HFLearner(dtype="float32")
-    learner.add_adapter("memory", LoraConfigSpec())
-    backend = HFBackend(learner.weights, max_batch_size=16)
-    WeightSync(learner, [backend])()
+    graph, learner, backend = manager_at_t1(root)
     runner = runner_for(graph, backend, n=1, samples=2, concurrency=16, counterfactual={"memory": ops})
     traces = run(runner.run_task(MemoryUpdates())).traces
     assert all(t.status == "ok" for t in traces)
