@@ -413,12 +413,17 @@ class Scheduler:
         return generate, unparsed
 
     async def _memoised(self, key: tuple, backend: Backend, req: Request) -> list[Any]:
-        """`backend.complete([req])`, shared by every call with this key (a failed one is forgotten)."""
+        """`backend.complete([req])`, shared by every call with this key (a failed or cancelled one is forgotten)."""
         assert self._memo is not None
         shared = self._memo.get(key)
         if shared is None:
             shared = self._memo[key] = asyncio.ensure_future(backend.complete([req]))
-            shared.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._memo.pop(key, None))
+
+            def forget_failure(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    memo.pop(key, None)
+            memo = self._memo
+            shared.add_done_callback(forget_failure)
         return await asyncio.shield(shared)
 
     def _emit(self, event: Any) -> None:
