@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import SyncedBackend
+from masgraph.counterfactual import META
 from masgraph.device import deterministic_kernels, resolve_device
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import CheckpointSaved, Credited, Emitter, EvalFinished, Sink, TrainStep
@@ -267,8 +268,10 @@ class TrainLoop:
         self._phase("update", self.step + 1, len(traces))
         self._updating = True  # no await until the commit: a cancellation cannot land in between
         metrics = self.algo.train_step(traces, self.step)
+        scored = {t.episode_id: t.meta[META] for t in traces if t.meta.get(META)}  # kept for inspection
         for episode_id, calls in self.algo.credit().items():
-            self._emit(Credited(step=self.step + 1, episode_id=episode_id, calls=calls))
+            self._emit(Credited(step=self.step + 1, episode_id=episode_id, calls=calls,
+                                counterfactual=scored.get(episode_id, [])))
         self.sync()  # later rollouts use the adapters' new versions (and are stamped with them)
         if self.topology is not None:
             metrics |= topology_metrics(self.topology, traces[::self.group_size])

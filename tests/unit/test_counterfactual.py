@@ -172,6 +172,11 @@ train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
              if '"counterfactual/calls"' in line]
     # 2 queries × 2 episodes, one call each, scored with the 3 alternatives (a call that wrote one skips it)
     assert row["counterfactual/calls"] == 4 and 8 <= row["counterfactual/variants"] <= 12
+    # every variant's score is kept, beside the advantages, in the run's events (what was credited, and why)
+    credited = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+                if '"kind": "credit"' in line or '"kind":"credit"' in line]
+    kept = [v for e in credited for v in e.get("counterfactual", [])]
+    assert kept and len(kept) <= row["counterfactual/variants"] and all(len(v) == 4 for v in kept)
 
 
 def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
