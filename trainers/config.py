@@ -83,6 +83,13 @@ class FlowGRPOConfig(BaseModel):
     Empty: off (the paper)."""
     counterfactual_weight: float = Field(1.0, ge=0)
     """w in A = A^E + ... + w * A^C for the calls of `counterfactual` nodes."""
+    counterfactual_rows: bool = False
+    """With `counterfactual`: also train on each alternative a call did not write, teacher-forced after the call's
+    prompt (its tokens, then the call's own stop token), pushed by `counterfactual_weight` * (its score - the mean
+    of the call's scores). A choice the policy rarely samples but that would have scored higher is pushed up
+    without waiting to be sampled (an all-action update, as mean actor-critic; not importance-weighted, so it
+    moves the policy towards the better choices faster than the sampled-only gradient and is not unbiased for it).
+    Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

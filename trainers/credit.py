@@ -46,7 +46,8 @@ from masgraph.counterfactual import META
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "format_advantages",
+__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_values",
+           "format_advantages",
            "group_steps", "state_key", "step_advantages", "step_format_advantages", "step_returns"]
 
 
@@ -135,26 +136,31 @@ def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]],
     return out
 
 
+def counterfactual_values(trace: Trace, alternatives: dict[str, list[str]]) -> dict[tuple[int, int], list[float]]:
+    """(step index, call index) -> the episode's score with each of the node's alternatives in the call's place, in
+    `alternatives` order (the one the call wrote itself: the episode's own reward); only calls whose every variant
+    was scored (`trace.meta["counterfactual"]`), of a finished episode."""
+    if trace.status != "ok" or trace.reward is None or not trace.meta.get(META):
+        return {}
+    scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    for step, k, alt, reward in trace.meta[META]:
+        scored[(step, k)][alt] = reward
+    out = {}
+    for s in trace.steps:
+        for k, call in enumerate(s.llm):
+            if (s.index, k) not in scored or s.node not in alternatives:
+                continue
+            q = [trace.reward if alt.strip() == call.text.strip() else scored[(s.index, k)].get(alt)
+                 for alt in alternatives[s.node]]
+            if all(v is not None for v in q):  # a variant that went unscored leaves the call without a baseline
+                out[(s.index, k)] = q
+    return out
+
+
 def counterfactual_advantages(traces: list[Trace], alternatives: dict[str, list[str]]
                               ) -> dict[tuple[int, int, int], float]:
     """(trajectory, step index, call index) -> the call's counterfactual advantage (masgraph/counterfactual.py):
-    its episode's reward less the mean, over the node's alternatives, of the reward the episode scored with that
-    alternative in the call's place (the alternative it wrote itself counts with the episode's own reward). Only
-    for calls whose variants were scored (`trace.meta["counterfactual"]`), of finished episodes."""
-    out: dict[tuple[int, int, int], float] = {}
-    for i, tr in enumerate(traces):
-        if tr.status != "ok" or tr.reward is None or not tr.meta.get(META):
-            continue
-        scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-        for step, k, alt, reward in tr.meta[META]:
-            scored[(step, k)][alt] = reward
-        for s in tr.steps:
-            for k, call in enumerate(s.llm):
-                if (s.index, k) not in scored or s.node not in alternatives:
-                    continue
-                q = [tr.reward if alt.strip() == call.text.strip() else scored[(s.index, k)].get(alt)
-                     for alt in alternatives[s.node]]
-                if any(v is None for v in q):
-                    continue  # a variant went unscored: no baseline for this call
-                out[(i, s.index, k)] = tr.reward - sum(q) / len(q)
-    return out
+    its episode's reward less the mean of `counterfactual_values` (the rewards the episode scored with each of the
+    node's alternatives in the call's place)."""
+    return {(i, step, k): tr.reward - sum(q) / len(q)
+            for i, tr in enumerate(traces) for (step, k), q in counterfactual_values(tr, alternatives).items()}

@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.credit import (
     counterfactual_advantages,
+    counterfactual_values,
     format_advantages,
     step_advantages,
     step_format_advantages,
@@ -46,7 +49,7 @@ from masgraph.trainers.pg_math import group_advantages, kl_k3, ppo_clip_loss, su
 __all__ = ["FlowGRPO", "FlowGRPOConfig", "Row", "aggregate", "build_rows", "format_advantages", "group_advantages",
            "informative_queries", "step_format_advantages",
            "kl_k3", "logprob_temperature", "micro_batches", "mini_batches", "ppo_clip_loss", "row_weights",
-           "sampling_spec", "surprisal_bonus", "trajectory_rewards"]
+           "alternative_rows", "sampling_spec", "surprisal_bonus", "trajectory_rewards"]
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Row:
     step: int = 0
     call: int = 0
     """Where the call is in its trajectory: its step's index and its index among the step's calls."""
+    alternative: str | None = None
+    """With `counterfactual_rows`: the alternative this row teacher-forces in the call's place (None: the call's own
+    completion); its `old_logprobs` are computed by the update."""
 
 
 # ---- pure math ---------------------------------------------------------------------------------------
@@ -143,7 +149,8 @@ def informative_queries(traces: list[Trace], config: FlowGRPOConfig) -> set[str]
     return {q for q, rs in by_query.items() if len(rs) > 1}
 
 
-def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig) -> list[Row]:
+def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig,
+               encode: Callable[[str], list[int]] | None = None) -> list[Row]:
     """Training rows from a batch of trajectories. `trainable` maps node name -> adapter name.
 
     The trajectory's reward is broadcast to every trainable call in it; the advantage comes from the
@@ -188,6 +195,32 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (outcome or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config), step.index, k))
+    if config.counterfactual_rows and encode is not None:
+        rows += alternative_rows(traces, trainable, config, encode)
+    return rows
+
+
+def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig,
+                     encode: Callable[[str], list[int]]) -> list[Row]:
+    """With `counterfactual_rows`: a row per alternative a `counterfactual` call did not write, its tokens
+    (`encode`, then the call's stop token) after the call's prompt, its advantage `counterfactual_weight` * (its
+    score - the mean of the call's scores); rows whose advantage is 0 are left out. `old_logprobs` empty: the
+    update computes them under the adapters the rollouts used."""
+    rows = []
+    for i, tr in enumerate(traces):
+        values = counterfactual_values(tr, config.counterfactual)
+        for step in tr.steps:
+            for k, call in enumerate(step.llm):
+                if (step.index, k) not in values or step.node not in trainable or not call.prompt_ids:
+                    continue
+                q = values[(step.index, k)]
+                stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
+                for alt, v in zip(config.counterfactual[step.node], q):
+                    adv = config.counterfactual_weight * (v - sum(q) / len(q))
+                    if alt.strip() != call.text.strip() and adv != 0.0:
+                        rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, encode(alt) + stop, [],
+                                        adv, call.policy_version, logprob_temperature(call, config), step.index, k,
+                                        alternative=alt))
     return rows
 
 
@@ -210,6 +243,13 @@ class FlowGRPO(TrainAlgorithm):
         self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
+        self._encode: Callable[[str], list[int]] | None = None
+        if config.counterfactual_rows:
+            tokenizer = getattr(getattr(learner, "weights", None), "tokenizer", None)
+            if tokenizer is None or not config.counterfactual:
+                raise SpecError([Problem("train.flow_grpo.counterfactual_rows", "needs `counterfactual` (the "
+                                         "alternatives) and a learner with a tokenizer (the HF learner)")])
+            self._encode = partial(tokenizer.encode, add_special_tokens=False)
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
         for knob in ("node_lr", "node_temperature"):
             for node, value in getattr(config, knob).items():
@@ -285,10 +325,11 @@ class FlowGRPO(TrainAlgorithm):
         """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
         cfg = self.config
-        rows = build_rows(traces, self.trainable, cfg)
+        rows = build_rows(traces, self.trainable, cfg, self._encode)
         credit: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # what `credit` reports
         for r in rows:
-            credit[traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
+            if r.alternative is None:  # the calls as made (an alternative's score is in the Credited event)
+                credit[traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
         self._credit = dict(credit)
         metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
         if not rows:
@@ -298,6 +339,7 @@ class FlowGRPO(TrainAlgorithm):
         norms: dict[str, list[Any]] = defaultdict(list)
         losses = []
         try:
+            self._alternatives_old_logprobs(rows)
             ref = self._reference_logprobs(rows)
             for _ in range(cfg.ppo_epochs):
                 for batch in mini_batches(len(rows), cfg.num_mini_batches, rng):
@@ -319,6 +361,17 @@ class FlowGRPO(TrainAlgorithm):
             "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
             "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok + 0.0,
             "optimizer_steps": float(len(losses)), "trajectories": float(len({r.traj for r in rows}))}
+
+    def _alternatives_old_logprobs(self, rows: list[Row]) -> None:
+        """Fill the `old_logprobs` of alternative rows (never sampled) under the adapters as the rollouts used them
+        (the update has not stepped yet), so their PPO ratio starts at 1."""
+        todo = [i for i, r in enumerate(rows) if r.alternative is not None]
+        for adapter in sorted({rows[i].adapter for i in todo}):
+            mine = [i for i in todo if rows[i].adapter == adapter]
+            for chunk in self._passes([rows[i] for i in mine], mine):
+                with torch.no_grad():
+                    for i, lp in zip(chunk, self.learner.sequence_logprobs([rows[i] for i in chunk], adapter)):
+                        rows[i].old_logprobs = lp.float().tolist()
 
     def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
         """Each row's logprobs under the base model (adapters off); fixed for the whole update."""

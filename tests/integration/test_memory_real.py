@@ -77,8 +77,8 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
 @pytest.mark.slow
 def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root, runner_for, run):
     """Real rollouts of the memory graph on `memory_updates` with counterfactual calls: every manager decision is
-    re-scored by the real reader with each operation it did not write, and one update with those advantages trains
-    the manager's adapter."""
+    re-scored by the real reader with each operation it did not write, and one update with those advantages (the
+    operations not written teacher-forced too, `counterfactual_rows`) trains the manager's adapter."""
     from masgraph.counterfactual import META
     from masgraph.trainers.credit import counterfactual_advantages
 
@@ -95,11 +95,15 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     assert len(cf) == sum(len(t.steps[0].llm) for t in traces)  # every decision has its advantage
     assert any(a != 0 for a in cf.values())  # and some decision changed the answer
 
-    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual={"memory": ops})
-    rows = [r for r in build_rows(traces, {"memory": "memory"}, config) if r.advantage != 0]
-    assert rows and all(r.adapter == "memory" for r in rows)
+    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual={"memory": ops}, counterfactual_rows=True)
     algo = FlowGRPO(learner, {"memory": "memory"}, config)
+    rows = [r for r in build_rows(traces, {"memory": "memory"}, config, algo._encode) if r.advantage != 0]
+    assert rows and all(r.adapter == "memory" for r in rows)
+    alternatives = [r for r in rows if r.alternative is not None]  # the operations not written, teacher-forced
+    assert alternatives and all(r.old_logprobs == [] for r in alternatives)
+    stopped = [r for r in alternatives if traces[r.traj].steps[0].llm[r.call].finish_reason == "stop"]
+    assert stopped and all(r.completion_ids[-1] == 2 for r in stopped)  # the call's own <|im_end|> ends them
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
-    assert metrics["rows"] > 0 and metrics["grad_norm/memory"] > 0
+    assert metrics["rows"] == len(rows) and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))

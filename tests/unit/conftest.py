@@ -44,3 +44,38 @@ def two_routes():
     b.add_policy("p", backend="scripted")
     b.add_edge("start", "tool").add_edge("start", "direct").add_edge("tool", "end").add_edge("direct", "end")
     return b.set(entry="start", exit="end", topology={"choices": {"start": ["tool", "direct"]}}).compile()
+
+
+class Categorical:
+    """A learner whose one adapter is a context-free categorical over 4 tokens (logits start at [3, 0, 0, 0]); the
+    reference is the uniform distribution: enough to see what an update does to one decision's probabilities."""
+
+    def __init__(self):
+        self.logits = torch.nn.Parameter(torch.tensor([3.0, 0.0, 0.0, 0.0]))  # token 0 near-certain (p 0.87)
+        self.versions = {"m": 0}
+
+    def adapters(self):
+        return ["m"]
+
+    def parameters(self, adapter):
+        return [self.logits]
+
+    def probs(self) -> list[float]:
+        return torch.softmax(self.logits.detach(), -1).tolist()
+
+    def sequence_logprobs(self, rows, adapter):
+        logits = self.logits if adapter else torch.zeros(4)
+        return [torch.log_softmax(logits, -1)[torch.tensor(r.completion_ids)] for r in rows]
+
+    def train(self, mode=True):
+        pass
+
+    def new_version(self, adapter):
+        self.versions[adapter] += 1
+        return self.versions[adapter]
+
+
+@pytest.fixture
+def categorical():
+    """The `Categorical` toy learner class (a test builds as many as it compares)."""
+    return Categorical

@@ -209,3 +209,70 @@ def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
 
     both, later = run(main())
     assert both == [["done 2"], ["done 2"]] and later == ["done 2"] and Flaky.calls == 2
+
+
+def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categorical):
+    """Eight episodes all sampled the near-certain token 0 and all scored 0; with token 2 in its place each would have
+    scored 1 (t1, t3: 0). Sampled rows alone push token 0 down and the other three up alike; the alternative rows
+    (`counterfactual_rows`) also push token 2 up and tokens 1 and 3 down, so token 2 alone gains."""
+    import torch
+
+    from masgraph.trainers.flow_grpo import FlowGRPO
+
+    alts = ["t0", "t1", "t2", "t3"]
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return [int(text[1:])]
+
+    def learner():
+        toy = categorical()
+        toy.weights = type("Weights", (), {"tokenizer": Tokenizer()})()
+        return toy
+
+    def traces(toy):
+        lp = torch.log_softmax(toy.logits.detach(), -1).tolist()
+        out = []
+        for e in range(8):  # finish "length": no stop token to append to an alternative
+            call = LLMCall(policy="m", adapter="m", prompt_ids=[9], completion_ids=[0], logprobs=[lp[0]], text="t0",
+                           finish_reason="length")
+            out.append(Trace(episode_id=f"e{e}", item_id="q", query="q", reward=0.0, meta={META: [
+                [0, 0, "t1", 0.0], [0, 0, "t2", 1.0], [0, 0, "t3", 0.0]]}, steps=[
+                Step(episode_id=f"e{e}", index=0, node="memory", role="memory", turn=1, llm=[call])]))
+        return out
+
+    sampled = learner()
+    before = sampled.probs()
+    cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, counterfactual={"memory": alts})
+    assert FlowGRPO(sampled, {"memory": "m"}, cfg).update(traces(sampled))["rows"] == 8
+    after = sampled.probs()
+    assert after[0] < before[0] and after[1] == pytest.approx(after[2]) == pytest.approx(after[3])
+
+    every = learner()
+    algo = FlowGRPO(every, {"memory": "m"}, cfg.model_copy(update={"counterfactual_rows": True}))
+    rows = build_rows(traces(every), {"memory": "m"}, algo.config, algo._encode)
+    # per episode: its own call (0 - 0.25) and the three alternatives (t1: -0.25, t2: +0.75, t3: -0.25)
+    assert [(r.alternative, r.completion_ids, r.advantage) for r in rows[7:]] == [
+        (None, [0], -0.25), ("t1", [1], -0.25), ("t2", [2], 0.75), ("t3", [3], -0.25)] + [
+        ("t1", [1], -0.25), ("t2", [2], 0.75), ("t3", [3], -0.25)] * 7
+    metrics = algo.update(traces(every))
+    got = every.probs()
+    # (Adam's first step moves each logit by about lr, whatever the gradient's size: the order is what shows)
+    assert metrics["rows"] == 8 * 4 and got[2] > after[2] and got[2] > 1.15 * max(got[1], got[3])
+    assert got[1] == pytest.approx(got[3]) and got[1] < after[1]
+    assert algo.credit() and all(len(c) == 1 for c in algo.credit().values())  # the calls as made, one each
+
+
+def test_alternative_rows_need_the_alternatives_and_a_tokenizer(tiny):
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec
+    from masgraph.trainers.flow_grpo import FlowGRPO
+
+    learner = HFLearner(str(tiny), dtype="float32")
+    learner.add_adapter("memory", LoraConfigSpec())
+    with pytest.raises(SpecError, match=r"counterfactual_rows.*needs `counterfactual`"):
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_rows=True))
+    algo = FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS},
+                                                                    counterfactual_rows=True))
+    assert algo._encode("Operation: NOOP") == learner.weights.tokenizer.encode("Operation: NOOP",
+                                                                                add_special_tokens=False)

@@ -171,36 +171,7 @@ def test_entropy_bonus_keeps_the_rows_of_a_flat_group():
     assert len(rows) == 6 and {r.advantage for r in rows} == {0.0}  # the bonus is per token, added in the update
 
 
-class _Categorical:
-    """A learner whose one adapter is a context-free categorical over 4 tokens (logits start at [3, 0, 0, 0]); the
-    reference is the uniform distribution: enough to see what an update does to one decision's probabilities."""
-
-    def __init__(self):
-        self.logits = torch.nn.Parameter(torch.tensor([3.0, 0.0, 0.0, 0.0]))  # token 0 near-certain (p 0.87)
-        self.versions = {"m": 0}
-
-    def adapters(self):
-        return ["m"]
-
-    def parameters(self, adapter):
-        return [self.logits]
-
-    def probs(self) -> list[float]:
-        return torch.softmax(self.logits.detach(), -1).tolist()
-
-    def sequence_logprobs(self, rows, adapter):
-        logits = self.logits if adapter else torch.zeros(4)
-        return [torch.log_softmax(logits, -1)[torch.tensor(r.completion_ids)] for r in rows]
-
-    def train(self, mode=True):
-        pass
-
-    def new_version(self, adapter):
-        self.versions[adapter] += 1
-        return self.versions[adapter]
-
-
-def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome_signal():
+def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome_signal(categorical):
     """Seven episodes sampled the common token, one the rare token 2; all scored alike. Without the bonus the update
     has no rows and changes nothing; with it token 2's probability rises and the common token's falls (no KL term,
     so the bonus is the only push)."""
@@ -215,11 +186,11 @@ def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome
                                          llm=[call])]))
         return out
 
-    plain = _Categorical()
+    plain = categorical()
     before = plain.probs()
     metrics = FlowGRPO(plain, {"memory": "m"}, FlowGRPOConfig(lr=0.1, kl_coef=0.0)).update(traces(plain))
     assert metrics["rows"] == 0 and plain.probs() == before
-    bonus = _Categorical()
+    bonus = categorical()
     cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, entropy_bonus=0.5)
     metrics = FlowGRPO(bonus, {"memory": "m"}, cfg).update(traces(bonus))
     after = bonus.probs()
