@@ -79,3 +79,25 @@ class Categorical:
 def categorical():
     """The `Categorical` toy learner class (a test builds as many as it compares)."""
     return Categorical
+
+
+@pytest.fixture
+def one_node_graph(tiny):
+    """one_node_graph(flow_grpo) -> a compiled graph of one trainable generator on the tiny model whose `train:`
+    runs one step of 2 queries (`flow_grpo`: the inside of its YAML flow mapping, e.g. "group_size: 4, lr: 0.01")."""
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+
+    def make(flow_grpo: str):
+        text = f"""\
+name: one-node
+policies:
+  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3, flow_grpo: {{{flow_grpo}}}}}
+"""
+        return compile_spec(parse_spec(text, "one-node.yaml"))
+    return make

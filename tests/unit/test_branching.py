@@ -104,27 +104,15 @@ def test_branching_keeps_the_group_size(root, scripted, runner_for, run, width):
     assert sum("branch" in t.meta for t in traces) == (6 if width else 0)
 
 
-def test_flow_grpo_branch_width_reaches_the_training_rollouts(tiny, tmp_path):
+def test_flow_grpo_branch_width_reaches_the_training_rollouts(one_node_graph, tmp_path):
     import asyncio
 
-    from masgraph.loader import parse_spec
     from masgraph.store import read_traces
     from masgraph.tasks import BasicArithmetic
     from masgraph.trainers.loop import TrainLoop
 
-    text = f"""\
-name: branched
-policies:
-  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
-nodes:
-  answer: {{role: generator, policy: main, prompt: direct}}
-entry: answer
-exit: answer
-train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
-         flow_grpo: {{group_size: 4, lr: 0.01, branch_width: 1, zero_variance: keep}}}}
-"""
-    loop = TrainLoop(compile_spec(parse_spec(text, "branched.yaml")), BasicArithmetic(), tmp_path / "run",
-                     dtype="float32")
+    graph = one_node_graph("group_size: 4, lr: 0.01, branch_width: 1, zero_variance: keep")
+    loop = TrainLoop(graph, BasicArithmetic(), tmp_path / "run", dtype="float32")
     asyncio.run(loop.run())
     rollouts = list(read_traces(tmp_path / "run"))
     assert len(rollouts) == 8 and sum("branch" in t.meta for t in rollouts) == 4  # 2 roots + 2 siblings per query

@@ -146,27 +146,15 @@ def test_the_knob_is_checked_against_the_graph(tiny, knob, match):
         FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual=knob))
 
 
-def test_flow_grpo_counterfactual_reaches_the_training_rollouts(tiny, tmp_path):
+def test_flow_grpo_counterfactual_reaches_the_training_rollouts(one_node_graph, tmp_path):
     import asyncio
     import json
 
-    from masgraph.loader import parse_spec
     from masgraph.tasks import BasicArithmetic
     from masgraph.trainers.loop import TrainLoop
 
-    text = f"""\
-name: counterfactual
-policies:
-  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
-nodes:
-  answer: {{role: generator, policy: main, prompt: direct}}
-entry: answer
-exit: answer
-train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
-         flow_grpo: {{group_size: 2, lr: 0.01, counterfactual: {{answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}}}}}}
-"""
-    loop = TrainLoop(compile_spec(parse_spec(text, "counterfactual.yaml")), BasicArithmetic(), tmp_path / "run",
-                     dtype="float32")
+    graph = one_node_graph('group_size: 2, lr: 0.01, counterfactual: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}')
+    loop = TrainLoop(graph, BasicArithmetic(), tmp_path / "run", dtype="float32")
     asyncio.run(loop.run())
     [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if '"counterfactual/calls"' in line]

@@ -7,8 +7,6 @@ import asyncio
 
 import pytest
 
-from masgraph.graph import compile_spec
-from masgraph.loader import parse_spec
 from masgraph.store import read_jsonl
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.loop import TrainLoop
@@ -23,20 +21,9 @@ class OddSamplesWin(BasicArithmetic):
         return float(trace.meta["sample"] % 2)
 
 
-def test_a_training_step_records_each_calls_advantage_and_the_episode_view_shows_it(tiny, tmp_path):
-    text = f"""\
-name: credited
-policies:
-  main: {{model: "{tiny}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
-nodes:
-  answer: {{role: generator, policy: main, prompt: direct}}
-entry: answer
-exit: answer
-train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3,
-         flow_grpo: {{group_size: 4, lr: 0.01, advantage: episode+step}}}}
-"""
-    loop = TrainLoop(compile_spec(parse_spec(text, "credited.yaml")), OddSamplesWin(), tmp_path / "run",
-                     dtype="float32")
+def test_a_training_step_records_each_calls_advantage_and_the_episode_view_shows_it(one_node_graph, tmp_path):
+    graph = one_node_graph("group_size: 4, lr: 0.01, advantage: episode+step")
+    loop = TrainLoop(graph, OddSamplesWin(), tmp_path / "run", dtype="float32")
     last = asyncio.run(loop.run())
     credits = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("kind") == "credit"]
     assert len(credits) == 8 == last["rows"]  # 2 queries x 4 samples, one call each: every call was a row
