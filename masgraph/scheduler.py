@@ -414,15 +414,15 @@ class Scheduler:
 
     async def _memoised(self, key: tuple, backend: Backend, req: Request) -> list[Any]:
         """`backend.complete([req])`, shared by every call with this key (a failed or cancelled one is forgotten)."""
-        assert self._memo is not None
-        shared = self._memo.get(key)
+        memo = self._memo
+        assert memo is not None
+        shared = memo.get(key)
         if shared is None:
-            shared = self._memo[key] = asyncio.ensure_future(backend.complete([req]))
+            shared = memo[key] = asyncio.ensure_future(backend.complete([req]))
 
             def forget_failure(f: asyncio.Future) -> None:
                 if f.cancelled() or f.exception() is not None:
                     memo.pop(key, None)
-            memo = self._memo
             shared.add_done_callback(forget_failure)
         return await asyncio.shield(shared)
 

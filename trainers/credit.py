@@ -47,8 +47,8 @@ from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
 __all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_values",
-           "format_advantages",
-           "group_steps", "state_key", "step_advantages", "step_format_advantages", "step_returns"]
+           "format_advantages", "group_steps", "state_key", "step_advantages", "step_format_advantages",
+           "step_returns"]
 
 
 def call_state(node: str, call: LLMCall) -> str | None:

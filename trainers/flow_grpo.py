@@ -366,22 +366,24 @@ class FlowGRPO(TrainAlgorithm):
         """Fill the `old_logprobs` of alternative rows (never sampled) under the adapters as the rollouts used them
         (the update has not stepped yet), so their PPO ratio starts at 1."""
         todo = [i for i, r in enumerate(rows) if r.alternative is not None]
-        for adapter in sorted({rows[i].adapter for i in todo}):
-            mine = [i for i in todo if rows[i].adapter == adapter]
-            for chunk in self._passes([rows[i] for i in mine], mine):
-                with torch.no_grad():
-                    for i, lp in zip(chunk, self.learner.sequence_logprobs([rows[i] for i in chunk], adapter)):
-                        rows[i].old_logprobs = lp.float().tolist()
+        for i, lp in self._frozen_logprobs(rows, todo, reference=False).items():
+            rows[i].old_logprobs = lp.float().tolist()
 
     def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
         """Each row's logprobs under the base model (adapters off); fixed for the whole update."""
-        out: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
-        for adapter in sorted({r.adapter for r in rows}):
-            mine = [i for i, r in enumerate(rows) if r.adapter == adapter]
+        out = self._frozen_logprobs(rows, list(range(len(rows))), reference=True)
+        return [out[i] for i in range(len(rows))]
+
+    def _frozen_logprobs(self, rows: list[Row], positions: list[int], reference: bool) -> dict[int, torch.Tensor]:
+        """Position -> logprobs of `rows[position]` with no graph kept (only the values are needed), under the base
+        model (`reference`: adapters off) or the row's adapter; rows of one adapter share forward passes."""
+        out: dict[int, torch.Tensor] = {}
+        for adapter in sorted({rows[i].adapter for i in positions}):
+            mine = [i for i in positions if rows[i].adapter == adapter]
             for chunk in self._passes([rows[i] for i in mine], mine):
-                with torch.no_grad():  # no graph kept: only the values are needed
-                    for i, lp in zip(chunk, self.learner.sequence_logprobs([rows[i] for i in chunk], None)):
-                        out[i] = lp
+                with torch.no_grad():
+                    lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
+                    out.update(zip(chunk, lps))
         return out
 
     def _optimizer_step(self, rows: list[Row], ref: list[torch.Tensor], totals: dict[str, float],
