@@ -156,6 +156,7 @@ class EpisodeScreen(Screen):
         self.index, self.row = index, row
         self.trace = index.trace(row)
         self.credit = index.credits.get(row.id)
+        self.counterfactual = index.counterfactuals.get(row.id)
         self.show = {"prompts": False, "colours": False}
         self.decode: Any = None
         self.tokenizer_note = ""
@@ -168,7 +169,8 @@ class EpisodeScreen(Screen):
                                   style="bold red"))
             else:
                 for step in self.trace.steps:
-                    yield Static(render.step_text(step, credit=self.credit), classes="step")
+                    yield Static(render.step_text(step, credit=self.credit, counterfactual=self.counterfactual),
+                                 classes="step")
         yield Static("", id="episode-note")
         yield Footer()
 
@@ -195,7 +197,7 @@ class EpisodeScreen(Screen):
             return
         for widget, step in zip(self.query(".step"), self.trace.steps, strict=False):
             widget.update(render.step_text(step, self.decode, self.show["prompts"], self.show["colours"],  # type: ignore[attr-defined]
-                                           self.credit))
+                                           self.credit, self.counterfactual))
 
 
 class HelpScreen(ModalScreen):

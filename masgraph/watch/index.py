@@ -244,6 +244,9 @@ class RunIndex:
         self.credits: dict[str, dict[tuple[int, int], float]] = {}
         """Training runs: episode id -> (step index, call index) -> the advantage its update used (`credit` lines;
         the newest MAX_CREDITED episodes' kept)."""
+        self.counterfactuals: dict[str, dict[tuple[int, int], list[tuple[str, float]]]] = {}
+        """Training runs with counterfactual credit: episode id -> (step index, call index) -> each alternative
+        scored in that call's place and the episode's score with it (`credit` lines; kept like `credits`)."""
         self.n_done = 0
         """Finished episodes, those dropped from `rows` included."""
         self.n_correct = 0
@@ -349,8 +352,15 @@ class RunIndex:
             live.active.pop((step["node"], step["turn"]), None)
             live.digest.append(digest)
         elif kind == "credit":
-            self.credits[_str(rec["episode_id"])] = {(int(s), int(c)): float(a) for s, c, a in rec["calls"]}
+            episode = _str(rec["episode_id"])
+            self.credits[episode] = {(int(s), int(c)): float(a) for s, c, a in rec["calls"]}
+            scored: dict[tuple[int, int], list[tuple[str, float]]] = {}
+            for s, c, alternative, score in rec.get("counterfactual", []):
+                scored.setdefault((int(s), int(c)), []).append((str(alternative), float(score)))
+            if scored:
+                self.counterfactuals[episode] = scored
             if len(self.credits) > MAX_CREDITED:
+                self.counterfactuals.pop(next(iter(self.credits)), None)
                 del self.credits[next(iter(self.credits))]
         elif kind == "episode_finished":
             trace = rec["trace"]

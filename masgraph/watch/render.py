@@ -233,10 +233,12 @@ def episode_header(row: Row, trace: Trace | None) -> Text:
 
 
 def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob_colours: bool = False,
-              credit: dict[tuple[int, int], float] | None = None) -> Text:
+              credit: dict[tuple[int, int], float] | None = None,
+              counterfactual: dict[tuple[int, int], list[tuple[str, float]]] | None = None) -> Text:
     """One step of the timeline: node, role, turn, route, timing; prompt (folded unless `show_prompt`), completion
     (coloured by per-token log-prob when `logprob_colours` and a tokenizer's `decode` is given) with the advantage a
-    training update pushed it by (`credit`: (step index, call index) -> advantage), memory operations, tool call,
+    training update pushed it by (`credit`: (step index, call index) -> advantage) and, with counterfactual credit,
+    the episode's score with each alternative in the call's place (`counterfactual`), memory operations, tool call,
     errors."""
     text = Text()
     text.append(f"#{step.index} ", style="dim")
@@ -273,6 +275,11 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
             text.append(f" advantage {advantage:+.2f}", style="green" if advantage > 0 else "red" if advantage < 0
                         else "dim")
         text.append("\n")
+        alternatives = (counterfactual or {}).get((step.index, k))
+        if alternatives:
+            text.append("  scored instead ", style="dim")
+            text.append(" · ".join(f"{_first_line(a)} {score:.2f}" for a, score in alternatives) + "\n",
+                        style="magenta")
         if logprob_colours and decode is not None and call.logprobs:
             text.append("  ")
             for token_id, lp in zip(call.completion_ids, call.logprobs, strict=False):
@@ -311,6 +318,12 @@ _OP_STYLES = {"ADD": "green", "UPDATE": "cyan", "DELETE": "red", "NOOP": "dim"}
 
 def _indent(s: str) -> str:
     return "  " + s.replace("\n", "\n  ")
+
+
+def _first_line(s: str, limit: int = 40) -> str:
+    """An alternative's label: its first line, cut to `limit` characters."""
+    line = s.strip().split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _logprob_style(lp: float) -> str:

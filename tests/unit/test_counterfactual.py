@@ -166,6 +166,22 @@ def test_flow_grpo_counterfactual_reaches_the_training_rollouts(one_node_graph, 
     kept = [v for e in credited for v in e.get("counterfactual", [])]
     assert kept and len(kept) <= row["counterfactual/variants"] and all(len(v) == 4 for v in kept)
 
+    # ... and `masgraph watch`'s episode view shows them under the call they replaced
+    from masgraph.watch.index import RunIndex
+    from masgraph.watch.render import step_text
+
+    index = RunIndex(tmp_path / "run")
+    index.poll()
+    episode = next(e for e in credited if e.get("counterfactual"))
+    step_index, call, alternative, score = episode["counterfactual"][0]
+    [shown] = [r for r in index.rows if r.id == episode["episode_id"]]
+    step = index.trace(shown).steps[step_index]
+    scores = index.counterfactuals[shown.id]
+    assert (alternative, score) in scores[(step_index, call)]
+    text = step_text(step, credit=index.credits[shown.id], counterfactual=scores).plain
+    assert "scored instead " in text and f"{alternative} {score:.2f}" in text
+    assert "scored instead" not in step_text(step, credit=index.credits[shown.id]).plain
+
 
 def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
     import asyncio
