@@ -413,7 +413,8 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
     train, train_problems = validate_train(spec.train, registry)
     problems += train_problems
     if train is not None and not train_problems:
-        problems += registry.algorithm(train.algorithm).check(spec, registry)
+        typed = spec if train is spec.train else spec.model_copy(update={"train": train})
+        problems += registry.algorithm(train.algorithm).check(typed, registry)
     if problems:
         raise SpecError(locate(problems, spec), file)
     if train is not spec.train:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from masgraph.errors import Problem, shorten
+from typing import Any
+
+from masgraph.errors import Problem, one_of, shorten
 from masgraph.registry import Registry
 from masgraph.spec import GraphSpec
 
@@ -30,6 +32,33 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
             problems.append(Problem(f"policies.{pname}.adapter", f"adapter {shorten(pol.adapter)!r} is also trained "
                                     f"by policy {shorten(adapters[pol.adapter])!r}",
                                     "give each trainable policy its own adapter"))
+    flow_grpo = getattr(spec.train, "flow_grpo", None)
+    if flow_grpo is not None:
+        problems += node_knob_problems(flow_grpo, spec.trainable_adapters())
+    return problems
+
+
+def node_knob_problems(config: Any, trainable: dict[str, str]) -> list[Problem]:
+    """The per-node Flow-GRPO knobs (`node_lr`, `node_temperature`, `counterfactual`) name trainable nodes with
+    usable values; `counterfactual_rows` has alternatives to force. `config` is a FlowGRPOConfig, `trainable` maps
+    node -> adapter. Checked by `masgraph validate` and again when the trainer is built (a Python-built graph)."""
+    problems = []
+    where = "train.flow_grpo"
+    for knob in ("node_lr", "node_temperature", "counterfactual"):
+        for node, value in getattr(config, knob).items():
+            if node not in trainable:
+                problems.append(Problem(f"{where}.{knob}.{node}", f"{shorten(node)!r} is not a trainable node",
+                                        f"use one of {one_of(trainable)}"))
+            elif knob != "counterfactual" and not value > 0:
+                problems.append(Problem(f"{where}.{knob}.{node}", f"must be above 0 (got {value})"))
+            elif knob == "counterfactual" and (len({a.strip() for a in value}) < 2
+                                               or not all(a.strip() for a in value)):
+                problems.append(Problem(f"{where}.counterfactual.{node}", f"needs two or more distinct, non-empty "
+                                        f"completions (got {shorten(repr(value))})", "list the outputs the node "
+                                        "chooses among, e.g. [\"Operation: ADD\", \"Operation: NOOP\"]"))
+    if config.counterfactual_rows and not config.counterfactual:
+        problems.append(Problem(f"{where}.counterfactual_rows", "needs `counterfactual` (the alternatives to force)",
+                                "list a node's alternatives under `counterfactual:`, or drop `counterfactual_rows`"))
     return problems
 
 

@@ -31,11 +31,12 @@ import torch
 
 from masgraph.counterfactual import META
 from masgraph.device import is_out_of_memory
-from masgraph.errors import MasgraphError, Problem, SpecError, one_of
+from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.learner import Learner
 from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
+from masgraph.trainers.checks import node_knob_problems
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.credit import (
     counterfactual_advantages,
@@ -244,29 +245,16 @@ class FlowGRPO(TrainAlgorithm):
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
         self._encode: Callable[[str], list[int]] | None = None
+        problems = node_knob_problems(config, trainable)
+        if problems:
+            raise SpecError(problems)
         if config.counterfactual_rows:
             tokenizer = getattr(getattr(learner, "weights", None), "tokenizer", None)
-            if tokenizer is None or not config.counterfactual:
-                raise SpecError([Problem("train.flow_grpo.counterfactual_rows", "needs `counterfactual` (the "
-                                         "alternatives) and a learner with a tokenizer (the HF learner)")])
+            if tokenizer is None:
+                raise SpecError([Problem("train.flow_grpo.counterfactual_rows", "needs a learner with a tokenizer "
+                                         "(the HF learner) to force the alternatives' tokens")])
             self._encode = partial(tokenizer.encode, add_special_tokens=False)
         self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
-        for knob in ("node_lr", "node_temperature"):
-            for node, value in getattr(config, knob).items():
-                if node not in trainable:
-                    raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}",
-                                             f"{node!r} is not a trainable node", f"use one of {one_of(trainable)}")])
-                if not value > 0:
-                    raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"must be above 0 (got {value})")])
-        for node, alts in config.counterfactual.items():
-            where = f"train.flow_grpo.counterfactual.{node}"
-            if node not in trainable:
-                raise SpecError([Problem(where, f"{node!r} is not a trainable node",
-                                         f"use one of {one_of(trainable)}")])
-            if len({a.strip() for a in alts}) < 2 or not all(a.strip() for a in alts):
-                raise SpecError([Problem(where, f"needs two or more distinct, non-empty completions (got {alts!r})",
-                                         "list the outputs the node chooses among, e.g. [\"Operation: ADD\", "
-                                         "\"Operation: NOOP\"]")])
         lrs = per_owner("node_lr", config.node_lr, config.lr, trainable, "adapter", "learning rates")
         missing = sorted(a for a in lrs if a not in learner.adapters())
         if missing:

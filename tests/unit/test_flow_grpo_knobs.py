@@ -95,3 +95,28 @@ def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_t
     hot = both.rollout_spec(parse_spec(GRAPH, "g.yaml"))
     assert (hot.policies["plan"].sampling.temperature if knob == "node_temperature"
             else both.optimizers["plan"].param_groups[0]["lr"]) == value
+
+
+@pytest.mark.parametrize("knobs,where,what", [
+    ("node_lr: {verifer: 0.001}", "train.flow_grpo.node_lr.verifer", "not a trainable node"),
+    ("node_temperature: {verifier: 0.0}", "train.flow_grpo.node_temperature.verifier", "must be above 0"),
+    ("counterfactual: {answer: [a, b]}", "train.flow_grpo.counterfactual.answer", "not a trainable node"),
+    ("counterfactual: {verifier: [a, ' a']}", "train.flow_grpo.counterfactual.verifier", "two or more distinct"),
+    ("counterfactual_rows: true", "train.flow_grpo.counterfactual_rows", "needs `counterfactual`"),
+])
+def test_masgraph_validate_finds_a_wrong_per_node_knob_on_its_line(tmp_path, knobs, where, what):
+    """The same checks run when the graph compiles (`masgraph validate`, `masgraph train` before any run dir), located
+    in the YAML, not only once the trainer is built."""
+    from masgraph.cli import _load_graph, main
+
+    hf = GRAPH.replace("backend: scripted, model: none", "backend: hf, model: smollm2-135m")
+    hf += "limits: {max_turns: 3}\n"
+    path = tmp_path / "g.yaml"
+    path.write_text(hf + f"train:\n  task: basic_arithmetic\n  flow_grpo:\n    {knobs}\n")
+    with pytest.raises(SpecError) as err:
+        _load_graph(str(path), check_models=False)
+    [problem] = err.value.problems
+    assert problem.path == where and what in str(err.value) and problem.line == hf.count("\n") + 4
+    assert main(["validate", "--no-model-check", str(path)]) == 1
+    path.write_text(hf + "train:\n  task: basic_arithmetic\n")
+    assert main(["validate", "--no-model-check", str(path)]) == 0
