@@ -56,6 +56,10 @@ def node_knob_problems(config: Any, trainable: dict[str, str]) -> list[Problem]:
                 problems.append(Problem(f"{where}.counterfactual.{node}", f"needs two or more distinct, non-empty "
                                         f"completions (got {shorten(repr(value))})", "list the outputs the node "
                                         "chooses among, e.g. [\"Operation: ADD\", \"Operation: NOOP\"]"))
+    if config.counterfactual_advantage == "replace" and not config.counterfactual:
+        problems.append(Problem(f"{where}.counterfactual_advantage", "`replace` needs `counterfactual` (the scores "
+                                "that replace the outcome advantage)", "list a node's alternatives under "
+                                "`counterfactual:`, or drop `counterfactual_advantage`"))
     if config.counterfactual_rows and not config.counterfactual:
         problems.append(Problem(f"{where}.counterfactual_rows", "needs `counterfactual` (the alternatives to force)",
                                 "list a node's alternatives under `counterfactual:`, or drop `counterfactual_rows`"))

@@ -83,6 +83,12 @@ class FlowGRPOConfig(BaseModel):
     Empty: off (the paper)."""
     counterfactual_weight: float = Field(1.0, ge=0)
     """w in A = A^E + ... + w * A^C for the calls of `counterfactual` nodes."""
+    counterfactual_advantage: Literal["add", "replace"] = "add"
+    """`add`: a scored call's w * A^C joins its outcome (and step) advantage. `replace`: it takes their place, as in
+    COMA, where R - mean(Q) is the decision's whole advantage: the outcome advantage gives every decision of an
+    episode the same push, so on a node making many decisions per episode it is mostly noise about any one of
+    them (a call left unscored, e.g. in an episode that failed, keeps the outcome advantage; the format advantage
+    stays)."""
     counterfactual_rows: bool = False
     """With `counterfactual`: also train on each alternative a call did not write, teacher-forced after the call's
     prompt (its tokens, then the call's own stop token), pushed by `counterfactual_weight` * (its score - the mean

@@ -158,7 +158,8 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
     step | episode+step` a call's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
     `format_weight` the node's own format advantage joins it, and with `counterfactual` a decision's counterfactual
-    advantage (its reward against the alternatives it did not take); a row is kept when any term can push it (with
+    advantage (its reward against the alternatives it did not take; with `counterfactual_advantage: replace` in
+    place of the outcome and step terms); a row is kept when any term can push it (with
     `entropy_bonus`, every row: the bonus is per token, added in the update)."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -190,11 +191,13 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
             outcome = adv.get((i, key)) if episode else None
             for k, call in enumerate(step.llm):
                 at = (i, step.index, k)
-                extra = (config.format_weight * fmt.get(at, 0.0) + w * step_adv.get(at, 0.0)
+                alone = config.counterfactual_advantage == "replace" and at in cf
+                extra = (config.format_weight * fmt.get(at, 0.0) + (0.0 if alone else w * step_adv.get(at, 0.0))
                          + config.counterfactual_weight * cf.get(at, 0.0))
-                if call.completion_ids and (outcome is not None or extra != 0.0 or config.entropy_bonus > 0):
+                base = None if alone else outcome
+                if call.completion_ids and (base is not None or extra != 0.0 or config.entropy_bonus > 0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
-                                    call.logprobs, (outcome or 0.0) + extra, call.policy_version,
+                                    call.logprobs, (base or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config), step.index, k))
     if config.counterfactual_rows and encode is not None:
         rows += alternative_rows(traces, trainable, config, encode)

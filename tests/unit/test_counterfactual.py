@@ -87,6 +87,31 @@ def test_counterfactual_advantage_is_the_reward_less_the_mean_over_alternatives(
     assert got == pytest.approx({(0, 0, 0): 1 / 3, (0, 0, 1): 1.0, (1, 0, 0): -2 / 3})
 
 
+def test_replace_makes_the_counterfactual_advantage_a_scored_calls_whole_advantage():
+    cfg = {"memory": ["A", "B", "C"]}
+    # one group: the first episode scored 1, the second 0. First: call 0 wrote A (B 0, C 1: A^C = 1 - 2/3), call 1
+    # wrote none of them (all 0: A^C = 1). Second: call 0 wrote A (B 1, C 1: A^C = 0 - 2/3), call 1 unscored.
+    traces = [_trace(1.0, ["A", "junk"], [[0, 0, "B", 0.0], [0, 0, "C", 1.0], [0, 1, "A", 0.0], [0, 1, "B", 0.0],
+                                          [0, 1, "C", 0.0]]),
+              _trace(0.0, ["A", "A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
+    outcome = {(r.traj, r.call): r.advantage for r in build_rows(traces, {"memory": "memory"}, FlowGRPOConfig())}
+    assert outcome[(0, 0)] == pytest.approx(-outcome[(1, 0)]) and outcome[(0, 0)] > 0  # the group's ±
+    added = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual=cfg))
+    assert {(r.traj, r.call): r.advantage for r in added} == pytest.approx(
+        {(0, 0): outcome[(0, 0)] + 1 / 3, (0, 1): outcome[(0, 1)] + 1.0, (1, 0): outcome[(1, 0)] - 2 / 3,
+         (1, 1): outcome[(1, 1)]})
+    replaced = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual=cfg,
+                                                                       counterfactual_advantage="replace"))
+    # scored calls: A^C alone; the unscored call keeps its outcome advantage
+    assert {(r.traj, r.call): r.advantage for r in replaced} == pytest.approx(
+        {(0, 0): 1 / 3, (0, 1): 1.0, (1, 0): -2 / 3, (1, 1): outcome[(1, 1)]})
+    # ... the step (anchor-state) term too
+    stepped = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(
+        counterfactual=cfg, counterfactual_advantage="replace", advantage="episode+step"))
+    assert {(r.traj, r.call): r.advantage for r in stepped if (r.traj, r.call) != (1, 1)} == pytest.approx(
+        {(0, 0): 1 / 3, (0, 1): 1.0, (1, 0): -2 / 3})
+
+
 def test_a_collapsed_manager_is_credited_against_what_it_did_not_do(root, scripted, runner_for, run):
     backend = scripted({"memory": replies, "generator": replies})
     runner = runner_for(memory_graph(root), backend, n=1, samples=2, counterfactual={"memory": OPS})

@@ -103,6 +103,7 @@ def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_t
     ("counterfactual: {answer: [a, b]}", "train.flow_grpo.counterfactual.answer", "not a trainable node"),
     ("counterfactual: {verifier: [a, ' a']}", "train.flow_grpo.counterfactual.verifier", "two or more distinct"),
     ("counterfactual_rows: true", "train.flow_grpo.counterfactual_rows", "needs `counterfactual`"),
+    ("counterfactual_advantage: replace", "train.flow_grpo.counterfactual_advantage", "needs `counterfactual`"),
 ])
 def test_masgraph_validate_finds_a_wrong_per_node_knob_on_its_line(tmp_path, knobs, where, what):
     """The same checks run when the graph compiles (`masgraph validate`, `masgraph train` before any run dir), located
