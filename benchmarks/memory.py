@@ -10,6 +10,8 @@ same frozen reader and the same recall (the reader sees the 2 entries that share
     trained    the same after Flow-GRPO on the manager's adapter for --minutes of this process's CPU time
     oracle     reference only: the store a perfect manager keeps (homes added, the move an update, the rest
                skipped), built by rule from the item's lines: what the reader can do with an ideal memory
+    skip_visits, update_moves   (--rules) reference only: append without the visits / append with the move
+               replacing the home: what learning one part of the oracle's behaviour is worth
 
 Training is `benchmarks/learns.py`'s run (its step-0 evaluation is the `untrained` arm, on the same items).
 
@@ -41,13 +43,15 @@ ROOT = HERE.parent
 TASK = "memory_updates"
 
 
-class OracleStore(Task):
-    """The task's items with the facts a perfect manager keeps: each home, the move replacing its entry."""
+class RuleStore(Task):
+    """The task's items with the facts a rule-following manager keeps (reference arms, built from the item's lines):
+    the oracle keeps each home and makes the move replace it, skipping the rest; `skip_visits` adds every fact but
+    the visits; `update_moves` adds every fact but makes the move replace the mover's home. Each says what learning
+    one part of the oracle's behaviour is worth to this reader."""
 
-    name = "memory_updates_oracle"
-
-    def __init__(self, base: Task):
-        self.base = base
+    def __init__(self, base: Task, skip_visits: bool, update_moves: bool, skip_talk: bool, name: str):
+        self.base, self.skip_visits, self.update_moves, self.skip_talk = base, skip_visits, update_moves, skip_talk
+        self.name = f"memory_updates_{name}"
 
     def items(self, split: str, n: int, seed: int = 0) -> list[Item]:
         out = []
@@ -55,15 +59,26 @@ class OracleStore(Task):
             *facts, question = it.question.splitlines()
             kept: list[str] = []
             for fact in facts:
-                if m := re.match(r"(.+) moved to ", fact):
-                    kept[next(k for k, x in enumerate(kept) if x.startswith(m.group(1) + " lives in"))] = fact
-                elif " lives in " in fact:
+                visit, home, move = " visited " in fact, " lives in " in fact, re.match(r"(.+) moved to ", fact)
+                if move and self.update_moves:
+                    kept[next(k for k, x in enumerate(kept) if x.startswith(move.group(1) + " lives in"))] = fact
+                elif not (visit and self.skip_visits) and (home or move or visit or not self.skip_talk):
                     kept.append(fact)
             out.append(Item(it.id, "\n".join([*kept, question]), it.answer, it.meta))
         return out
 
     def score(self, item: Item, answer: str) -> float:
         return self.base.score(item, answer)
+
+
+def OracleStore(base: Task) -> RuleStore:  # noqa: N802 (a Task, named as one)
+    """The store a perfect manager keeps: each home, the move replacing its entry, nothing else."""
+    return RuleStore(base, skip_visits=True, update_moves=True, skip_talk=True, name="oracle")
+
+
+RULES = {"skip_visits": {"skip_visits": True, "update_moves": False, "skip_talk": False},
+         "update_moves": {"skip_visits": False, "update_moves": True, "skip_talk": False}}
+"""Reference arms of `--rules`: one part each of the oracle's behaviour, the rest as append."""
 
 
 def with_mode(spec: GraphSpec, mode: str, keep: int) -> GraphSpec:
@@ -89,6 +104,8 @@ def main() -> int:
     p.add_argument("--keep", type=int, default=4, help="last_k's k")
     p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE", help="flow_grpo knobs for the trained arm")
     p.add_argument("--no-train", action="store_true", help="the rule-based arms and the oracle only")
+    p.add_argument("--rules", action="store_true", help="also the reference arms skip_visits (append without "
+                   "the visits) and update_moves (append with the move replacing the home)")
     p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
     spec = load_spec(args.graph)
@@ -103,6 +120,9 @@ def main() -> int:
                "append": evaluate(with_mode(spec, "append", args.keep), task, seed, args.eval_n, backend),
                "last_k": evaluate(with_mode(spec, "last_k", args.keep), task, seed, args.eval_n, backend),
                "oracle": evaluate(with_mode(spec, "append", args.keep), OracleStore(task), seed, args.eval_n, backend)}
+        for name, rule in RULES.items() if args.rules else ():
+            row[name] = evaluate(with_mode(spec, "append", args.keep), RuleStore(task, **rule, name=name), seed,
+                                 args.eval_n, backend)
         del backend
         print(f"[seed {seed}] append {row['append']:.3f}  last_k {row['last_k']:.3f}  oracle {row['oracle']:.3f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -113,7 +133,8 @@ def main() -> int:
             print(f"[seed {seed}] untrained {r['base']:.3f}  trained {r['trained']:.3f} after {r['steps']} steps",
                   flush=True)
         rows.append(row)
-    arms = ["append", "last_k", "oracle"] + ([] if args.no_train else ["untrained", "trained"])
+    arms = (["append", "last_k", "oracle"] + (list(RULES) if args.rules else [])
+            + ([] if args.no_train else ["untrained", "trained"]))
     lines = ["| seed | " + " | ".join(arms) + (" | trained − best rule | steps | run |" if not args.no_train else " |"),
              "|---" * (len(arms) + 1 + (3 if not args.no_train else 0)) + "|"]
     for r in rows:

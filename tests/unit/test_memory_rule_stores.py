@@ -1,0 +1,41 @@
+"""benchmarks/memory.py's reference stores (the oracle and the one-rule arms) keep exactly the facts their rule says,
+in stream order, on the task's own items."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from masgraph.tasks import get_task
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("memory")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_each_reference_store_keeps_what_its_rule_says():
+    bench, task = _bench(), get_task("memory_updates")
+    items = task.items("test", 12, seed=0)
+    stores = {"oracle": bench.OracleStore(task)} | {n: bench.RuleStore(task, **r, name=n)
+                                                     for n, r in bench.RULES.items()}
+    kept = {n: s.items("test", 12, seed=0) for n, s in stores.items()}
+    assert any(" visited " in it.question for it in items)
+    for k, it in enumerate(items):
+        *facts, question = it.question.splitlines()
+        [move] = [f for f in facts if " moved to " in f]
+        mover = move.split(" moved to ")[0]
+        home = next(f for f in facts if f.startswith(mover + " lives in "))
+        updated = [move if f == home else f for f in facts if f != move]
+        got = {n: items_[k].question.splitlines() for n, items_ in kept.items()}
+        assert all(lines[-1] == question and items_[k].answer == it.answer for n, items_ in kept.items()
+                   for lines in [got[n]])
+        assert got["skip_visits"][:-1] == [f for f in facts if " visited " not in f]
+        assert got["update_moves"][:-1] == updated
+        assert got["oracle"][:-1] == [f for f in updated if " lives in " in f or " moved to " in f]
