@@ -1,6 +1,7 @@
 """`masgraph train` end to end: SIGKILL during a step and during a checkpoint write, then --resume, gives the
-same next-step loss and adapter weights as an uninterrupted run (hf backend, deterministic mode, same seed, step
-credit and branching rollouts on), also when the interrupted run and its resume have a busy machine and the
+same next-step loss and adapter weights as an uninterrupted run (hf backend, deterministic mode, same seed, every
+credit mechanism of issue 27 on: step credit, branching rollouts, the entropy bonus, counterfactual scores and their
+teacher-forced alternative rows), also when the interrupted run and its resume have a busy machine and the
 uninterrupted one a quiet one."""
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ train:
   checkpoint_every: 1
   seed: 5
   deterministic: true
-  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step, branch_width: 1}
+  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step, branch_width: 1, entropy_bonus: 0.1,
+              counterfactual: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}, counterfactual_rows: true}
 """
-# real arithmetic items; a reward that varies inside every group, so every step has a learning signal
+# real arithmetic items; a reward that varies inside every group, so every step has a learning signal, and that
+# depends on what the answer says, so the counterfactual alternatives score differently and their rows carry one
 TASK = """\
 from masgraph.tasks import BasicArithmetic
 class Alternating(BasicArithmetic):
     name = "alternating"
     def reward(self, item, trace):
-        return float(trace.meta["sample"] % 2)
+        return 0.5 * (trace.meta["sample"] % 2) + 0.5 * ("1" in (trace.answer or ""))
 """
 LOSS_TOL = 1e-4
 WEIGHT_TOL = 1e-5
@@ -97,6 +100,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, busy):
     ref = _metrics(run_a)
     assert sorted(ref) == [1, 2, 3] and all(math.isfinite(ref[s]["loss/total"]) for s in ref)
     assert all(ref[s]["rows"] > 0 and ref[s]["grad_norm/answer"] > 0 for s in ref)  # it really trains
+    # every step scored alternatives, some of which changed the reward, and trained on more rows than the 8 episodes
+    assert all(ref[s]["counterfactual/variants"] > 0 and ref[s]["counterfactual/mattered"] > 0 and ref[s]["rows"] > 8
+               for s in ref), ref
     w1, w3 = _weights(run_a, 1), _weights(run_a, 3)
     assert max(float((w1[k] - w3[k]).abs().max()) for k in w1) > 1e-4
 
@@ -109,7 +115,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, busy):
     def check(run: Path, steps: list[int]) -> None:
         got = _metrics(run)
         for s in steps:
-            assert abs(got[s]["loss/total"] - ref[s]["loss/total"]) <= LOSS_TOL, (s, got[s], ref[s])
+            for key in ("loss/total", "rows", "counterfactual/variants", "counterfactual/mattered"):
+                assert abs(got[s][key] - ref[s][key]) <= LOSS_TOL, (s, key, got[s], ref[s])
             wa, wb = _weights(run_a, s), _weights(run, s)
             assert wa.keys() == wb.keys()
             assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= WEIGHT_TOL, s
