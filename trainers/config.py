@@ -90,9 +90,10 @@ class FlowGRPOConfig(BaseModel):
     them (a call left unscored, e.g. in an episode that failed, keeps the outcome advantage; the format advantage
     stays)."""
     counterfactual_rows: bool = False
-    """With `counterfactual`: also train on each alternative a call did not write, teacher-forced after the call's
-    prompt (its tokens, then the call's own stop token), pushed by `counterfactual_weight` * (its score - the mean
-    of the call's scores). A choice the policy rarely samples but that would have scored higher is pushed up
+    """With `counterfactual`: also train on each alternative a call did not write and that scored above the mean of
+    the call's scores, teacher-forced after the call's prompt (its tokens, then the call's own stop token), pushed
+    up by `counterfactual_weight` * (its score - that mean); worse alternatives are not pushed down (an unsampled,
+    unlikely completion pushed down has no bound: the KL ran away on the memory task, RESULTS.md round 5b). A choice the policy rarely samples but that would have scored higher is pushed up
     without waiting to be sampled (an all-action update, as mean actor-critic; not importance-weighted, so it
     moves the policy towards the better choices faster than the sampled-only gradient and is not unbiased for it).
     Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""

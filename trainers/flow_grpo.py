@@ -206,10 +206,12 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
 
 def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig,
                      encode: Callable[[str], list[int]]) -> list[Row]:
-    """With `counterfactual_rows`: a row per alternative a `counterfactual` call did not write, its tokens
-    (`encode`, then the call's stop token) after the call's prompt, its advantage `counterfactual_weight` * (its
-    score - the mean of the call's scores); rows whose advantage is 0 are left out. `old_logprobs` empty: the
-    update computes them under the adapters the rollouts used."""
+    """With `counterfactual_rows`: a row per alternative a `counterfactual` call did not write and that scored above
+    the mean of the call's scores, its tokens (`encode`, then the call's stop token) after the call's prompt, its
+    advantage `counterfactual_weight` * (its score - that mean). Worse alternatives get no row: pushing down a
+    completion the policy did not sample, often already unlikely, has no bound (log p -> -inf: memory round 5b's KL
+    to the reference reached 332 nats by step 4), and raising the better ones lowers the rest through the softmax.
+    `old_logprobs` empty: the update computes them under the adapters the rollouts used."""
     rows = []
     for i, tr in enumerate(traces):
         values = counterfactual_values(tr, config.counterfactual)
@@ -221,7 +223,7 @@ def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: Flo
                 stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
                 for alt, v in zip(config.counterfactual[step.node], q):
                     adv = config.counterfactual_weight * (v - sum(q) / len(q))
-                    if alt.strip() != call.text.strip() and adv != 0.0:
+                    if alt.strip() != call.text.strip() and adv > 0.0:
                         rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, encode(alt) + stop, [],
                                         adv, call.policy_version, logprob_temperature(call, config), step.index, k,
                                         alternative=alt))

@@ -243,7 +243,8 @@ def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
 def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categorical):
     """Eight episodes all sampled the near-certain token 0 and all scored 0; with token 2 in its place each would have
     scored 1 (t1, t3: 0). Sampled rows alone push token 0 down and the other three up alike; the alternative rows
-    (`counterfactual_rows`) also push token 2 up and tokens 1 and 3 down, so token 2 alone gains."""
+    (`counterfactual_rows`) also push token 2 up (the worse t1 and t3 get no row of their own), so token 2 alone
+    gains."""
     import torch
 
     from masgraph.trainers.flow_grpo import FlowGRPO
@@ -280,14 +281,14 @@ def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categ
     every = learner()
     algo = FlowGRPO(every, {"memory": "m"}, cfg.model_copy(update={"counterfactual_rows": True}))
     rows = build_rows(traces(every), {"memory": "m"}, algo.config, algo._encode)
-    # per episode: its own call (0 - 0.25) and the three alternatives (t1: -0.25, t2: +0.75, t3: -0.25)
+    # per episode: its own call (0 - 0.25) and the one alternative above the mean (t2: +0.75); t1 and t3 (-0.25)
+    # get no row: an unsampled completion is never pushed down
     assert [(r.alternative, r.completion_ids, r.advantage) for r in rows[7:]] == [
-        (None, [0], -0.25), ("t1", [1], -0.25), ("t2", [2], 0.75), ("t3", [3], -0.25)] + [
-        ("t1", [1], -0.25), ("t2", [2], 0.75), ("t3", [3], -0.25)] * 7
+        (None, [0], -0.25), ("t2", [2], 0.75)] + [("t2", [2], 0.75)] * 7
     metrics = algo.update(traces(every))
     got = every.probs()
     # (Adam's first step moves each logit by about lr, whatever the gradient's size: the order is what shows)
-    assert metrics["rows"] == 8 * 4 and got[2] > after[2] and got[2] > 1.15 * max(got[1], got[3])
+    assert metrics["rows"] == 8 * 2 and got[2] > after[2] and got[2] > 1.15 * max(got[1], got[3])
     assert got[1] == pytest.approx(got[3]) and got[1] < after[1]
     assert algo.credit() and all(len(c) == 1 for c in algo.credit().values())  # the calls as made, one each
 
