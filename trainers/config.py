@@ -93,9 +93,10 @@ class FlowGRPOConfig(BaseModel):
     """With `counterfactual`: also train on each alternative a call did not write and that scored above the mean of
     the call's scores, teacher-forced after the call's prompt (its tokens, then the call's own stop token), pushed
     up by `counterfactual_weight` * (its score - that mean); worse alternatives are not pushed down (an unsampled,
-    unlikely completion pushed down has no bound: the KL ran away on the memory task, RESULTS.md round 5b). A choice the policy rarely samples but that would have scored higher is pushed up
-    without waiting to be sampled (an all-action update, as mean actor-critic; not importance-weighted, so it
-    moves the policy towards the better choices faster than the sampled-only gradient and is not unbiased for it).
+    unlikely completion pushed down has no bound: the KL ran away on the memory task, RESULTS.md round 5b). A
+    choice the policy rarely samples but that would have scored higher is pushed up without waiting to be sampled
+    (an all-action update, as mean actor-critic; not importance-weighted, so it moves the policy towards the better
+    choices faster than the sampled-only gradient and is not unbiased for it).
     Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
