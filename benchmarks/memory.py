@@ -60,9 +60,10 @@ class RuleStore(Task):
             kept: list[str] = []
             for fact in facts:
                 visit, home, move = " visited " in fact, " lives in " in fact, re.match(r"(.+) moved to ", fact)
+                talk = not (visit or home or move)
                 if move and self.update_moves:
                     kept[next(k for k, x in enumerate(kept) if x.startswith(move.group(1) + " lives in"))] = fact
-                elif not (visit and self.skip_visits) and (home or move or visit or not self.skip_talk):
+                elif not (visit and self.skip_visits or talk and self.skip_talk):
                     kept.append(fact)
             out.append(Item(it.id, "\n".join([*kept, question]), it.answer, it.meta))
         return out

@@ -412,14 +412,12 @@ def compile_spec(spec: GraphSpec, file: str | None = None, check_models: bool = 
     problems += _policy_problems(spec, registry, check_models) + _registry_problems(spec, registry)
     train, train_problems = validate_train(spec.train, registry)
     problems += train_problems
+    typed = spec if train is spec.train else keep_source(spec.model_copy(update={"train": train}), spec)
     if train is not None and not train_problems:
-        typed = spec if train is spec.train else spec.model_copy(update={"train": train})
         problems += registry.algorithm(train.algorithm).check(typed, registry)
     if problems:
         raise SpecError(locate(problems, spec), file)
-    if train is not spec.train:
-        spec = keep_source(spec.model_copy(update={"train": train}), spec)
-    return Graph(spec, registry)
+    return Graph(typed, registry)
 
 
 def _topology_problems(spec: GraphSpec, whole_graph: list[Problem]) -> list[Problem]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from masgraph.errors import Problem, one_of, shorten
 from masgraph.registry import Registry
 from masgraph.spec import GraphSpec
+
+if TYPE_CHECKING:
+    from masgraph.trainers.config import FlowGRPOConfig
 
 LEARNABLE_BACKENDS = ("hf", "vllm")
 """Backends whose policies the learner trains: both serve the local base model the learner loads, as LoRA adapters."""
@@ -38,10 +41,11 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
     return problems
 
 
-def node_knob_problems(config: Any, trainable: dict[str, str]) -> list[Problem]:
+def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> list[Problem]:
     """The per-node Flow-GRPO knobs (`node_lr`, `node_temperature`, `counterfactual`) name trainable nodes with
-    usable values; `counterfactual_rows` has alternatives to force. `config` is a FlowGRPOConfig, `trainable` maps
-    node -> adapter. Checked by `masgraph validate` and again when the trainer is built (a Python-built graph)."""
+    usable values; `counterfactual_rows` and `counterfactual_advantage: replace` have alternatives to use.
+    `trainable` maps node -> adapter. Checked by `masgraph validate` and again when the trainer is built (a
+    Python-built graph)."""
     problems = []
     where = "train.flow_grpo"
     for knob in ("node_lr", "node_temperature", "counterfactual"):

@@ -360,8 +360,9 @@ class RunIndex:
             if scored:
                 self.counterfactuals[episode] = scored
             if len(self.credits) > MAX_CREDITED:
-                self.counterfactuals.pop(next(iter(self.credits)), None)
-                del self.credits[next(iter(self.credits))]
+                oldest = next(iter(self.credits))
+                del self.credits[oldest]
+                self.counterfactuals.pop(oldest, None)
         elif kind == "episode_finished":
             trace = rec["trace"]
             live = self.live.pop(_str(trace["episode_id"]), None)

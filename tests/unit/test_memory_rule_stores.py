@@ -34,8 +34,8 @@ def test_each_reference_store_keeps_what_its_rule_says():
         home = next(f for f in facts if f.startswith(mover + " lives in "))
         updated = [move if f == home else f for f in facts if f != move]
         got = {n: items_[k].question.splitlines() for n, items_ in kept.items()}
-        assert all(lines[-1] == question and items_[k].answer == it.answer for n, items_ in kept.items()
-                   for lines in [got[n]])
+        for n, items_ in kept.items():
+            assert got[n][-1] == question and items_[k].answer == it.answer, n
         assert got["skip_visits"][:-1] == [f for f in facts if " visited " not in f]
         assert got["update_moves"][:-1] == updated
         assert got["oracle"][:-1] == [f for f in updated if " lives in " in f or " moved to " in f]
