@@ -43,9 +43,9 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
 
 def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> list[Problem]:
     """The per-node Flow-GRPO knobs (`node_lr`, `node_temperature`, `counterfactual`) name trainable nodes with
-    usable values; `counterfactual_rows` and `counterfactual_advantage: replace` have alternatives to use.
-    `trainable` maps node -> adapter. Checked by `masgraph validate` and again when the trainer is built (a
-    Python-built graph)."""
+    usable values, and the nodes of one adapter agree on `node_lr` and `node_temperature`; `counterfactual_rows` and
+    `counterfactual_advantage: replace` have alternatives to use. `trainable` maps node -> adapter. Checked by
+    `masgraph validate` and again when the trainer is built (a Python-built graph)."""
     problems = []
     where = "train.flow_grpo"
     for knob in ("node_lr", "node_temperature", "counterfactual"):
@@ -60,6 +60,10 @@ def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> lis
                 problems.append(Problem(f"{where}.counterfactual.{node}", f"needs two or more distinct, non-empty "
                                         f"completions (got {shorten(repr(value))})", "list the outputs the node "
                                         "chooses among, e.g. [\"Operation: ADD\", \"Operation: NOOP\"]"))
+    if not problems:  # the nodes of one adapter (and so of one policy) must agree on its learning rate, temperature
+        for knob, default, what in (("node_lr", config.lr, "learning rates"),
+                                    ("node_temperature", config.temperature, "temperatures")):
+            problems += owner_values(knob, getattr(config, knob), default, trainable, "adapter", what)[1]
     if config.counterfactual_advantage == "replace" and not config.counterfactual:
         problems.append(Problem(f"{where}.counterfactual_advantage", "`replace` needs `counterfactual` (the scores "
                                 "that replace the outcome advantage)", "list a node's alternatives under "
@@ -68,6 +72,22 @@ def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> lis
         problems.append(Problem(f"{where}.counterfactual_rows", "needs `counterfactual` (the alternatives to force)",
                                 "list a node's alternatives under `counterfactual:`, or drop `counterfactual_rows`"))
     return problems
+
+
+def owner_values(knob: str, overrides: dict[str, float], default: float, owner_of: dict[str, str], owner: str,
+                 what: str) -> tuple[dict[str, float], list[Problem]]:
+    """Each owner's value of a per-node Flow-GRPO knob (`node_lr` per adapter, `node_temperature` per policy), and
+    the problems: every node of `owner_of` takes its override or `default`, and the nodes of one owner must agree, so
+    an override given to some nodes of a shared adapter or policy is an error, not silently applied to the others."""
+    out: dict[str, float] = {}
+    problems = []
+    for node, name in owner_of.items():
+        value = overrides.get(node, default)
+        if out.setdefault(name, value) != value:
+            problems.append(Problem(f"train.flow_grpo.{knob}.{node}", f"nodes sharing {owner} {shorten(name)!r} were "
+                                    f"given different {what} ({out[name]} and {value})",
+                                    f"give every node of one {owner} the same `{knob}`"))
+    return out, problems
 
 
 def topology_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:

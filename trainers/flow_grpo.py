@@ -36,7 +36,7 @@ from masgraph.learner import Learner
 from masgraph.spec import GraphSpec
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
-from masgraph.trainers.checks import node_knob_problems
+from masgraph.trainers.checks import node_knob_problems, owner_values
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.credit import (
     counterfactual_advantages,
@@ -437,17 +437,11 @@ class FlowGRPO(TrainAlgorithm):
 
 def per_owner(knob: str, overrides: dict[str, float], default: float, owner_of: dict[str, str], owner: str,
               what: str) -> dict[str, float]:
-    """Each owner's value of a per-node Flow-GRPO knob (`node_lr` per adapter, `node_temperature` per policy): every
-    node of `owner_of` takes its override or `default`, and the nodes of one owner must agree, so an override
-    given to some nodes of a shared adapter or policy is an error, not silently applied to the others."""
-    out: dict[str, float] = {}
-    for node, name in owner_of.items():
-        value = overrides.get(node, default)
-        if out.setdefault(name, value) != value:
-            raise SpecError([Problem(f"train.flow_grpo.{knob}.{node}", f"nodes sharing {owner} {name!r} were given "
-                                     f"different {what} ({out[name]} and {value})",
-                                     f"give every node of one {owner} the same `{knob}`")])
-    return out
+    """`checks.owner_values`, raising its problems (a Python-built graph reaches the trainer unvalidated)."""
+    values, problems = owner_values(knob, overrides, default, owner_of, owner, what)
+    if problems:
+        raise SpecError(problems)
+    return values
 
 
 def sampling_spec(spec: GraphSpec, temperature: float, per_policy: dict[str, float] | None = None) -> GraphSpec:

@@ -78,9 +78,8 @@ def test_a_wrong_override_is_a_located_error(knobs, where, what):
 
 
 def test_two_nodes_of_one_policy_at_different_temperatures_is_a_located_error():
-    algo = _algo(node_temperature={"planner": 1.0, "replanner": 1.3})
-    with pytest.raises(SpecError, match="nodes sharing policy 'plan' were given different temperatures") as err:
-        algo.rollout_spec(parse_spec(GRAPH, "g.yaml"))
+    with pytest.raises(SpecError, match="nodes sharing adapter 'plan' were given different temperatures") as err:
+        _algo(node_temperature={"planner": 1.0, "replanner": 1.3})
     assert err.value.problems[0].path == "train.flow_grpo.node_temperature.replanner"
 
 
@@ -103,6 +102,9 @@ def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_t
     ("counterfactual: {answer: [a, b]}", "train.flow_grpo.counterfactual.answer", "not a trainable node"),
     ("counterfactual: {verifier: [a, ' a']}", "train.flow_grpo.counterfactual.verifier", "two or more distinct"),
     ("counterfactual_rows: true", "train.flow_grpo.counterfactual_rows", "needs `counterfactual`"),
+    ("node_lr: {planner: 0.001}", "train.flow_grpo.node_lr.replanner", "nodes sharing adapter 'plan'"),
+    ("node_temperature: {planner: 1.0, replanner: 0.5}", "train.flow_grpo.node_temperature.replanner",
+     "different temperatures (1.0 and 0.5)"),
     ("counterfactual_advantage: replace", "train.flow_grpo.counterfactual_advantage", "needs `counterfactual`"),
 ])
 def test_masgraph_validate_finds_a_wrong_per_node_knob_on_its_line(tmp_path, knobs, where, what):
