@@ -87,10 +87,10 @@ def with_mode(spec: GraphSpec, mode: str, keep: int) -> GraphSpec:
     return spec.model_copy(update={"nodes": {**spec.nodes, "memory": node}})
 
 
-def evaluate(spec: GraphSpec, task: Task, seed: int, n: int, backend: HFBackend) -> float:
-    """Greedy held-out accuracy, deterministic decoding (as the training loop evaluates)."""
+def evaluate(spec: GraphSpec, task: Task, seed: int, n: int, backend: HFBackend, split: str = "test") -> float:
+    """Greedy accuracy on `split` (held-out: test), deterministic decoding (as the training loop evaluates)."""
     with tempfile.TemporaryDirectory() as runs:
-        runner = Runner(compile_spec(spec), RunConfig(split="test", n=n, seed=seed, deterministic=True,
+        runner = Runner(compile_spec(spec), RunConfig(split=split, n=n, seed=seed, deterministic=True,
                                                       concurrency=32, runs_dir=runs), backends={"hf": backend})
         result = asyncio.run(runner.run_task(task))
     return sum(t.reward or 0.0 for t in result.traces) / len(result.traces)
@@ -107,8 +107,13 @@ def main() -> int:
     p.add_argument("--no-train", action="store_true", help="the rule-based arms and the oracle only")
     p.add_argument("--rules", action="store_true", help="also the reference arms skip_visits (append without "
                    "the visits) and update_moves (append with the move replacing the home)")
+    p.add_argument("--split", choices=("test", "train"), default="test",
+                   help="the items the rule arms are scored on (train: is the gap there to learn from?); "
+                   "needs --no-train")
     p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
+    if args.split != "test" and not args.no_train:
+        p.error("--split train scores the rule arms only; add --no-train")
     spec = load_spec(args.graph)
     task = get_task(TASK)
     overrides = knob_overrides(args.set)
@@ -118,12 +123,13 @@ def main() -> int:
         t0 = time.perf_counter()
         backend = HFBackend(hf.model, seed=seed, device=hf.device)
         row = {"seed": seed,
-               "append": evaluate(with_mode(spec, "append", args.keep), task, seed, args.eval_n, backend),
-               "last_k": evaluate(with_mode(spec, "last_k", args.keep), task, seed, args.eval_n, backend),
-               "oracle": evaluate(with_mode(spec, "append", args.keep), OracleStore(task), seed, args.eval_n, backend)}
+               "append": evaluate(with_mode(spec, "append", args.keep), task, seed, args.eval_n, backend, args.split),
+               "last_k": evaluate(with_mode(spec, "last_k", args.keep), task, seed, args.eval_n, backend, args.split),
+               "oracle": evaluate(with_mode(spec, "append", args.keep), OracleStore(task), seed, args.eval_n, backend,
+                                  args.split)}
         for name, rule in RULES.items() if args.rules else ():
             row[name] = evaluate(with_mode(spec, "append", args.keep), RuleStore(task, **rule, name=name), seed,
-                                 args.eval_n, backend)
+                                 args.eval_n, backend, args.split)
         del backend
         print(f"[seed {seed}] append {row['append']:.3f}  last_k {row['last_k']:.3f}  oracle {row['oracle']:.3f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -153,7 +159,8 @@ def main() -> int:
     with open(args.record, "a") as f:
         f.write(f"\n### Memory: an RL-trained manager vs rule-based memories ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — `{args.graph}` on `{TASK}`, {args.eval_n} "
-                f"held-out items per seed (greedy, deterministic), last_k keeps {args.keep}"
+                + ("held-out" if args.split == "test" else "**training-split**")
+                + f" items per seed (greedy, deterministic), last_k keeps {args.keep}"
                 + ("" if args.no_train else f"; trained {args.minutes:g} CPU-min per seed"
                    + (f" with {', '.join(args.set)}" if args.set else "")) + ".\n\n" + table + "\n")
     return 0
