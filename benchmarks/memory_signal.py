@@ -1,0 +1,103 @@
+"""What a `memory_updates` training run's manager did, and what its counterfactual scores said, by kind of fact.
+
+Reads a run directory of `benchmarks/memory.py` (or `masgraph train graphs/memory.yaml`): the stored rollouts and
+the credit lines of each training step. Prints, per step, the operations the manager applied to each kind of fact
+(home, move, visit, small talk; ERR: no operation parsed, the fact added); then, over the decisions whose scores
+differed (the run trained with `counterfactual`), which operation scored best, by kind; then the visits on which
+ADD beat NOOP, by whom they were about (the asked person? the mover?) and where the visit stood against the move.
+
+    .venv/bin/python benchmarks/memory_signal.py runs/bench-learns-memory-memory_updates-s0-*
+
+Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 reading come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from masgraph.store import read_traces
+from masgraph.trace import MemoryOp, Trace
+
+
+def kind(fact: str) -> str:
+    """The kind of a `memory_updates` fact: home, move, visit, or talk."""
+    return ("home" if " lives in " in fact else "move" if " moved to " in fact
+            else "visit" if " visited " in fact else "talk")
+
+
+def applied(op: MemoryOp) -> str:
+    """The operation as written, or ERR when none could be parsed (the fact was added)."""
+    return "ERR" if op.error and "no operation" in op.error else op.op
+
+
+def credit_lines(run: Path) -> list[dict]:
+    out = []
+    with open(run / "events.jsonl") as f:
+        for line in f:
+            if '"credit"' in line and (e := json.loads(line)).get("kind") == "credit":
+                out.append(e)
+    return out
+
+
+def visit_place(trace: Trace, fact: str) -> str:
+    """Whom a visit was about (the asked person or another; a mover or a stayer) and where it stood to the move."""
+    name = fact.split(" visited ")[0]
+    lines = trace.query.splitlines()
+    asked = "asked" if name in lines[-1] else "other"
+    moved = [i for i, x in enumerate(lines) if x.startswith(name + " moved to ")]
+    if not moved:
+        return f"{asked}, stayer"
+    here = next(i for i, x in enumerate(lines) if x == fact)
+    return f"{asked}, mover, visit {'before' if here < moved[0] else 'after'} the move"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories")
+    args = p.parse_args()
+    winners: dict[str, Counter] = defaultdict(Counter)
+    add_wins: Counter = Counter()
+    for run in args.runs:
+        if not (run / "events.jsonl").exists():
+            print(f"error: {run} has no events.jsonl (not a run directory)", file=sys.stderr)
+            return 1
+        traces = {t.episode_id: t for t in read_traces(run / "events.jsonl")}
+        ops: dict[int, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+        for e in credit_lines(run):
+            trace = traces.get(e["episode_id"])
+            if trace is None:
+                continue
+            scores: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+            for step_index, call, alternative, reward in e.get("counterfactual", []):
+                scores[(step_index, call)][alternative.rsplit(": ", 1)[-1]] = reward
+            for s in trace.steps:
+                for c, op in enumerate(s.memory_ops):
+                    ops[e["step"]][kind(op.fact)][applied(op)] += 1
+                    q = scores.get((s.index, c))
+                    if not q or trace.reward is None:
+                        continue
+                    q.setdefault(applied(op), trace.reward)
+                    if len(set(q.values())) > 1:
+                        best = max(q.values())
+                        winners[kind(op.fact)]["+".join(sorted(a for a, v in q.items() if v == best))] += 1
+                    if kind(op.fact) == "visit" and q.get("ADD") == 1.0 and q.get("NOOP") == 0.0:
+                        add_wins[visit_place(trace, op.fact)] += 1
+        print(f"== {run}")
+        for step in sorted(ops):
+            print(f"  step {step}: " + "  ".join(f"{k}: " + ", ".join(f"{o} {n}" for o, n in v.most_common())
+                                                for k, v in sorted(ops[step].items())))
+    print("decisions whose counterfactual scores differed, the best operation(s) by kind of fact (all runs):")
+    for k, c in sorted(winners.items()):
+        print(f"  {k}: " + ", ".join(f"{w} {n}" for w, n in c.most_common()))
+    print("visits on which ADD scored 1 and NOOP 0, by whom and where:")
+    for place, n in add_wins.most_common():
+        print(f"  {place}: {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
