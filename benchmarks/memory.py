@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from learns import knob_overrides, train
@@ -118,19 +119,17 @@ def main() -> int:
     task = get_task(TASK)
     overrides = knob_overrides(args.set)
     hf = next(pol for pol in spec.policies.values() if pol.backend == "hf")
+    append, last_k = with_mode(spec, "append", args.keep), with_mode(spec, "last_k", args.keep)
     rows = []
     for seed in args.seeds:
         t0 = time.perf_counter()
         backend = HFBackend(hf.model, seed=seed, device=hf.device)
-        row = {"seed": seed,
-               "append": evaluate(with_mode(spec, "append", args.keep), task, seed, args.eval_n, backend, args.split),
-               "last_k": evaluate(with_mode(spec, "last_k", args.keep), task, seed, args.eval_n, backend, args.split),
-               "oracle": evaluate(with_mode(spec, "append", args.keep), OracleStore(task), seed, args.eval_n, backend,
-                                  args.split)}
+        score = partial(evaluate, seed=seed, n=args.eval_n, backend=backend, split=args.split)
+        row = {"seed": seed, "append": score(append, task), "last_k": score(last_k, task),
+               "oracle": score(append, OracleStore(task))}
         for name, rule in RULES.items() if args.rules else ():
-            row[name] = evaluate(with_mode(spec, "append", args.keep), RuleStore(task, **rule, name=name), seed,
-                                 args.eval_n, backend, args.split)
-        del backend
+            row[name] = score(append, RuleStore(task, **rule, name=name))
+        del backend, score
         print(f"[seed {seed}] append {row['append']:.3f}  last_k {row['last_k']:.3f}  oracle {row['oracle']:.3f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if not args.no_train:
