@@ -28,6 +28,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from models import resolve
@@ -135,11 +136,14 @@ def knob_overrides(pairs: list[str]) -> dict:
 
 def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
           flow_grpo: dict | None = None, steps: int | None = None, model: str | None = None,
-          device: str | None = None, runs_dir: Path = ROOT / "runs", clock: str = "wall") -> dict:
+          device: str | None = None, runs_dir: Path = ROOT / "runs", clock: str = "wall",
+          edit: Callable[[GraphSpec], GraphSpec] | None = None) -> dict:
     """One training run (baseline eval, `minutes` of training or `steps` steps, whichever ends first, final eval);
     returns its metrics. `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML);
-    `clock` is what `minutes` counts (`wall`, or the process's `cpu` time)."""
+    `clock` is what `minutes` counts (`wall`, or the process's `cpu` time); `edit` changes the loaded graph
+    (a benchmark's variant of a shipped one)."""
     spec = place(load_spec(graph_path), model, device)
+    spec = edit(spec) if edit else spec
     fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | (flow_grpo or {}))
     cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "budget_clock": clock,
                                         "steps": steps or 10_000, "eval_every": 10_000, "eval_n": eval_n,

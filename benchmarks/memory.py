@@ -2,7 +2,8 @@
 
 `graphs/memory.yaml` on `memory_updates` (a stream of facts with a move, visits and small talk, then "where does X
 live now?", people held out from training). Arms, each scored greedy on the same held-out items per seed, with the
-same frozen reader and the same recall (the reader sees the 2 entries that share most words with the question):
+same frozen reader and the same recall (the reader sees the `recall` entries that share most words with the question:
+2 in the shipped graph, `--recall` sets it for every arm):
 
     append     the memory node keeps every fact (`mode: append`)
     last_k     it keeps the newest --keep facts (`mode: last_k`)
@@ -83,8 +84,9 @@ RULES = {"skip_visits": {"skip_visits": True, "update_moves": False, "skip_talk"
 """Reference arms of `--rules`: one part each of the oracle's behaviour, the rest as append."""
 
 
-def with_mode(spec: GraphSpec, mode: str, keep: int) -> GraphSpec:
-    node = spec.nodes["memory"].model_copy(update={"mode": mode, "keep": keep})
+def with_memory(spec: GraphSpec, **update: object) -> GraphSpec:
+    """The graph with its memory node's fields changed (`mode`, `keep`, `recall`)."""
+    node = spec.nodes["memory"].model_copy(update=update)
     return spec.model_copy(update={"nodes": {**spec.nodes, "memory": node}})
 
 
@@ -104,6 +106,8 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=30.0, help="training budget per seed, CPU minutes")
     p.add_argument("--eval-n", type=int, default=60)
     p.add_argument("--keep", type=int, default=4, help="last_k's k")
+    p.add_argument("--recall", type=int, default=None,
+                   help="how many entries the reader is shown, in every arm (default: as the graph says)")
     p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE", help="flow_grpo knobs for the trained arm")
     p.add_argument("--no-train", action="store_true", help="the rule-based arms and the oracle only")
     p.add_argument("--rules", action="store_true", help="also the reference arms skip_visits (append without "
@@ -115,11 +119,13 @@ def main() -> int:
     args = p.parse_args()
     if args.split != "test" and not args.no_train:
         p.error("--split train scores the rule arms only; add --no-train")
+    edit = partial(with_memory, recall=args.recall) if args.recall else None
     spec = load_spec(args.graph)
+    spec = edit(spec) if edit else spec
     task = get_task(TASK)
     overrides = knob_overrides(args.set)
     hf = next(pol for pol in spec.policies.values() if pol.backend == "hf")
-    append, last_k = with_mode(spec, "append", args.keep), with_mode(spec, "last_k", args.keep)
+    append, last_k = with_memory(spec, mode="append", keep=args.keep), with_memory(spec, mode="last_k", keep=args.keep)
     rows = []
     for seed in args.seeds:
         t0 = time.perf_counter()
@@ -134,7 +140,7 @@ def main() -> int:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if not args.no_train:
             r = train(args.graph, TASK, seed, args.minutes, args.eval_n, check_rule=False, flow_grpo=overrides,
-                      clock="cpu")
+                      clock="cpu", edit=edit)
             row |= {"untrained": r["base"], "trained": r["trained"], "steps": r["steps"], "run": r["run_dir"]}
             print(f"[seed {seed}] untrained {r['base']:.3f}  trained {r['trained']:.3f} after {r['steps']} steps",
                   flush=True)
@@ -159,7 +165,8 @@ def main() -> int:
         f.write(f"\n### Memory: an RL-trained manager vs rule-based memories ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — `{args.graph}` on `{TASK}`, {args.eval_n} "
                 + ("held-out" if args.split == "test" else "**training-split**")
-                + f" items per seed (greedy, deterministic), last_k keeps {args.keep}"
+                + f" items per seed (greedy, deterministic), last_k keeps {args.keep}, the reader shown "
+                + f"{spec.nodes['memory'].recall} entries"
                 + ("" if args.no_train else f"; trained {args.minutes:g} CPU-min per seed"
                    + (f" with {', '.join(args.set)}" if args.set else "")) + ".\n\n" + table + "\n")
     return 0
