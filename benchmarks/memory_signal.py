@@ -2,13 +2,14 @@
 
 Reads a run directory of `benchmarks/memory.py` (or `masgraph train graphs/memory.yaml`): the stored rollouts and
 the credit lines of each training step. Prints, per step, the operations the manager applied to each kind of fact
-(home, move, visit, small talk; ERR: no operation parsed, the fact added); then, over the decisions whose scores
-differed (the run trained with `counterfactual`), which operation scored best, by kind; then the visits on which
-ADD beat NOOP, by whom they were about (the asked person? the mover?) and where the visit stood against the move.
+(home, move, visit, small talk; ERR: no operation parsed, the fact added) and the share of each that was NOOP (does
+the manager skip visits more often than homes?); then, over the decisions whose scores differed (the run trained
+with `counterfactual`), which operation scored best, by kind; then the visits on which ADD beat NOOP, by whom they
+were about (the asked person? the mover?) and where the visit stood against the move.
 
     .venv/bin/python benchmarks/memory_signal.py runs/bench-learns-memory-memory_updates-s0-*
 
-Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 reading come from it.
+Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 and 8 readings come from it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def main() -> int:
         print(f"== {run}")
         for step in sorted(ops):
             print(f"  step {step}: " + "  ".join(f"{k}: " + ", ".join(f"{o} {n}" for o, n in v.most_common())
+                                                for k, v in sorted(ops[step].items())))
+            print("    NOOP share: " + "  ".join(f"{k} {v['NOOP'] / max(1, v.total()):.0%}"
                                                 for k, v in sorted(ops[step].items())))
     print("decisions whose counterfactual scores differed, the best operation(s) by kind of fact (all runs):")
     for k, c in sorted(winners.items()):
