@@ -39,3 +39,16 @@ def test_each_reference_store_keeps_what_its_rule_says():
         assert got["skip_visits"][:-1] == [f for f in facts if " visited " not in f]
         assert got["update_moves"][:-1] == updated
         assert got["oracle"][:-1] == [f for f in updated if " lives in " in f or " moved to " in f]
+
+
+def test_with_memory_changes_only_the_memory_node():
+    """`--recall N` and the rule arms' modes edit the memory node and nothing else: every arm reads alike."""
+    from masgraph.loader import load_spec
+
+    spec = load_spec(BENCH.parent / "graphs" / "memory.yaml")
+    edited = _bench().with_memory(spec, recall=1, mode="append")
+    assert (edited.nodes["memory"].recall, edited.nodes["memory"].mode) == (1, "append")
+    assert (spec.nodes["memory"].recall, spec.nodes["memory"].mode) == (2, "manager")  # the loaded spec is untouched
+    assert edited.nodes["generator"] == spec.nodes["generator"] and edited.policies == spec.policies
+    assert edited.nodes["memory"].model_dump(exclude={"recall", "mode"}) == \
+        spec.nodes["memory"].model_dump(exclude={"recall", "mode"})
