@@ -353,7 +353,9 @@ def _unpack_into_place(tar: tarfile.TarFile, members: list[tarfile.TarInfo], man
     but `target`, complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))  # 0700: private while unchecked
     try:
-        tar.extractall(tmp, members=members, filter="data")  # the stdlib's checks as well as ours
+        # the stdlib's extraction filter as well as our checks, where this Python has one (3.11.4+; 3.11.0-3.11.3
+        # take no `filter` argument, and the members were already checked above)
+        tar.extractall(tmp, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         unpacked = tmp / target.name
         _check_files(unpacked, manifest, f"{where} (unpacked)")
         try:

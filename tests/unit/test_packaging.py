@@ -4,10 +4,12 @@ non-editable install (`pip install .`, a wheel) ships every package folder of th
 from __future__ import annotations
 
 import importlib.util
+import site as sitemod
 import subprocess
 import sys
 import tomllib
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +26,15 @@ def test_no_generic_top_level_names_in_this_process():
 @pytest.mark.slow
 def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
     # pip of the outer environment installs into the new venv's site-packages, offline, no build isolation
     site = subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                    text=True).strip()
+    # masgraph's dependencies come from the outer environment's site-packages (a path line per folder: its own
+    # .pth files, e.g. the editable install of masgraph, are not processed); the base Python's packages may lack
+    # them (a system Python), so `system_site_packages` would make this test depend on the machine
+    (Path(site) / "outer.pth").write_text("".join(p + "\n" for p in sitemod.getsitepackages()))
     build = tmp_path / "build"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", site, str(root)],
