@@ -119,7 +119,9 @@ def main() -> int:
     args = p.parse_args()
     if args.split != "test" and not args.no_train:
         p.error("--split train scores the rule arms only; add --no-train")
-    edit = partial(with_memory, recall=args.recall) if args.recall else None
+    if args.recall is not None and args.recall < 1:
+        p.error(f"--recall must be 1 or more (got {args.recall})")
+    edit = partial(with_memory, recall=args.recall) if args.recall is not None else None
     spec = load_spec(args.graph)
     spec = edit(spec) if edit else spec
     task = get_task(TASK)
