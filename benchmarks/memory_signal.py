@@ -15,12 +15,11 @@ Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from masgraph.store import read_traces
+from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
 
 
@@ -36,12 +35,8 @@ def applied(op: MemoryOp) -> str:
 
 
 def credit_lines(run: Path) -> list[dict]:
-    out = []
-    with open(run / "events.jsonl") as f:
-        for line in f:
-            if '"credit"' in line and (e := json.loads(line)).get("kind") == "credit":
-                out.append(e)
-    return out
+    """The run's credit lines (one per trained episode: its step and counterfactual scores)."""
+    return [e for e in read_jsonl(run / "events.jsonl") if e.get("kind") == "credit"]
 
 
 def visit_place(trace: Trace, fact: str) -> str:
@@ -77,15 +72,16 @@ def main() -> int:
                 scores[(step_index, call)][alternative.rsplit(": ", 1)[-1]] = reward
             for s in trace.steps:
                 for c, op in enumerate(s.memory_ops):
-                    ops[e["step"]][kind(op.fact)][applied(op)] += 1
+                    fact_kind, written = kind(op.fact), applied(op)
+                    ops[e["step"]][fact_kind][written] += 1
                     q = scores.get((s.index, c))
                     if not q or trace.reward is None:
                         continue
-                    q.setdefault(applied(op), trace.reward)
+                    q.setdefault(written, trace.reward)
                     if len(set(q.values())) > 1:
                         best = max(q.values())
-                        winners[kind(op.fact)]["+".join(sorted(a for a, v in q.items() if v == best))] += 1
-                    if kind(op.fact) == "visit" and q.get("ADD") == 1.0 and q.get("NOOP") == 0.0:
+                        winners[fact_kind]["+".join(sorted(a for a, v in q.items() if v == best))] += 1
+                    if fact_kind == "visit" and q.get("ADD") == 1.0 and q.get("NOOP") == 0.0:
                         add_wins[visit_place(trace, op.fact)] += 1
         print(f"== {run}")
         for step in sorted(ops):
