@@ -15,8 +15,18 @@ added. The later calls of the same step are replayed as recorded (their text, no
 value of the decision with the rest of the episode's decisions held fixed; later steps are sampled afresh with
 the root's own seeds (common random numbers: a frozen, greedy reader answers exactly as it would have).
 
+With probe questions (`counterfactual_probes`, the task's `probes`: further questions on the same input, e.g. where
+each other person of a memory stream lives), Q is the mean score over the item's own question and the probes:
+each variant is also run with each probe's question in the query's place, and so is the episode as made
+(`as_made`: replayed up to and including the decision's step, the later nodes afresh), whose mean then stands in
+for the episode's reward as the call's own Q. A decision about a person the item does not ask about still gets a
+score that depends on it.
+
     variants      (call reference, alternative, episode input) for every decision of a finished episode
-    recorded      a root's `trace.meta["counterfactual"]`: [[step index, call index, alternative, reward], ...]
+    as_made       (step index, episode input): the episode replayed as recorded up to each step with decisions
+    asked         an episode input with another question (a probe) in the query's place
+    recorded      a root's `trace.meta["counterfactual"]`: [[step index, call index, completion, score], ...], the
+                  completion an alternative; with probes also the call's own text, with its mean score
 
 Pure functions here; `runner.Runner.run_items` runs the variants, `trainers/credit.counterfactual_advantages`
 turns their scores into advantages.
@@ -25,11 +35,12 @@ turns their scores into advantages.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from masgraph.scheduler import EpisodeInput
 from masgraph.trace import LLMCall, Trace
 
-__all__ = ["META", "CallRef", "forced", "variants"]
+__all__ = ["META", "CallRef", "as_made", "asked", "forced", "variants"]
 
 META = "counterfactual"
 """The root trace's meta key that holds its variants' scores."""
@@ -48,7 +59,7 @@ def variants(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequen
     for pos, step in enumerate(trace.steps):
         if step.node not in alternatives or not step.llm:
             continue
-        before = {(s.node, s.turn, k): call for s in trace.steps[:pos + 1] for k, call in enumerate(s.llm)}
+        before = _record(trace, pos)
         for k, call in enumerate(step.llm):
             for alt in alternatives[step.node]:
                 if alt.strip() == call.text.strip():
@@ -64,3 +75,26 @@ def forced(call: LLMCall, text: str) -> LLMCall:
     """`call` as if it had written `text` (no tokens: it is replayed, never trained on)."""
     return call.model_copy(update={"text": text, "completion_ids": [], "logprobs": [], "parse_error": None,
                                    "finish_reason": "stop"})
+
+
+def as_made(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]]
+            ) -> list[tuple[int, EpisodeInput]]:
+    """(step index, episode input) per step of `trace` with decisions (calls of a node in `alternatives`): the episode
+    replayed as recorded up to and including that step, the later nodes run afresh, so that its score with another
+    question is the decisions' own Q beside their variants'; none for an episode that did not finish."""
+    if trace.status != "ok" or trace.reward is None:
+        return []
+    return [(step.index, replace(root, meta={**root.meta, META: {"root": trace.episode_id, "step": step.index}},
+                                 replay=_record(trace, pos)))
+            for pos, step in enumerate(trace.steps) if step.node in alternatives and step.llm]
+
+
+def asked(episode: EpisodeInput, item_id: str, query: str, gold: str) -> EpisodeInput:
+    """`episode` (a variant, or the episode as made) with another question in the query's place: a probe item's id,
+    query and answer; the replayed record stays (the decisions before the question must not read it)."""
+    return replace(episode, item_id=item_id, query=query, meta={**episode.meta, "gold": gold})
+
+
+def _record(trace: Trace, pos: int) -> dict[tuple[str, int, int], LLMCall]:
+    """Every call of `trace`'s steps up to and including position `pos`, keyed as `EpisodeInput.replay` is."""
+    return {(s.node, s.turn, k): call for s in trace.steps[:pos + 1] for k, call in enumerate(s.llm)}

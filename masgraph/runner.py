@@ -61,6 +61,9 @@ class RunConfig:
     """Counterfactual calls (masgraph/counterfactual.py): node -> the alternative completions of its calls; after the
     episodes, every call of those nodes is re-scored with each alternative in its place, recorded on the episode's
     `trace.meta["counterfactual"]`. Empty: off."""
+    counterfactual_probes: bool = False
+    """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`; the mean over
+    the item's question and its probes), recording the call's own mean score beside its alternatives'."""
 
 
 @dataclass
@@ -184,23 +187,43 @@ class Runner:
     async def _counterfactuals(self, task: Task, by_id: dict[str, Item], episodes: list[EpisodeInput],
                                traces: list[Trace]) -> None:
         """Score every decision of the finished episodes with each alternative in its place (their variants run on a
-        scheduler of their own: scored, not stored or shown) and record `[step, call, alternative, reward]` on each
+        scheduler of their own: scored, not stored or shown) and record `[step, call, alternative, score]` on each
         root's meta. A variant that fails scores 0, as a failed episode does. Their greedy calls are memoised: most
-        variants show a frozen reader an input another variant already showed it."""
-        from masgraph.counterfactual import META, variants
+        variants show a frozen reader an input another variant already showed it. With `counterfactual_probes`,
+        each variant and each step as made is also asked the item's probe questions (`Task.probes`) and a score is
+        the mean over the item's question and its probes; the call's own mean is recorded too."""
+        from masgraph.counterfactual import META, as_made, asked, variants
 
-        todo = [(tr, ref, alt, ep) for root, tr in zip(episodes, traces)
-                for ref, alt, ep in variants(root, tr, self.config.counterfactual)]
+        alternatives, probing = self.config.counterfactual, self.config.counterfactual_probes
+        # (trace, call ref, completion, episode to score, whether the completion is the call's own)
+        todo: list[tuple[Trace, tuple[int, int], str, EpisodeInput, bool]] = []
+        probes: dict[str, list[Item]] = {}
+        for root, tr in zip(episodes, traces):
+            todo += [(tr, ref, alt, ep, False) for ref, alt, ep in variants(root, tr, alternatives)]
+            if probing:
+                if root.item_id not in probes:
+                    probes[root.item_id] = task.probes(by_id[root.item_id])
+                made = dict(as_made(root, tr, alternatives))
+                todo += [(tr, (step.index, k), call.text, made[step.index], True) for step in tr.steps
+                         if step.index in made for k, call in enumerate(step.llm)]
         if not todo:
             return
-        sched = self.engine.scheduler((), self._scorer(task, by_id), concurrency=self.config.concurrency,
+        runs: list[tuple[int, EpisodeInput]] = []  # (index in todo, an episode to score)
+        for i, (_, _, _, ep, own) in enumerate(todo):
+            if not own:  # the item's own question (the call's own completion: the trace's reward says it)
+                runs.append((i, ep))
+            runs += [(i, asked(ep, p.id, p.question, p.answer)) for p in probes.get(ep.item_id, [])]
+        scoring = {**by_id, **{p.id: p for ps in probes.values() for p in ps}}
+        sched = self.engine.scheduler((), self._scorer(task, scoring), concurrency=self.config.concurrency,
                                       seed=self.config.seed, memo_greedy=True)
-        done = await sched.run([ep for *_, ep in todo])
+        done = await sched.run([ep for _, ep in runs])
+        scores = [[tr.reward or 0.0] if own else [] for tr, *_, own in todo]
+        for (i, _), out in zip(runs, done):
+            scores[i].append(out.reward if out.status == "ok" and out.reward is not None else 0.0)
         for tr in traces:
             tr.meta[META] = []
-        for (tr, (step, call), alt, _), out in zip(todo, done):
-            reward = out.reward if out.status == "ok" and out.reward is not None else 0.0
-            tr.meta[META].append([step, call, alt, reward])
+        for (tr, (step, call), completion, _, _), got in zip(todo, scores):
+            tr.meta[META].append([step, call, completion, sum(got) / len(got)])
 
     def _scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
         """The run's reward: the task's own scoring, or its judge's (a task with a `judge`: an async call)."""

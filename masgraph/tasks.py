@@ -99,6 +99,13 @@ class Task:
             return False
         return full_reward(self.reward(item, trace) if reward is None else reward)
 
+    def probes(self, item: Item) -> list[Item]:
+        """Further questions on `item`'s input, each an item of its own (id, question, answer) that `score`
+        scores: what else a run's intermediate state should be able to answer. Counterfactual credit with
+        `counterfactual_probes` scores each decision on them too, not only on the item's own question (a memory
+        manager's choice about one person matters to a question about that person). Default: none."""
+        return []
+
 
 class TaskSplitWarning(UserWarning):
     """A task's test items were left out because they are also its train items (see `Task.items`)."""
@@ -532,6 +539,26 @@ class MemoryUpdates(PartitionedTask):
 
         said = norm(answer)
         return float(norm(item.answer) in said and not any(norm(c) in said for c in item.meta["others"]))
+
+    def probes(self, item: Item) -> list[Item]:
+        """The same stream asked where each of its other people lives now (their home, or the city they moved
+        to), scored as the item is: naming that city and no other city of the stream."""
+        *facts, question = item.question.splitlines()
+        now: dict[str, str] = {}
+        cities = set()
+        for fact in facts:
+            if m := re.fullmatch(r"(.+) (?:lives in|moved to) (.+)\.", fact):
+                now[m.group(1)] = m.group(2)
+            if m := re.fullmatch(r".+ (?:lives in|moved to|visited) (.+?)(?: last week)?\.", fact):
+                cities.add(m.group(1))
+        asked = re.fullmatch(r"Question: In which city does (.+) live now\?", question)
+        out = []
+        for k, (name, city) in enumerate(sorted(now.items())):
+            if asked and name == asked.group(1):
+                continue
+            out.append(Item(f"{item.id}-probe-{k}", "\n".join([*facts, f"Question: In which city does {name} live "
+                            "now?"]), city, {"type": "probe", "others": sorted(cities - {city})}))
+        return out
 
 
 def _kb_people(split: str, rng: random.Random, k: int) -> list[dict[str, Any]]:

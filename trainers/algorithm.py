@@ -58,6 +58,8 @@ class TrainAlgorithm(ABC):
     counterfactual: dict[str, list[str]] | None = None
     """Counterfactual calls: node -> alternative completions each of its calls is re-scored with after the rollouts
     (masgraph/counterfactual.py); None: off."""
+    counterfactual_probes: bool = False
+    """With `counterfactual`: each decision is also scored on the task's probe questions (`Task.probes`)."""
 
     @classmethod
     @abstractmethod

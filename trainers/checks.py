@@ -71,6 +71,10 @@ def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> lis
     if config.counterfactual_rows and not config.counterfactual:
         problems.append(Problem(f"{where}.counterfactual_rows", "needs `counterfactual` (the alternatives to force)",
                                 "list a node's alternatives under `counterfactual:`, or drop `counterfactual_rows`"))
+    if config.counterfactual_probes and not config.counterfactual:
+        problems.append(Problem(f"{where}.counterfactual_probes", "needs `counterfactual` (the alternatives to score "
+                                "on the probes)", "list a node's alternatives under `counterfactual:`, or drop "
+                                "`counterfactual_probes`"))
     return problems
 
 

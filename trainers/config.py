@@ -98,6 +98,15 @@ class FlowGRPOConfig(BaseModel):
     (an all-action update, as mean actor-critic; not importance-weighted, so it moves the policy towards the better
     choices faster than the sampled-only gradient and is not unbiased for it).
     Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""
+    counterfactual_probes: bool = False
+    """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`: further questions
+    on the same input; `memory_updates` asks where each other person of the stream lives now), Q being the mean
+    over the item's own question and its probes; the call's own Q is then that mean for the episode as made (its
+    record replayed up to the decision's step), not the episode's reward. A decision that the item's question
+    does not read (a memory manager's choice about another person) then still gets a signal. The decisions must
+    not read the question (a memory manager sees the facts only: its recorded calls are replayed under another
+    question). Costs one more episode per probe for each variant and each step as made (only the later nodes
+    decode). False: the item's own question only. A task without probes scores as False."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

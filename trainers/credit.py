@@ -46,9 +46,9 @@ from masgraph.counterfactual import META
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_values",
-           "format_advantages", "group_steps", "state_key", "step_advantages", "step_format_advantages",
-           "step_returns"]
+__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_scores",
+           "counterfactual_values", "format_advantages", "group_steps", "state_key", "step_advantages",
+           "step_format_advantages", "step_returns"]
 
 
 def call_state(node: str, call: LLMCall) -> str | None:
@@ -138,29 +138,37 @@ def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]],
 
 def counterfactual_values(trace: Trace, alternatives: dict[str, list[str]]) -> dict[tuple[int, int], list[float]]:
     """(step index, call index) -> the episode's score with each of the node's alternatives in the call's place, in
-    `alternatives` order (the one the call wrote itself: the episode's own reward); only calls whose every variant
-    was scored (`trace.meta["counterfactual"]`), of a finished episode."""
+    `alternatives` order (the one the call wrote itself: its own score); only calls whose every variant was scored
+    (`trace.meta["counterfactual"]`), of a finished episode."""
+    return {ref: q for ref, (_, q) in counterfactual_scores(trace, alternatives).items()}
+
+
+def counterfactual_scores(trace: Trace, alternatives: dict[str, list[str]]
+                          ) -> dict[tuple[int, int], tuple[float, list[float]]]:
+    """(step index, call index) -> (the call's own score, `counterfactual_values`' list). The own score is the one
+    recorded for the call's own text (with probe questions: its mean over them), else the episode's reward."""
     if trace.status != "ok" or trace.reward is None or not trace.meta.get(META):
         return {}
     scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
     for step, k, alt, reward in trace.meta[META]:
-        scored[(step, k)][alt] = reward
+        scored[(step, k)][alt.strip()] = reward
     out = {}
     for s in trace.steps:
         for k, call in enumerate(s.llm):
             if (s.index, k) not in scored or s.node not in alternatives:
                 continue
-            q = [trace.reward if alt.strip() == call.text.strip() else scored[(s.index, k)].get(alt)
+            own = scored[(s.index, k)].get(call.text.strip(), trace.reward)
+            q = [own if alt.strip() == call.text.strip() else scored[(s.index, k)].get(alt.strip())
                  for alt in alternatives[s.node]]
             if all(v is not None for v in q):  # a variant that went unscored leaves the call without a baseline
-                out[(s.index, k)] = q
+                out[(s.index, k)] = (own, q)
     return out
 
 
 def counterfactual_advantages(traces: list[Trace], alternatives: dict[str, list[str]]
                               ) -> dict[tuple[int, int, int], float]:
     """(trajectory, step index, call index) -> the call's counterfactual advantage (masgraph/counterfactual.py):
-    its episode's reward less the mean of `counterfactual_values` (the rewards the episode scored with each of the
-    node's alternatives in the call's place)."""
-    return {(i, step, k): tr.reward - sum(q) / len(q)
-            for i, tr in enumerate(traces) for (step, k), q in counterfactual_values(tr, alternatives).items()}
+    its own score (its episode's reward, or with probe questions its mean over them) less the mean of
+    `counterfactual_values` (its scores with each of the node's alternatives in its place)."""
+    return {(i, step, k): own - sum(q) / len(q)
+            for i, tr in enumerate(traces) for (step, k), (own, q) in counterfactual_scores(tr, alternatives).items()}

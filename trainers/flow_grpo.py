@@ -249,6 +249,7 @@ class FlowGRPO(TrainAlgorithm):
         self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
+        self.counterfactual_probes = config.counterfactual_probes
         self._encode: Callable[[str], list[int]] | None = None
         problems = node_knob_problems(config, trainable)
         if problems:

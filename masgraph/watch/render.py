@@ -276,10 +276,13 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
                         else "dim")
         text.append("\n")
         alternatives = (counterfactual or {}).get((step.index, k))
-        if alternatives:
+        if alternatives:  # with probe questions the call's own score is recorded too: shown first, as made
+            own = [score for a, score in alternatives if a.strip() == call.text.strip()]
+            if own:
+                text.append(f"  scored as made {own[0]:.2f}\n", style="dim")
             text.append("  scored instead ", style="dim")
-            text.append(" · ".join(f"{_first_line(a)} {score:.2f}" for a, score in alternatives) + "\n",
-                        style="magenta")
+            text.append(" · ".join(f"{_first_line(a)} {score:.2f}" for a, score in alternatives
+                                   if a.strip() != call.text.strip()) + "\n", style="magenta")
         if logprob_colours and decode is not None and call.logprobs:
             text.append("  ")
             for token_id, lp in zip(call.completion_ids, call.logprobs, strict=False):
