@@ -107,3 +107,40 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     metrics = algo.update(traces)
     assert metrics["rows"] == len(rows) and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
+
+
+@pytest.mark.slow
+def test_counterfactual_probes_score_every_decision_on_every_persons_question(root, runner_for, run):
+    """With `counterfactual_probes` the real reader is also asked where each other person of the stream lives: every
+    manager decision's scores (its own, and each operation it did not write) are means over the item's question and
+    its two probes, the own one including the episode's reward; one update on those advantages moves the adapter."""
+    from fractions import Fraction
+
+    from masgraph.counterfactual import META
+    from masgraph.trainers.credit import counterfactual_advantages
+
+    ops = {"memory": ["Operation: ADD", "Operation: NOOP"]}
+    graph, learner, backend = manager_at_t1(root)
+    task = MemoryUpdates()
+    runner = runner_for(graph, backend, n=1, samples=2, concurrency=16, counterfactual=ops,
+                        counterfactual_probes=True)
+    traces = run(runner.run_task(task)).traces
+    assert all(t.status == "ok" for t in traces) and len(task.probes(task.items("train", 1)[0])) == 2
+    for t in traces:
+        scored = {(s, k, alt.strip()): v for s, k, alt, v in t.meta[META]}
+        for k, call in enumerate(t.steps[0].llm):
+            own = scored[(0, k, call.text.strip())]  # the call's own score, recorded beside the alternatives'
+            thirds = Fraction(own).limit_denominator(3) * 3
+            assert thirds.denominator == 1 and 0 <= thirds - t.reward <= 2  # its own question's reward + 2 probes
+            for alt in ops["memory"]:
+                v = scored[(0, k, alt)] if alt != call.text.strip() else own
+                assert (Fraction(v).limit_denominator(3) * 3).denominator == 1
+    cf = counterfactual_advantages(traces, ops)
+    assert len(cf) == sum(len(t.steps[0].llm) for t in traces) and any(a != 0 for a in cf.values())
+    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual=ops, counterfactual_advantage="replace",
+                            counterfactual_probes=True)
+    algo = FlowGRPO(learner, {"memory": "memory"}, config)
+    before = [p.detach().clone() for p in algo.params["memory"]]
+    metrics = algo.update(traces)
+    assert metrics["rows"] > 0 and metrics["grad_norm/memory"] > 0
+    assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
