@@ -230,6 +230,13 @@ def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: Flo
     return rows
 
 
+def _alternatives_scored(trace: Trace) -> int:
+    """How many alternatives `trace`'s calls were scored with (with probe questions the calls' own scores, also
+    recorded, are not alternatives)."""
+    own = {(s.index, k): call.text.strip() for s in trace.steps for k, call in enumerate(s.llm)}
+    return sum(alt.strip() != own.get((step, k)) for step, k, alt, _ in trace.meta.get(META, []))
+
+
 # ---- the update --------------------------------------------------------------------------------------
 
 class FlowGRPO(TrainAlgorithm):
@@ -298,7 +305,7 @@ class FlowGRPO(TrainAlgorithm):
             "informative_groups": float(len(informative_queries(traces, self.config)))}
         if self.counterfactual:  # how many decisions the counterfactuals scored, and how many of them mattered
             cf = counterfactual_advantages(traces, self.counterfactual)
-            metrics |= {"counterfactual/variants": float(sum(len(t.meta.get(META, [])) for t in traces)),
+            metrics |= {"counterfactual/variants": float(sum(_alternatives_scored(t) for t in traces)),
                         "counterfactual/calls": float(len(cf)),
                         "counterfactual/mattered": sum(a != 0 for a in cf.values()) / max(1, len(cf))}
         return metrics

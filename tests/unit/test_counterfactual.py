@@ -16,7 +16,7 @@ from masgraph.scheduler import EpisodeInput
 from masgraph.tasks import Item, MemoryUpdates, Task, get_task
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.credit import counterfactual_advantages, counterfactual_values
-from masgraph.trainers.flow_grpo import FlowGRPOConfig, build_rows
+from masgraph.trainers.flow_grpo import FlowGRPOConfig, _alternatives_scored, build_rows
 
 OPS = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
 # Kalo Mira moves, then visits: a store of every fact shows the reader the visit last, so it answers the visit
@@ -400,6 +400,7 @@ def test_probes_give_the_visit_about_a_person_not_asked_its_score(root, scripted
         assert got == {(0, 0, "Operation: NOOP"): 0.0, (0, 1, "Operation: NOOP"): 1.0, (0, 2, "Operation: NOOP"): 1.0}
         want = {(0, 0, 0): 0.5, (0, 0, 1): 0.0, (0, 0, 2): 0.0}
     assert counterfactual_advantages([trace], ADD_NOOP) == pytest.approx(want)
+    assert _alternatives_scored(trace) == 3  # the metric counts NOOP per call, not the recorded own scores
     rows = build_rows([trace], {"memory": "memory"}, FlowGRPOConfig(counterfactual=ADD_NOOP,
                                                                     counterfactual_advantage="replace"))
     assert {r.call: r.advantage for r in rows if r.advantage} == pytest.approx(
