@@ -69,14 +69,17 @@ def main() -> int:
                 continue
             scores: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
             for step_index, call, alternative, reward in e.get("counterfactual", []):
-                scores[(step_index, call)][alternative.rsplit(": ", 1)[-1]] = reward
+                scores[(step_index, call)][alternative.strip()] = reward
             for s in trace.steps:
                 for c, op in enumerate(s.memory_ops):
                     fact_kind, written = kind(op.fact), applied(op)
                     ops[e["step"]][fact_kind][written] += 1
-                    q = scores.get((s.index, c))
-                    if not q or trace.reward is None:
+                    scored = scores.get((s.index, c))
+                    if not scored or trace.reward is None:
                         continue
+                    # with probe questions the call's own score is recorded under its own text: the operation applied
+                    own = s.llm[c].text.strip() if c < len(s.llm) else None
+                    q = {written if alt == own else alt.rsplit(": ", 1)[-1]: v for alt, v in scored.items()}
                     q.setdefault(written, trace.reward)
                     if len(set(q.values())) > 1:
                         best = max(q.values())
