@@ -3,6 +3,7 @@ damaged files, SVG snapshots, and the CLI's errors."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -52,17 +53,28 @@ def screen_text(app: WatchApp) -> str:
     return console.export_text()
 
 
-def check_snapshot(app: WatchApp, name: str) -> None:
-    """The screen's SVG equals the stored one (MASGRAPH_UPDATE_SNAPSHOTS=1 rewrites it; review the diff)."""
-    svg = app.export_screenshot(title=f"masgraph watch: {name}")
+async def check_snapshot(pilot, app: WatchApp, name: str, settle_s: float = 10.0) -> None:
+    """The screen's SVG equals the stored one (MASGRAPH_UPDATE_SNAPSHOTS=1 rewrites it; review the diff).
+
+    A loaded machine may still be painting after one pause (a view fills in from its own timer), so the screen
+    is re-read every 50 ms for up to `settle_s` until it matches; what it shows last is what is compared.
+    """
     path = SNAPSHOTS / f"{name}.svg"
-    if UPDATE or not path.exists():
+    expected = None if UPDATE or not path.exists() else path.read_text()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle_s
+    while True:
+        svg = app.export_screenshot(title=f"masgraph watch: {name}")
+        if expected is None or svg == expected or loop.time() > deadline:
+            break
+        await pilot.pause(0.05)
+    if expected is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(svg)
         if not UPDATE:
             pytest.fail(f"no snapshot {path} yet: written now; review it and commit it")
-    assert svg == path.read_text(), (f"the {name} view changed; if intended, rerun with MASGRAPH_UPDATE_SNAPSHOTS=1 "
-                                     f"and review {path}")
+    assert svg == expected or UPDATE, (f"the {name} view changed; if intended, rerun with "
+                                       f"MASGRAPH_UPDATE_SNAPSHOTS=1 and review {path}")
 
 
 # -- the index ----------------------------------------------------------------------------------------------
@@ -196,7 +208,7 @@ async def test_graph_view_shows_nodes_counts_and_edges(run_dir):
             assert f"{node}  {node}" in text  # name and role
         assert "calls 6 · 2.26 s · 110 tok · 0 parse ✗ · 0 err" in text  # planner, from the recorded steps
         assert "→ executor ×6" in text and "→ planner [continue] ×0" in text and "→ generator [stop] ×6" in text
-        check_snapshot(app, "graph")
+        await check_snapshot(pilot, app, "graph")
 
 
 @pytest.mark.slow
@@ -209,7 +221,7 @@ async def test_episodes_view_lists_filters_searches_and_sorts(run_dir):
         assert "6/6 episodes · filter all · sort finished" in text
         assert "episode" in text and "status reward turns tokens" in text
         assert text.count("wrong") == 5 and text.count("correct") >= 1
-        check_snapshot(app, "episodes")
+        await check_snapshot(pilot, app, "episodes")
         table = app.query_one(EpisodeTable)
         await pilot.press("f")  # failed
         assert len(table.rows) == 0 and "0/6 episodes · filter failed" in screen_text(app)
@@ -266,7 +278,7 @@ async def test_episode_view_snapshot(run_dir):
         await pilot.press("2", "down", "down", "enter")
         await app.workers.wait_for_complete()
         await pilot.pause()
-        check_snapshot(app, "episode")
+        await check_snapshot(pilot, app, "episode")
 
 
 @pytest.mark.slow
@@ -295,7 +307,7 @@ async def test_training_view_snapshot(train_dir):
     app = WatchApp(train_dir)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
-        check_snapshot(app, "training")
+        await check_snapshot(pilot, app, "training")
 
 
 async def test_help_lists_the_keys(run_dir):
@@ -305,7 +317,7 @@ async def test_help_lists_the_keys(run_dir):
         await pilot.pause()
         text = screen_text(app)
         assert "search (id, item, query, answer" in text and "filter: all → failed → correct → wrong" in text
-        check_snapshot(app, "help")
+        await check_snapshot(pilot, app, "help")
         await pilot.press("escape")
         assert "search (id, item" not in screen_text(app)
 
