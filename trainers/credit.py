@@ -136,6 +136,15 @@ def step_format_advantages(traces: list[Trace], members: dict[tuple, list[int]],
     return out
 
 
+def recorded_scores(trace: Trace) -> dict[tuple[int, int], dict[str, float]]:
+    """(step index, call index) -> {variant text, stripped: its score} as the runner recorded them
+    (`trace.meta["counterfactual"]`); with probe questions the call's own text is among them."""
+    scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    for step, k, alt, score in trace.meta.get(META, []):
+        scored[(step, k)][alt.strip()] = score
+    return scored
+
+
 def counterfactual_values(trace: Trace, alternatives: dict[str, list[str]]) -> dict[tuple[int, int], list[float]]:
     """(step index, call index) -> the episode's score with each of the node's alternatives in the call's place, in
     `alternatives` order (the one the call wrote itself: its own score); only calls whose every variant was scored
@@ -149,9 +158,7 @@ def counterfactual_scores(trace: Trace, alternatives: dict[str, list[str]]
     recorded for the call's own text (with probe questions: its mean over them), else the episode's reward."""
     if trace.status != "ok" or trace.reward is None or not trace.meta.get(META):
         return {}
-    scored: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-    for step, k, alt, reward in trace.meta[META]:
-        scored[(step, k)][alt.strip()] = reward
+    scored = recorded_scores(trace)
     out = {}
     for s in trace.steps:
         for k, call in enumerate(s.llm):

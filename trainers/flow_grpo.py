@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from masgraph.counterfactual import META
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.learner import Learner
@@ -42,6 +41,7 @@ from masgraph.trainers.credit import (
     counterfactual_advantages,
     counterfactual_values,
     format_advantages,
+    recorded_scores,
     step_advantages,
     step_format_advantages,
 )
@@ -234,7 +234,7 @@ def _alternatives_scored(trace: Trace) -> int:
     """How many alternatives `trace`'s calls were scored with (with probe questions the calls' own scores, also
     recorded, are not alternatives)."""
     own = {(s.index, k): call.text.strip() for s in trace.steps for k, call in enumerate(s.llm)}
-    return sum(alt.strip() != own.get((step, k)) for step, k, alt, _ in trace.meta.get(META, []))
+    return sum(len(texts) - (own.get(ref) in texts) for ref, texts in recorded_scores(trace).items())
 
 
 # ---- the update --------------------------------------------------------------------------------------
