@@ -24,13 +24,16 @@ from pathlib import Path
 import torch
 
 from masgraph.backends.hf_learner import HFLearner
+from masgraph.counterfactual import META
 from masgraph.learner import LoraConfigSpec
 from masgraph.store import read_traces
+from masgraph.trainers.credit import counterfactual_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_signal import credit_lines, kind  # noqa: E402
 
 OPS = ("Operation: ADD", "Operation: NOOP")
+MANAGER = "memory"  # the manager node of graphs/memory.yaml
 
 
 @dataclass
@@ -49,25 +52,22 @@ class Row:
 
 
 def decisions(run: Path) -> list[Decision]:
-    """The run's manager decisions whose ADD and NOOP scores differed, labelled with the better one."""
+    """The run's manager decisions whose ADD and NOOP scores differed, labelled with the better one; the scores
+    as the trainer reads them (`credit.counterfactual_scores` on the trace with its credit line's records)."""
     traces = {t.episode_id: t for t in read_traces(run / "events.jsonl")}
     out: list[Decision] = []
     for e in credit_lines(run):
         trace = traces.get(e["episode_id"])
-        if trace is None or trace.reward is None:
+        if trace is None:
             continue
-        scored: dict[tuple[int, int], dict[str, float]] = {}
-        for step, call, text, score in e.get("counterfactual", []):
-            scored.setdefault((step, call), {})[text.strip()] = score
-        for s in trace.steps:
-            for c, (call, op) in enumerate(zip(s.llm, s.memory_ops)):
-                got = scored.get((s.index, c), {})
-                own = got.get(call.text.strip(), trace.reward)
-                q = {o: own if call.text.strip() == o else got.get(o) for o in OPS}
-                if None in q.values() or q[OPS[0]] == q[OPS[1]]:
-                    continue
-                stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
-                out.append(Decision(call.prompt_ids, max(OPS, key=lambda o: q[o]), kind(op.fact), stop))
+        trace = trace.model_copy(update={"meta": {**trace.meta, META: e.get("counterfactual", [])}})
+        steps = {s.index: s for s in trace.steps}
+        for (index, c), (_, q) in counterfactual_scores(trace, {MANAGER: list(OPS)}).items():
+            if q[0] == q[1]:
+                continue
+            call, op = steps[index].llm[c], steps[index].memory_ops[c]
+            stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
+            out.append(Decision(call.prompt_ids, OPS[int(q[1] > q[0])], kind(op.fact), stop))
     return out
 
 
