@@ -7,7 +7,15 @@ the manager skip visits more often than homes?); then, over the decisions whose 
 with `counterfactual`), which operation scored best, by kind; then the visits on which ADD beat NOOP, by whom they
 were about (the asked person? the mover?) and where the visit stood against the move.
 
+With `--rows`: what each step's update pushed. The step's training rows are rebuilt from the stored rollouts and
+credit lines with the run's own knobs (`flow_grpo.build_rows`), and per kind of fact the mean advantage of the
+sampled calls by operation is printed (NOOP above ADD on visits and below it on homes is the signal to learn),
+then the shares of the step's token-weighted |advantage| (the loss is a token mean) that the format term, the
+decision term (the counterfactual advantage and the alternatives' rows) and the outcome and step terms carry: where
+the update's direction comes from.
+
     .venv/bin/python benchmarks/memory_signal.py runs/bench-learns-memory-memory_updates-s0-*
+    .venv/bin/python benchmarks/memory_signal.py --rows runs/bench-learns-memory-memory_updates-s1-*
 
 Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 and 8 readings come from it.
 """
@@ -15,12 +23,18 @@ Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 a
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from masgraph.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
+from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.credit import counterfactual_advantages, step_format_advantages
+from masgraph.trainers.flow_grpo import build_rows, trajectory_rewards
 
 
 def kind(fact: str) -> str:
@@ -51,10 +65,70 @@ def visit_place(trace: Trace, fact: str) -> str:
     return f"{asked}, mover, visit {'before' if here < moved[0] else 'after'} the move"
 
 
+def step_batches(run: Path) -> dict[int, list[Trace]]:
+    """Training step -> the step's rollouts, each with its credit line's counterfactual scores (as the update saw
+    them), in the order they were credited."""
+    traces = {t.episode_id: t for t in read_traces(run / "events.jsonl")}
+    out: dict[int, list[Trace]] = defaultdict(list)
+    for e in credit_lines(run):
+        if e["episode_id"] in traces:
+            t = traces[e["episode_id"]]
+            out[e["step"]].append(t.model_copy(update={"meta": {**t.meta, META: e.get("counterfactual", [])}}))
+    return out
+
+
+def print_rows(run: Path) -> None:
+    """Per step: the sampled calls' mean advantage by kind of fact and operation, and each credit term's share of
+    the token-weighted |advantage| (see the module docstring)."""
+    config = FlowGRPOConfig(**json.loads((run / "config.json").read_text())["config"]["train"]["flow_grpo"])
+    batches = step_batches(run)
+    lengths = {c.text.strip(): len(c.completion_ids) for trs in batches.values() for t in trs for s in t.steps
+               for c in s.llm if c.completion_ids}  # the tokens of an alternative's row, from a call that wrote it
+    print(f"== {run}: per step, each credit term's share of |A| x tokens; by kind of fact, each operation's mean "
+          "advantage (its rows)")
+    for step, trs in sorted(batches.items()):
+        trainable = {"memory": "memory"}
+        rows = build_rows(trs, trainable, config, encode=lambda text: [0] * (lengths.get(text.strip(), 5) - 1))
+        members: dict[tuple, list[int]] = defaultdict(list)
+        for i in trajectory_rewards(trs, config):
+            members[(trs[i].item_id,)].append(i)
+        fmt = step_format_advantages(trs, members, trainable, config.adv_eps) if config.format_weight else {}
+        cf = counterfactual_advantages(trs, config.counterfactual) if config.counterfactual else {}
+        pushed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        fmt_mass = decision_mass = outcome_mass = 0.0
+        for r in rows:
+            n = len(r.completion_ids)
+            if r.alternative is not None:
+                decision_mass += abs(r.advantage) * n
+                continue
+            at = (r.traj, r.step, r.call)
+            f, d = config.format_weight * fmt.get(at, 0.0), config.counterfactual_weight * cf.get(at, 0.0)
+            fmt_mass, decision_mass = fmt_mass + abs(f) * n, decision_mass + abs(d) * n
+            outcome_mass += abs(r.advantage - f - d) * n  # the episode and step terms (none for a replaced call)
+            s = next(s for s in trs[r.traj].steps if s.index == r.step)
+            if r.call < len(s.memory_ops):
+                op = s.memory_ops[r.call]
+                pushed[kind(op.fact)][applied(op)].append(r.advantage)
+        total = max(fmt_mass + decision_mass + outcome_mass, 1e-12)
+        print(f"  step {step}: {len(rows)} rows; share of |A| x tokens: format {fmt_mass / total:.0%}, decision "
+              f"{decision_mass / total:.0%}, outcome and step {outcome_mass / total:.0%}")
+        for k, by_op in sorted(pushed.items()):
+            print(f"    {k}: " + "  ".join(f"{o} {statistics.mean(v):+.2f} ({len(v)})"
+                                           for o, v in sorted(by_op.items())))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories")
+    p.add_argument("--rows", action="store_true", help="per step: each credit term's share of the update, the mean advantage by kind of fact and operation")
     args = p.parse_args()
+    if args.rows:
+        for run in args.runs:
+            if not (run / "config.json").exists():
+                print(f"error: {run} has no config.json (not a run directory)", file=sys.stderr)
+                return 1
+            print_rows(run)
+        return 0
     winners: dict[str, Counter] = defaultdict(Counter)
     add_wins: Counter = Counter()
     for run in args.runs:
