@@ -120,7 +120,8 @@ def print_rows(run: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories")
-    p.add_argument("--rows", action="store_true", help="per step: each credit term's share of the update, the mean advantage by kind of fact and operation")
+    p.add_argument("--rows", action="store_true",
+                   help="per step: each credit term's share of the update, the mean advantage by kind of fact and op")
     args = p.parse_args()
     if args.rows:
         for run in args.runs:
