@@ -68,13 +68,12 @@ def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> lis
         problems.append(Problem(f"{where}.counterfactual_advantage", "`replace` needs `counterfactual` (the scores "
                                 "that replace the outcome advantage)", "list a node's alternatives under "
                                 "`counterfactual:`, or drop `counterfactual_advantage`"))
-    if config.counterfactual_rows and not config.counterfactual:
-        problems.append(Problem(f"{where}.counterfactual_rows", "needs `counterfactual` (the alternatives to force)",
-                                "list a node's alternatives under `counterfactual:`, or drop `counterfactual_rows`"))
-    if config.counterfactual_probes and not config.counterfactual:
-        problems.append(Problem(f"{where}.counterfactual_probes", "needs `counterfactual` (the alternatives to score "
-                                "on the probes)", "list a node's alternatives under `counterfactual:`, or drop "
-                                "`counterfactual_probes`"))
+    for knob, what in (("counterfactual_rows", "the alternatives to force"),
+                       ("counterfactual_probes", "the alternatives to score on the probes"),
+                       ("counterfactual_norm", "the advantages to normalise")):
+        if getattr(config, knob) and not config.counterfactual:
+            problems.append(Problem(f"{where}.{knob}", f"needs `counterfactual` ({what})",
+                                    f"list a node's alternatives under `counterfactual:`, or drop `{knob}`"))
     return problems
 
 

@@ -98,6 +98,14 @@ class FlowGRPOConfig(BaseModel):
     (an all-action update, as mean actor-critic; not importance-weighted, so it moves the policy towards the better
     choices faster than the sampled-only gradient and is not unbiased for it).
     Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""
+    counterfactual_norm: bool = False
+    """With `counterfactual`: divide each node's counterfactual advantages, and its alternatives' rows, by their root
+    mean square over the node's scored calls in the step (Dr.MAS's per-agent normalisation, arXiv 2602.08847, on
+    the decision term; no re-centring: COMA's baseline already centres each decision, and a call whose alternatives
+    scored alike stays 0). The term is then on the unit scale of the (normalised) outcome, step and format terms
+    whatever one decision moves the score, and `counterfactual_weight` alone sets its share. Why: on the memory
+    task a decision's raw term is ~0.17 and the format term carried 73-83 % of the first steps' updates
+    (RESULTS.md, "where does the update's direction come from?"). False: raw score differences."""
     counterfactual_probes: bool = False
     """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`: further questions
     on the same input; `memory_updates` asks where each other person of the stream lives now), Q being the mean

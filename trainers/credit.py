@@ -39,6 +39,7 @@ Pure functions, tested against hand-computed values; `flow_grpo.build_rows` appl
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -46,9 +47,9 @@ from masgraph.counterfactual import META
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 
-__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_scores",
-           "counterfactual_values", "format_advantages", "group_steps", "state_key", "step_advantages",
-           "step_format_advantages", "step_returns"]
+__all__ = ["anchor_groups", "call_failures", "call_state", "counterfactual_advantages", "counterfactual_scales",
+           "counterfactual_scores", "counterfactual_values", "format_advantages", "group_steps", "state_key",
+           "step_advantages", "step_format_advantages", "step_returns"]
 
 
 def call_state(node: str, call: LLMCall) -> str | None:
@@ -170,6 +171,16 @@ def counterfactual_scores(trace: Trace, alternatives: dict[str, list[str]]
             if all(v is not None for v in q):  # a variant that went unscored leaves the call without a baseline
                 out[(s.index, k)] = (own, q)
     return out
+
+
+def counterfactual_scales(traces: list[Trace], advantages: dict[tuple[int, int, int], float]) -> dict[str, float]:
+    """`counterfactual_norm`: node -> 1 / the root mean square of its calls' counterfactual advantages
+    (`counterfactual_advantages`' values, zeros included); 1 for a node none of whose decisions mattered."""
+    node_of = {(i, s.index): s.node for i, tr in enumerate(traces) for s in tr.steps}
+    squares: dict[str, list[float]] = defaultdict(list)
+    for (i, step, _), a in advantages.items():
+        squares[node_of[(i, step)]].append(a * a)
+    return {node: 1.0 / math.sqrt(ms) if (ms := sum(v) / len(v)) > 0 else 1.0 for node, v in squares.items()}
 
 
 def counterfactual_advantages(traces: list[Trace], alternatives: dict[str, list[str]]

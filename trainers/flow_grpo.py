@@ -39,6 +39,7 @@ from masgraph.trainers.checks import node_knob_problems, owner_values
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.credit import (
     counterfactual_advantages,
+    counterfactual_scales,
     counterfactual_values,
     format_advantages,
     recorded_scores,
@@ -181,6 +182,7 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
                 if config.advantage != "episode" else {})
     w = 1.0 if config.advantage == "step" else config.step_weight
     cf = counterfactual_advantages(traces, config.counterfactual) if config.counterfactual else {}
+    scales = counterfactual_scales(traces, cf) if config.counterfactual_norm else {}
     rows = []
     for i in rewards:
         tr = traces[i]
@@ -193,25 +195,26 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
                 at = (i, step.index, k)
                 alone = config.counterfactual_advantage == "replace" and at in cf
                 extra = (config.format_weight * fmt.get(at, 0.0) + (0.0 if alone else w * step_adv.get(at, 0.0))
-                         + config.counterfactual_weight * cf.get(at, 0.0))
+                         + config.counterfactual_weight * scales.get(step.node, 1.0) * cf.get(at, 0.0))
                 base = None if alone else outcome
                 if call.completion_ids and (base is not None or extra != 0.0 or config.entropy_bonus > 0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (base or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config), step.index, k))
     if config.counterfactual_rows and encode is not None:
-        rows += alternative_rows(traces, trainable, config, encode)
+        rows += alternative_rows(traces, trainable, config, encode, scales)
     return rows
 
 
 def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig,
-                     encode: Callable[[str], list[int]]) -> list[Row]:
+                     encode: Callable[[str], list[int]], scales: dict[str, float] | None = None) -> list[Row]:
     """With `counterfactual_rows`: a row per alternative a `counterfactual` call did not write and that scored above
     the mean of the call's scores, its tokens (`encode`, then the call's stop token) after the call's prompt, its
-    advantage `counterfactual_weight` * (its score - that mean). Worse alternatives get no row: pushing down a
-    completion the policy did not sample, often already unlikely, has no bound (log p -> -inf: memory round 5b's KL
-    to the reference reached 332 nats by step 4), and raising the better ones lowers the rest through the softmax.
-    `old_logprobs` empty: the update computes them under the adapters the rollouts used."""
+    advantage `counterfactual_weight` * (its score - that mean), times the node's `scales` entry (with
+    `counterfactual_norm`: the one its calls' counterfactual advantages get). Worse alternatives get no row:
+    pushing down a completion the policy did not sample, often already unlikely, has no bound (log p -> -inf:
+    memory round 5b's KL to the reference reached 332 nats by step 4), and raising the better ones lowers the rest
+    through the softmax. `old_logprobs` empty: the update computes them under the adapters the rollouts used."""
     rows = []
     for i, tr in enumerate(traces):
         values = counterfactual_values(tr, config.counterfactual)
@@ -222,7 +225,7 @@ def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: Flo
                 q = values[(step.index, k)]
                 stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
                 for alt, v in zip(config.counterfactual[step.node], q):
-                    adv = config.counterfactual_weight * (v - sum(q) / len(q))
+                    adv = config.counterfactual_weight * (scales or {}).get(step.node, 1.0) * (v - sum(q) / len(q))
                     if alt.strip() != call.text.strip() and adv > 0.0:
                         rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, encode(alt) + stop, [],
                                         adv, call.policy_version, logprob_temperature(call, config), step.index, k,

@@ -15,7 +15,7 @@ from masgraph.loader import load_spec
 from masgraph.scheduler import EpisodeInput
 from masgraph.tasks import Item, MemoryUpdates, Task, get_task
 from masgraph.trace import LLMCall, Step, Trace
-from masgraph.trainers.credit import counterfactual_advantages, counterfactual_values
+from masgraph.trainers.credit import counterfactual_advantages, counterfactual_scales, counterfactual_values
 from masgraph.trainers.flow_grpo import FlowGRPOConfig, _alternatives_scored, build_rows
 
 OPS = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
@@ -240,6 +240,37 @@ def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
 
     both, later = run(main())
     assert both == [["done 2"], ["done 2"]] and later == ["done 2"] and Flaky.calls == 2
+
+
+def test_norm_divides_each_nodes_decision_term_by_its_root_mean_square():
+    """`counterfactual_norm`: the scored calls' A^C (1/3, 1, -2/3, as above) and the better alternatives' rows are
+    divided by sqrt((1/9 + 1 + 4/9) / 3) = sqrt(14/27), the format term and the unscored call's outcome are not."""
+    import math
+
+    cfg = {"memory": ["A", "B", "C"]}
+    traces = [_trace(1.0, ["A", "junk"], [[0, 0, "B", 0.0], [0, 0, "C", 1.0], [0, 1, "A", 0.0], [0, 1, "B", 0.0],
+                                          [0, 1, "C", 0.0]]),
+              _trace(0.0, ["A", "A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
+    rms = math.sqrt(14 / 27)
+    assert counterfactual_scales(traces, counterfactual_advantages(traces, cfg)) == pytest.approx({"memory": 1 / rms})
+    knobs = FlowGRPOConfig(counterfactual=cfg, counterfactual_advantage="replace", counterfactual_rows=True)
+
+    def advantages(config):
+        return {(r.traj, r.call, r.alternative): r.advantage
+                for r in build_rows(traces, {"memory": "memory"}, config, encode=lambda text: [7])}
+
+    raw, normed = advantages(knobs), advantages(knobs.model_copy(update={"counterfactual_norm": True}))
+    # the rows: the three scored calls, the unscored one (its outcome advantage), and the alternatives above their
+    # call's mean: C for the first call of episode 0 (1 - 2/3), B and C for episode 1's first call (1 - 2/3 each)
+    assert raw == pytest.approx({(0, 0, None): 1 / 3, (0, 1, None): 1.0, (1, 0, None): -2 / 3,
+                                 (1, 1, None): raw[(1, 1, None)], (0, 0, "C"): 1 / 3, (1, 0, "B"): 1 / 3,
+                                 (1, 0, "C"): 1 / 3})
+    assert normed == pytest.approx({k: v if k == (1, 1, None) else v / rms for k, v in raw.items()})
+    # the weight still scales the normalised term; a node none of whose decisions mattered is left as it is
+    doubled = advantages(knobs.model_copy(update={"counterfactual_norm": True, "counterfactual_weight": 2.0}))
+    assert doubled[(0, 1, None)] == pytest.approx(2 / rms)
+    flat = [_trace(1.0, ["A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
+    assert counterfactual_scales(flat, counterfactual_advantages(flat, cfg)) == {"memory": 1.0}
 
 
 def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categorical):

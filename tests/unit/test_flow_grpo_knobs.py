@@ -102,6 +102,7 @@ def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_t
     ("counterfactual: {answer: [a, b]}", "train.flow_grpo.counterfactual.answer", "not a trainable node"),
     ("counterfactual: {verifier: [a, ' a']}", "train.flow_grpo.counterfactual.verifier", "two or more distinct"),
     ("counterfactual_rows: true", "train.flow_grpo.counterfactual_rows", "needs `counterfactual`"),
+    ("counterfactual_norm: true", "train.flow_grpo.counterfactual_norm", "needs `counterfactual`"),
     ("node_lr: {planner: 0.001}", "train.flow_grpo.node_lr.replanner", "nodes sharing adapter 'plan'"),
     ("node_temperature: {planner: 1.0, replanner: 0.5}", "train.flow_grpo.node_temperature.replanner",
      "different temperatures (1.0 and 0.5)"),
