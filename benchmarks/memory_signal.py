@@ -16,6 +16,7 @@ the update's direction comes from.
 
     .venv/bin/python benchmarks/memory_signal.py runs/bench-learns-memory-memory_updates-s0-*
     .venv/bin/python benchmarks/memory_signal.py --rows runs/bench-learns-memory-memory_updates-s1-*
+    .venv/bin/python benchmarks/memory_signal.py --rows --set counterfactual_norm=true RUN  # what-if, same rollouts
 
 Analysis only (no model is loaded); the numbers of RESULTS.md's memory round 7 and 8 readings come from it.
 """
@@ -29,11 +30,13 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from learns import knob_overrides
+
 from masgraph.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.credit import counterfactual_advantages, step_format_advantages
+from masgraph.trainers.credit import counterfactual_advantages, counterfactual_scales, step_format_advantages
 from masgraph.trainers.flow_grpo import build_rows, trajectory_rewards
 
 
@@ -77,10 +80,12 @@ def step_batches(run: Path) -> dict[int, list[Trace]]:
     return out
 
 
-def print_rows(run: Path) -> None:
+def print_rows(run: Path, overrides: dict | None = None) -> None:
     """Per step: the sampled calls' mean advantage by kind of fact and operation, and each credit term's share of
-    the token-weighted |advantage| (see the module docstring)."""
-    config = FlowGRPOConfig(**json.loads((run / "config.json").read_text())["config"]["train"]["flow_grpo"])
+    the token-weighted |advantage| (see the module docstring); with `overrides` (flow_grpo knobs) what the same
+    rollouts and scores would have given under them."""
+    knobs = json.loads((run / "config.json").read_text())["config"]["train"]["flow_grpo"]
+    config = FlowGRPOConfig(**{**knobs, **(overrides or {})})
     batches = step_batches(run)
     lengths = {c.text.strip(): len(c.completion_ids) for trs in batches.values() for t in trs for s in t.steps
                for c in s.llm if c.completion_ids}  # the tokens of an alternative's row, from a call that wrote it
@@ -94,6 +99,7 @@ def print_rows(run: Path) -> None:
             members[(trs[i].item_id,)].append(i)
         fmt = step_format_advantages(trs, members, trainable, config.adv_eps) if config.format_weight else {}
         cf = counterfactual_advantages(trs, config.counterfactual) if config.counterfactual else {}
+        scales = counterfactual_scales(trs, cf) if config.counterfactual_norm else {}
         pushed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         fmt_mass = decision_mass = outcome_mass = 0.0
         for r in rows:
@@ -102,7 +108,8 @@ def print_rows(run: Path) -> None:
                 decision_mass += abs(r.advantage) * n
                 continue
             at = (r.traj, r.step, r.call)
-            f, d = config.format_weight * fmt.get(at, 0.0), config.counterfactual_weight * cf.get(at, 0.0)
+            f = config.format_weight * fmt.get(at, 0.0)
+            d = config.counterfactual_weight * scales.get(r.node, 1.0) * cf.get(at, 0.0)
             fmt_mass, decision_mass = fmt_mass + abs(f) * n, decision_mass + abs(d) * n
             outcome_mass += abs(r.advantage - f - d) * n  # the episode and step terms (none for a replaced call)
             s = next(s for s in trs[r.traj].steps if s.index == r.step)
@@ -122,13 +129,15 @@ def main() -> int:
     p.add_argument("runs", nargs="+", type=Path, help="run directories")
     p.add_argument("--rows", action="store_true",
                    help="per step: each credit term's share of the update, the mean advantage by kind of fact and op")
+    p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE",
+                   help="with --rows: flow_grpo knobs in place of the run's (what the same rollouts would have given)")
     args = p.parse_args()
     if args.rows:
         for run in args.runs:
             if not (run / "config.json").exists():
                 print(f"error: {run} has no config.json (not a run directory)", file=sys.stderr)
                 return 1
-            print_rows(run)
+            print_rows(run, knob_overrides(args.set))
         return 0
     winners: dict[str, Counter] = defaultdict(Counter)
     add_wins: Counter = Counter()
