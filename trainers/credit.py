@@ -31,7 +31,9 @@ where one call in ten slips, nearly every step fails alike and the format advant
 
 A call that chose among a closed set of completions can be credited against the alternatives it did not take
 (`counterfactual`, masgraph/counterfactual.py): A^C = R - mean over alternatives a' of R(a'), each R(a') the score
-of the episode re-run with a' in the call's place (COMA's counterfactual baseline).
+of the episode re-run with a' in the call's place (COMA's counterfactual baseline). With `counterfactual_norm` a
+node's A^C are divided by their root mean square over the step's scored calls (Dr.MAS's per-agent normalisation
+on this term alone), so its scale no longer depends on how much one decision moves the score.
 
 Pure functions, tested against hand-computed values; `flow_grpo.build_rows` applies them.
 """
