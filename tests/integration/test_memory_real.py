@@ -138,7 +138,13 @@ def test_counterfactual_probes_score_every_decision_on_every_persons_question(ro
     cf = counterfactual_advantages(traces, ops)
     assert len(cf) == sum(len(t.steps[0].llm) for t in traces) and any(a != 0 for a in cf.values())
     config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual=ops, counterfactual_advantage="replace",
-                            counterfactual_probes=True)
+                            counterfactual_probes=True, counterfactual_norm=True)
+    # normalised (`counterfactual_norm`): the decisions' advantages have a mean square of 1 (those that are 0 get no
+    # row), and each row is its call's A^C over the same factor
+    rows = build_rows(traces, {"memory": "memory"}, config)
+    assert sum(r.advantage ** 2 for r in rows) == pytest.approx(len(cf))
+    ratios = {r.advantage / cf[(r.traj, r.step, r.call)] for r in rows}
+    assert max(ratios) == pytest.approx(min(ratios)) and min(ratios) > 0
     algo = FlowGRPO(learner, {"memory": "memory"}, config)
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
