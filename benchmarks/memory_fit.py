@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 
 from masgraph.backends.hf_learner import HFLearner
-from masgraph.counterfactual import META
 from masgraph.learner import LoraConfigSpec
 from masgraph.store import read_traces
 from masgraph.trainers.credit import counterfactual_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory_signal import credit_lines, kind  # noqa: E402
+from memory_signal import credit_lines, kind, scored  # noqa: E402
 
 OPS = ("Operation: ADD", "Operation: NOOP")
 MANAGER = "memory"  # the manager node of graphs/memory.yaml
@@ -60,7 +59,7 @@ def decisions(run: Path) -> list[Decision]:
         trace = traces.get(e["episode_id"])
         if trace is None:
             continue
-        trace = trace.model_copy(update={"meta": {**trace.meta, META: e.get("counterfactual", [])}})
+        trace = scored(trace, e)
         steps = {s.index: s for s in trace.steps}
         for (index, c), (_, q) in counterfactual_scores(trace, {MANAGER: list(OPS)}).items():
             if q[0] == q[1]:

@@ -36,8 +36,7 @@ from masgraph.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
 from masgraph.trainers.config import FlowGRPOConfig
-from masgraph.trainers.credit import counterfactual_advantages, counterfactual_scales, step_format_advantages
-from masgraph.trainers.flow_grpo import build_rows, trajectory_rewards
+from masgraph.trainers.flow_grpo import build_rows
 
 
 def kind(fact: str) -> str:
@@ -68,50 +67,56 @@ def visit_place(trace: Trace, fact: str) -> str:
     return f"{asked}, mover, visit {'before' if here < moved[0] else 'after'} the move"
 
 
+def scored(trace: Trace, line: dict) -> Trace:
+    """`trace` with its credit line's counterfactual records under META, as the update read them."""
+    return trace.model_copy(update={"meta": {**trace.meta, META: line.get("counterfactual", [])}})
+
+
 def step_batches(run: Path) -> dict[int, list[Trace]]:
-    """Training step -> the step's rollouts, each with its credit line's counterfactual scores (as the update saw
-    them), in the order they were credited."""
+    """Training step -> the step's rollouts, each with its credit line's counterfactual scores (`scored`), in the
+    order they were credited."""
     traces = {t.episode_id: t for t in read_traces(run / "events.jsonl")}
     out: dict[int, list[Trace]] = defaultdict(list)
     for e in credit_lines(run):
         if e["episode_id"] in traces:
-            t = traces[e["episode_id"]]
-            out[e["step"]].append(t.model_copy(update={"meta": {**t.meta, META: e.get("counterfactual", [])}}))
+            out[e["step"]].append(scored(traces[e["episode_id"]], e))
     return out
 
 
 def print_rows(run: Path, overrides: dict | None = None) -> None:
     """Per step: the sampled calls' mean advantage by kind of fact and operation, and each credit term's share of
     the token-weighted |advantage| (see the module docstring); with `overrides` (flow_grpo knobs) what the same
-    rollouts and scores would have given under them."""
+    rollouts and scores would have given under them. A term's part of a row is what the row loses when the rows
+    are built again with that term's weight at 0 (`build_rows` itself, so the split follows the trainer's rules)."""
     knobs = json.loads((run / "config.json").read_text())["config"]["train"]["flow_grpo"]
     config = FlowGRPOConfig(**{**knobs, **(overrides or {})})
+    without_format = config.model_copy(update={"format_weight": 0.0})
+    without_decision = config.model_copy(update={"counterfactual_weight": 0.0})
     batches = step_batches(run)
     lengths = {c.text.strip(): len(c.completion_ids) for trs in batches.values() for t in trs for s in t.steps
                for c in s.llm if c.completion_ids}  # the tokens of an alternative's row, from a call that wrote it
+    trainable = {"memory": "memory"}
+
+    def encode(text: str) -> list[int]:
+        return [0] * (lengths.get(text.strip(), 5) - 1)
+
+    def advantages(trs: list[Trace], cfg: FlowGRPOConfig) -> dict[tuple, float]:
+        return {(r.traj, r.step, r.call, r.alternative): r.advantage for r in build_rows(trs, trainable, cfg, encode)}
+
     print(f"== {run}: per step, each credit term's share of |A| x tokens; by kind of fact, each operation's mean "
           "advantage (its rows)")
     for step, trs in sorted(batches.items()):
-        trainable = {"memory": "memory"}
-        rows = build_rows(trs, trainable, config, encode=lambda text: [0] * (lengths.get(text.strip(), 5) - 1))
-        members: dict[tuple, list[int]] = defaultdict(list)
-        for i in trajectory_rewards(trs, config):
-            members[(trs[i].item_id,)].append(i)
-        fmt = step_format_advantages(trs, members, trainable, config.adv_eps) if config.format_weight else {}
-        cf = counterfactual_advantages(trs, config.counterfactual) if config.counterfactual else {}
-        scales = counterfactual_scales(trs, cf) if config.counterfactual_norm else {}
+        rows = build_rows(trs, trainable, config, encode)
+        no_format, no_decision = advantages(trs, without_format), advantages(trs, without_decision)
         pushed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         fmt_mass = decision_mass = outcome_mass = 0.0
         for r in rows:
-            n = len(r.completion_ids)
-            if r.alternative is not None:
-                decision_mass += abs(r.advantage) * n
-                continue
-            at = (r.traj, r.step, r.call)
-            f = config.format_weight * fmt.get(at, 0.0)
-            d = config.counterfactual_weight * scales.get(r.node, 1.0) * cf.get(at, 0.0)
+            n, key = len(r.completion_ids), (r.traj, r.step, r.call, r.alternative)
+            f, d = r.advantage - no_format.get(key, 0.0), r.advantage - no_decision.get(key, 0.0)
             fmt_mass, decision_mass = fmt_mass + abs(f) * n, decision_mass + abs(d) * n
             outcome_mass += abs(r.advantage - f - d) * n  # the episode and step terms (none for a replaced call)
+            if r.alternative is not None:
+                continue
             s = next(s for s in trs[r.traj].steps if s.index == r.step)
             if r.call < len(s.memory_ops):
                 op = s.memory_ops[r.call]
