@@ -31,6 +31,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from learns import knob_overrides
+from pydantic import ValidationError
 
 from masgraph.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
@@ -142,7 +143,11 @@ def main() -> int:
             if not (run / "config.json").exists():
                 print(f"error: {run} has no config.json (not a run directory)", file=sys.stderr)
                 return 1
-            print_rows(run, knob_overrides(args.set))
+            try:
+                print_rows(run, knob_overrides(args.set))
+            except ValidationError as exc:  # a --set knob that is not one, or a value it does not take
+                print(f"error: --set {' '.join(args.set)}: {exc}", file=sys.stderr)
+                return 1
         return 0
     winners: dict[str, Counter] = defaultdict(Counter)
     add_wins: Counter = Counter()
