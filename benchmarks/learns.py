@@ -34,11 +34,13 @@ from pathlib import Path
 from models import resolve
 
 from masgraph.backends.hf import HFBackend
+from masgraph.checkpoint import read_state, resolve_checkpoint
 from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
+from masgraph.store import read_jsonl
 from masgraph.tasks import get_task, is_correct
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.flow_grpo import sampling_spec
@@ -54,11 +56,10 @@ class RuleFailed(Exception):
 
 
 class Progress:
-    """Keeps and prints each step's metrics; stops the run (cancels it) when the untrained accuracy breaks the rule."""
+    """Prints each step's metrics; stops the run (cancels it) when the untrained accuracy breaks the rule."""
 
     def __init__(self, name: str, seed: int, check_rule: bool):
         self.name, self.seed, self.check_rule = name, seed, check_rule
-        self.rows: list[dict] = []
         self.failed: RuleFailed | None = None
         self.run: asyncio.Task | None = None
 
@@ -66,7 +67,6 @@ class Progress:
         if not isinstance(event, TrainStep):
             return
         m = {"step": event.step, **event.metrics}
-        self.rows.append(m)
         tag = f"  [{self.name} s{self.seed}]"
         if m["step"] == 0:
             print(f"{tag} untrained: acc {m['accuracy/test']:.3f}  parse-failed episodes "
@@ -137,25 +137,34 @@ def knob_overrides(pairs: list[str]) -> dict:
 def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: int, check_rule: bool,
           flow_grpo: dict | None = None, steps: int | None = None, model: str | None = None,
           device: str | None = None, runs_dir: Path = ROOT / "runs", clock: str = "wall",
-          edit: Callable[[GraphSpec], GraphSpec] | None = None) -> dict:
+          edit: Callable[[GraphSpec], GraphSpec] | None = None, checkpoint_every: int = 10_000,
+          resume: Path | None = None) -> dict:
     """One training run (baseline eval, `minutes` of training or `steps` steps, whichever ends first, final eval);
     returns its metrics. `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML);
     `clock` is what `minutes` counts (`wall`, or the process's `cpu` time); `edit` changes the loaded graph
-    (a benchmark's variant of a shipped one)."""
+    (a benchmark's variant of a shipped one). `resume` continues that run directory from its latest checkpoint
+    (`graph_path` is then its spec.yaml): `minutes` is the whole budget, the time its checkpoint spent included."""
     spec = place(load_spec(graph_path), model, device)
     spec = edit(spec) if edit else spec
     fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | (flow_grpo or {}))
     cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "budget_clock": clock,
                                         "steps": steps or 10_000, "eval_every": 10_000, "eval_n": eval_n,
-                                        "checkpoint_every": 10_000})
+                                        "checkpoint_every": checkpoint_every})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), graph_path)
-    run_dir = runs_dir / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = resume or runs_dir / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress = Progress(spec.name, seed, check_rule)
-    loop = TrainLoop(graph, get_task(task_name), run_dir, sinks=[progress])
+    checkpoint = resolve_checkpoint(resume) if resume is not None else None
+    dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"  # a resumed run keeps its dtype
+    loop = TrainLoop(graph, get_task(task_name), run_dir, dtype=dtype, sinks=[progress])
+    if checkpoint is not None:
+        loop.load(checkpoint)
+        print(f"  [{spec.name} s{seed}] resumed {resume} at step {loop.step}, {loop.train_seconds / 60:.1f} of "
+              f"{minutes:g} min spent", flush=True)
     asyncio.run(_run(loop, progress))
     del loop
     gc.collect()
-    base, last = progress.rows[0], progress.rows[-1]
+    rows = read_jsonl(run_dir / "metrics.jsonl")  # a resumed run's earlier steps too
+    base, last = rows[0], rows[-1]
     shown = run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir
     return {"graph": spec.name, "seed": seed, "run_dir": str(shown), "steps": last["step"],
             "train_min": last["time/train_s"] / 60, "base": base["accuracy/test"], "trained": last["accuracy/test"],

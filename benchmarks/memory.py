@@ -14,31 +14,41 @@ same frozen reader and the same recall (the reader sees the `recall` entries tha
     skip_visits, update_moves   (--rules) reference only: append without the visits / append with the move
                replacing the home: what learning one part of the oracle's behaviour is worth
 
-Training is `benchmarks/learns.py`'s run (its step-0 evaluation is the `untrained` arm, on the same items).
+Training is `benchmarks/learns.py`'s run (its step-0 evaluation is the `untrained` arm, on the same items). It
+checkpoints every step, so a run stopped between steps (Ctrl-C, kill, the end of a session) loses at most the step
+under way: `--resume RUN ... --minutes M` continues it, on its own graph, knobs and seed, until its CPU time in all is
+M minutes, and scores the arms again (a longer budget for a finished run is the same command).
 
     .venv/bin/python benchmarks/memory.py --seeds 0 1 2 --minutes 30 [--set advantage=episode+step]
+    .venv/bin/python benchmarks/memory.py --resume runs/bench-learns-memory-memory_updates-s0-... --minutes 60
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from learns import knob_overrides, train
 
 from masgraph.backends.hf import HFBackend
+from masgraph.checkpoint import read_state, resolve_checkpoint
+from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task, get_task
+from masgraph.trainers.config import FlowGRPOConfig
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -101,9 +111,10 @@ def evaluate(spec: GraphSpec, task: Task, seed: int, n: int, backend: HFBackend,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--graph", default="graphs/memory.yaml")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--minutes", type=float, default=30.0, help="training budget per seed, CPU minutes")
+    p.add_argument("--graph", default=None, help="default graphs/memory.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
+    p.add_argument("--minutes", type=float, default=30.0,
+                   help="training budget per seed, CPU minutes (with --resume: in all, the resumed run's included)")
     p.add_argument("--eval-n", type=int, default=60)
     p.add_argument("--keep", type=int, default=4, help="last_k's k")
     p.add_argument("--recall", type=int, default=None,
@@ -115,21 +126,38 @@ def main() -> int:
     p.add_argument("--split", choices=("test", "train"), default="test",
                    help="the items the rule arms are scored on (train: is the gap there to learn from?); "
                    "needs --no-train")
+    p.add_argument("--resume", type=Path, nargs="+", metavar="RUN",
+                   help="continue these training runs of this script (one a seed) from their latest checkpoints to "
+                   "--minutes in all, each with the graph, knobs and seed it was started with")
     p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
     if args.split != "test" and not args.no_train:
         p.error("--split train scores the rule arms only; add --no-train")
     if args.recall is not None and args.recall < 1:
         p.error(f"--recall must be 1 or more (got {args.recall})")
-    edit = partial(with_memory, recall=args.recall) if args.recall is not None else None
-    spec = load_spec(args.graph)
-    spec = edit(spec) if edit else spec
+    if args.resume:
+        clash = [o for o, v in (("--graph", args.graph), ("--seeds", args.seeds), ("--recall", args.recall),
+                                ("--set", args.set), ("--no-train", args.no_train)) if v]
+        if clash:
+            p.error(f"--resume continues each run as it was started; drop {', '.join(clash)}")
+        try:
+            jobs = [resumable(run, args.minutes, args.eval_n) for run in args.resume]
+        except (MasgraphError, ValueError) as e:
+            p.exit(1, f"error: {e}\n")
+        if len({j.knobs for j in jobs}) > 1:
+            p.exit(1, "error: the runs to resume were trained with different knobs; resume them one at a time\n")
+    else:
+        edit = partial(with_memory, recall=args.recall) if args.recall is not None else None
+        jobs = [Job(seed, args.graph or "graphs/memory.yaml", knob_overrides(args.set), tuple(args.set), edit)
+                for seed in args.seeds or [0, 1, 2]]
+    spec = load_spec(jobs[0].graph)
+    spec = jobs[0].edit(spec) if jobs[0].edit else spec
     task = get_task(TASK)
-    overrides = knob_overrides(args.set)
     hf = next(pol for pol in spec.policies.values() if pol.backend == "hf")
     append, last_k = with_memory(spec, mode="append", keep=args.keep), with_memory(spec, mode="last_k", keep=args.keep)
     rows = []
-    for seed in args.seeds:
+    for job in jobs:
+        seed = job.seed
         t0 = time.perf_counter()
         backend = HFBackend(hf.model, seed=seed, device=hf.device)
         score = partial(evaluate, seed=seed, n=args.eval_n, backend=backend, split=args.split)
@@ -141,8 +169,9 @@ def main() -> int:
         print(f"[seed {seed}] append {row['append']:.3f}  last_k {row['last_k']:.3f}  oracle {row['oracle']:.3f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if not args.no_train:
-            r = train(args.graph, TASK, seed, args.minutes, args.eval_n, check_rule=False, flow_grpo=overrides,
-                      clock="cpu", edit=edit)
+            # a checkpoint every step: a run stopped (or killed) between steps continues with --resume
+            r = train(job.graph, TASK, seed, args.minutes, args.eval_n, check_rule=False, flow_grpo=job.overrides,
+                      clock="cpu", edit=job.edit, checkpoint_every=1, resume=job.resume)
             row |= {"untrained": r["base"], "trained": r["trained"], "steps": r["steps"], "run": r["run_dir"]}
             print(f"[seed {seed}] untrained {r['base']:.3f}  trained {r['trained']:.3f} after {r['steps']} steps",
                   flush=True)
@@ -163,15 +192,52 @@ def main() -> int:
                  + (" | | |" if not args.no_train else ""))
     table = "\n".join(lines)
     print(table)
+    knobs = jobs[0].knobs
     with open(args.record, "a") as f:
         f.write(f"\n### Memory: an RL-trained manager vs rule-based memories ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-                f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — `{args.graph}` on `{TASK}`, {args.eval_n} "
+                f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — `{jobs[0].graph}` on `{TASK}`, {args.eval_n} "
                 + ("held-out" if args.split == "test" else "**training-split**")
                 + f" items per seed (greedy, deterministic), last_k keeps {args.keep}, the reader shown "
                 + f"{spec.nodes['memory'].recall} entries"
                 + ("" if args.no_train else f"; trained {args.minutes:g} CPU-min per seed"
-                   + (f" with {', '.join(args.set)}" if args.set else "")) + ".\n\n" + table + "\n")
+                   + (" in all (resumed runs: the CPU time before the resume included)" if args.resume else "")
+                   + (f" with {', '.join(knobs)}" if knobs else "")) + ".\n\n" + table + "\n")
     return 0
+
+
+class Job(NamedTuple):
+    """One seed's training run: a new one (`resume` None) or a stopped one continued."""
+
+    seed: int
+    graph: str
+    overrides: dict
+    knobs: tuple[str, ...]  # as the record names them: KNOB=VALUE
+    edit: Callable[[GraphSpec], GraphSpec] | None = None
+    resume: Path | None = None
+
+
+def resumable(run: Path, minutes: float, eval_n: int) -> Job:
+    """The job that continues `run` (a run directory this script trained), or a ValueError / MasgraphError saying
+    why it cannot: not such a run, no complete checkpoint, its budget already spent, or scored on other items."""
+    config = run / "config.json"
+    if not config.is_file() or not (run / "spec.yaml").is_file():
+        raise ValueError(f"{run} is not a training run directory (no config.json and spec.yaml)")
+    cfg = json.loads(config.read_text())["config"]
+    if cfg.get("task") != TASK:
+        raise ValueError(f"{run} trained on {cfg.get('task')!r}, not {TASK}")
+    train_cfg = cfg["train"]
+    if train_cfg.get("budget_clock") != "cpu":
+        raise ValueError(f"{run} counted its budget on the {train_cfg.get('budget_clock')} clock, not the CPU's")
+    if (n := train_cfg.get("eval_n")) != eval_n:
+        raise ValueError(f"{run} was scored on {n} held-out items, not {eval_n}; pass --eval-n {n}")
+    spent = read_state(resolve_checkpoint(run))["train_seconds"] / 60
+    if spent >= minutes:
+        raise ValueError(f"{run} has spent {spent:.1f} CPU-min already; --minutes {minutes:g} leaves nothing to train "
+                         "(--minutes is the whole budget)")
+    shipped = FlowGRPOConfig().model_dump()  # the record names the knobs that differ from flow_grpo's defaults
+    knobs = tuple(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in train_cfg["flow_grpo"].items()
+                  if v != shipped.get(k))
+    return Job(train_cfg["seed"], str(run / "spec.yaml"), {}, knobs, resume=run)
 
 
 if __name__ == "__main__":
