@@ -3,13 +3,27 @@ transformers model but not the embedded one's cost."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user", "assistant", "Answer:",
          *map(str, range(20)), *"+-*/=?.:,"]
+
+
+@pytest.fixture
+def memory_bench() -> ModuleType:
+    """benchmarks/memory.py as a module (its reference stores, its --resume checks)."""
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)  # the script imports its sibling learns.py
+    try:
+        return importlib.import_module("memory")
+    finally:
+        sys.path.remove(bench)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,12 @@ loads (not a run, another task or clock, other held-out items, no checkpoint, th
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from masgraph.errors import MasgraphError
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("memory")
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def _run(tmp_path: Path, spent_s: float = 1800.0, checkpoint: bool = True, **train: object) -> Path:
@@ -40,9 +28,9 @@ def _run(tmp_path: Path, spent_s: float = 1800.0, checkpoint: bool = True, **tra
     return run
 
 
-def test_a_stopped_run_continues_with_its_own_seed_graph_and_knobs(tmp_path):
+def test_a_stopped_run_continues_with_its_own_seed_graph_and_knobs(tmp_path, memory_bench):
     run = _run(tmp_path)
-    job = _bench().resumable(run, minutes=60, eval_n=60)
+    job = memory_bench.resumable(run, minutes=60, eval_n=60)
     assert (job.seed, job.graph, job.resume, job.overrides) == (2, str(run / "spec.yaml"), run, {})
     # the record names the knobs that differ from flow_grpo's defaults (group_size 8 is the default)
     assert job.knobs == ("lr=0.0003", "num_mini_batches=12", "advantage=episode+step")
@@ -55,13 +43,13 @@ def test_a_stopped_run_continues_with_its_own_seed_graph_and_knobs(tmp_path):
     ({"budget_clock": "wall"}, "on the wall clock"),
     ({"eval_n": 30}, "scored on 30 held-out items, not 60; pass --eval-n 30"),
 ])
-def test_a_run_it_cannot_continue_fairly_is_refused_saying_why(tmp_path, change, says):
+def test_a_run_it_cannot_continue_fairly_is_refused_saying_why(tmp_path, memory_bench, change, says):
     with pytest.raises(ValueError, match=says):
-        _bench().resumable(_run(tmp_path, **change), minutes=60, eval_n=60)
+        memory_bench.resumable(_run(tmp_path, **change), minutes=60, eval_n=60)
 
 
-def test_not_a_run_or_no_checkpoint_is_refused(tmp_path):
+def test_not_a_run_or_no_checkpoint_is_refused(tmp_path, memory_bench):
     with pytest.raises(ValueError, match="not a training run directory"):
-        _bench().resumable(tmp_path, minutes=60, eval_n=60)
+        memory_bench.resumable(tmp_path, minutes=60, eval_n=60)
     with pytest.raises(MasgraphError, match="no complete checkpoint"):
-        _bench().resumable(_run(tmp_path, checkpoint=False), minutes=60, eval_n=60)
+        memory_bench.resumable(_run(tmp_path, checkpoint=False), minutes=60, eval_n=60)

@@ -3,25 +3,11 @@ in stream order, on the task's own items."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 from masgraph.tasks import get_task
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("memory")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_each_reference_store_keeps_what_its_rule_says():
-    bench, task = _bench(), get_task("memory_updates")
+def test_each_reference_store_keeps_what_its_rule_says(memory_bench):
+    bench, task = memory_bench, get_task("memory_updates")
     items = task.items("test", 12, seed=0)
     stores = {"oracle": bench.OracleStore(task)} | {n: bench.RuleStore(task, **r, name=n)
                                                      for n, r in bench.RULES.items()}
@@ -41,12 +27,12 @@ def test_each_reference_store_keeps_what_its_rule_says():
         assert got["oracle"][:-1] == [f for f in updated if " lives in " in f or " moved to " in f]
 
 
-def test_with_memory_changes_only_the_memory_node():
+def test_with_memory_changes_only_the_memory_node(memory_bench, root):
     """`--recall N` and the rule arms' modes edit the memory node and nothing else: every arm reads alike."""
     from masgraph.loader import load_spec
 
-    spec = load_spec(BENCH.parent / "graphs" / "memory.yaml")
-    edited = _bench().with_memory(spec, recall=1, mode="append")
+    spec = load_spec(root / "graphs" / "memory.yaml")
+    edited = memory_bench.with_memory(spec, recall=1, mode="append")
     assert (edited.nodes["memory"].recall, edited.nodes["memory"].mode) == (1, "append")
     assert (spec.nodes["memory"].recall, spec.nodes["memory"].mode) == (2, "manager")  # the loaded spec is untouched
     assert edited.nodes["generator"] == spec.nodes["generator"] and edited.policies == spec.policies
