@@ -41,13 +41,14 @@ from typing import NamedTuple
 from learns import knob_overrides, train
 
 from masgraph.backends.hf import HFBackend
-from masgraph.checkpoint import read_state, resolve_checkpoint
+from masgraph.checkpoint import resolve_checkpoint
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task, get_task
+from masgraph.trainers.checkpoints import read_train_state
 from masgraph.trainers.config import FlowGRPOConfig
 
 HERE = Path(__file__).resolve().parent
@@ -230,7 +231,7 @@ def resumable(run: Path, minutes: float, eval_n: int) -> Job:
         raise ValueError(f"{run} counted its budget on the {train_cfg.get('budget_clock')} clock, not the CPU's")
     if (n := train_cfg.get("eval_n")) != eval_n:
         raise ValueError(f"{run} was scored on {n} held-out items, not {eval_n}; pass --eval-n {n}")
-    spent = read_state(resolve_checkpoint(run))["train_seconds"] / 60
+    spent = read_train_state(resolve_checkpoint(run)).train_seconds / 60
     if spent >= minutes:
         raise ValueError(f"{run} has spent {spent:.1f} CPU-min already; --minutes {minutes:g} leaves nothing to train "
                          "(--minutes is the whole budget)")

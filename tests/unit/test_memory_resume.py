@@ -24,7 +24,8 @@ def _run(tmp_path: Path, spent_s: float = 1800.0, checkpoint: bool = True, **tra
     if checkpoint:
         step = run / "checkpoints" / "step-3"
         step.mkdir(parents=True)
-        (step / "state.json").write_text(json.dumps({"step": 3, "train_seconds": spent_s, "adapters": ["memory"]}))
+        state = {"step": 3, "train_seconds": spent_s, "versions": {"memory": 3}, "adapters": ["memory"]}
+        (step / "state.json").write_text(json.dumps(state))
     return run
 
 
