@@ -34,7 +34,7 @@ from pathlib import Path
 from models import resolve
 
 from masgraph.backends.hf import HFBackend
-from masgraph.checkpoint import resolve_checkpoint
+from masgraph.checkpoint import checkpoint_dtype, resolve_checkpoint
 from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
@@ -42,7 +42,6 @@ from masgraph.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.store import read_jsonl
 from masgraph.tasks import get_task, is_correct
-from masgraph.trainers.checkpoints import read_train_state
 from masgraph.trainers.config import FlowGRPOConfig
 from masgraph.trainers.flow_grpo import sampling_spec
 from masgraph.trainers.loop import TrainLoop
@@ -155,7 +154,7 @@ def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: in
     run_dir = resume or runs_dir / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress = Progress(spec.name, seed, check_rule)
     checkpoint = resolve_checkpoint(resume) if resume is not None else None
-    dtype = read_train_state(checkpoint).dtype if checkpoint else "auto"  # a resumed run keeps its dtype
+    dtype = checkpoint_dtype(checkpoint) if checkpoint else "auto"  # a resumed run keeps its dtype
     loop = TrainLoop(graph, get_task(task_name), run_dir, dtype=dtype, sinks=[progress])
     if checkpoint is not None:
         loop.load(checkpoint)

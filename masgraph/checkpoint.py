@@ -64,6 +64,20 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The weight dtypes a learner loads (`auto`: the faster of bf16 and fp32 on this machine)."""
+
+
+def checkpoint_dtype(checkpoint: Path) -> str:
+    """The dtype a checkpoint's run trained in (a resumed run keeps it; `auto` in checkpoints older than the field),
+    or a MasgraphError naming the bad value before any model loads."""
+    dtype = read_state(checkpoint).get("dtype", "auto")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise MasgraphError(f"checkpoint {checkpoint}: state.json has dtype {dtype!r}, not one of {', '.join(DTYPES)}; "
+                            "pass another step (RUN/checkpoints/step-N)")
+    return dtype
+
+
 def checkpoint_adapters(checkpoint: Path) -> dict[str, Path]:
     """Adapter name -> its saved PEFT directory (each checked to hold its config and weights)."""
     adapters = {name: checkpoint / "adapters" / name for name in read_state(checkpoint)["adapters"]}

@@ -568,7 +568,7 @@ def train_graph(graph: Graph, registry: Registry, args: argparse.Namespace) -> G
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import checkpoint_adapters, read_state, resolve_checkpoint
+    from masgraph.checkpoint import checkpoint_adapters, checkpoint_dtype, resolve_checkpoint
     from masgraph.registry import default_registry
     from masgraph.store import new_run_dir
 
@@ -591,7 +591,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
     if checkpoint is not None:
         checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
-    dtype = read_state(checkpoint).get("dtype", "auto") if checkpoint else "auto"
+    dtype = checkpoint_dtype(checkpoint) if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
     progress = None if args.watch else TrainProgress(train.steps, every_s=args.progress_every)

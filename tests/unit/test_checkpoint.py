@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from masgraph.checkpoint import checkpoint_adapters, latest_checkpoint, resolve_checkpoint
+from masgraph.checkpoint import checkpoint_adapters, checkpoint_dtype, latest_checkpoint, resolve_checkpoint
 from masgraph.errors import MasgraphError
 
 
@@ -69,3 +69,18 @@ def test_garbage_checkpoints_are_clear_errors(tmp_path, garbage, message):
             (path / "state.json").write_text("{\"step\": 1" if garbage == "bad state.json" else "{}")
     with pytest.raises(MasgraphError, match=re.escape(message)):
         checkpoint_adapters(resolve_checkpoint(path))
+
+
+@pytest.mark.parametrize("dtype, want", [(None, "auto"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+                                         ("float99", None), (16, None), ("nn", None), (["float32"], None)])
+def test_checkpoint_dtype_is_checked_before_a_model_loads(tmp_path, dtype, want):
+    """A resumed run loads the dtype its checkpoint names; a hand-edited or foreign value is a located error, not
+    `getattr(torch, dtype)` failing (or finding `torch.nn`) inside the model loader."""
+    path = _ckpt(tmp_path, "step-1")
+    state = {"step": 1, "adapters": ["planner", "verifier"], **({} if dtype is None else {"dtype": dtype})}
+    (path / "state.json").write_text(json.dumps(state))
+    if want is None:
+        with pytest.raises(MasgraphError, match=re.escape(f"{path}: state.json has dtype {dtype!r}")):
+            checkpoint_dtype(path)
+    else:
+        assert checkpoint_dtype(path) == want
