@@ -52,8 +52,19 @@ def applied(op: MemoryOp) -> str:
 
 
 def credit_lines(run: Path) -> list[dict]:
-    """The run's credit lines (one per trained episode: its step and counterfactual scores)."""
-    return [e for e in read_jsonl(run / "events.jsonl") if e.get("kind") == "credit"]
+    """The run's credit lines (one per trained episode: its step and counterfactual scores), by step. A step killed
+    after some of its credit lines were written is redone on resume (`memory.py --resume`) with new rollouts: each
+    step keeps only the block of its last attempt (a block ends where the next attempt's episodes start)."""
+    blocks: dict[int, list[dict]] = {}
+    current = None  # the step whose block is being read
+    for e in read_jsonl(run / "events.jsonl"):
+        if e.get("kind") == "episode_started":
+            current = None
+        elif e.get("kind") == "credit":
+            if e["step"] != current:
+                current, blocks[e["step"]] = e["step"], []
+            blocks[current].append(e)
+    return [e for step in sorted(blocks) for e in blocks[step]]
 
 
 def visit_place(trace: Trace, fact: str) -> str:

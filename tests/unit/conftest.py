@@ -15,15 +15,25 @@ WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user
          *map(str, range(20)), *"+-*/=?.:,"]
 
 
+def _benchmark(name: str) -> ModuleType:
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)  # the scripts import their sibling learns.py
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(bench)
+
+
 @pytest.fixture
 def memory_bench() -> ModuleType:
     """benchmarks/memory.py as a module (its reference stores, its --resume checks)."""
-    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
-    sys.path.insert(0, bench)  # the script imports its sibling learns.py
-    try:
-        return importlib.import_module("memory")
-    finally:
-        sys.path.remove(bench)
+    return _benchmark("memory")
+
+
+@pytest.fixture
+def memory_signal() -> ModuleType:
+    """benchmarks/memory_signal.py as a module (how it reads a run's credit lines)."""
+    return _benchmark("memory_signal")
 
 
 @pytest.fixture(scope="module")
