@@ -22,6 +22,7 @@ each variant is also run with each probe's question in the query's place, and so
 for the episode's reward as the call's own Q. A decision about a person the item does not ask about still gets a
 score that depends on it.
 
+    sampled       at most k of an episode's decisions, drawn with a stable seed (`counterfactual_decisions`)
     variants      (call reference, alternative, episode input) for every decision of a finished episode
     as_made       (step index, episode input): the episode replayed as recorded up to each step with decisions
     asked         an episode input with another question (a probe) in the query's place
@@ -34,13 +35,14 @@ turns their scores into advantages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from masgraph.scheduler import EpisodeInput
 from masgraph.trace import LLMCall, Trace
 
-__all__ = ["META", "CallRef", "as_made", "asked", "forced", "variants"]
+__all__ = ["META", "CallRef", "as_made", "asked", "forced", "sampled", "variants"]
 
 META = "counterfactual"
 """The root trace's meta key that holds its variants' scores."""
@@ -49,10 +51,23 @@ CallRef = tuple[int, int]
 """(step index, call index within the step) of a decision in a trace."""
 
 
-def variants(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]]
-             ) -> list[tuple[CallRef, str, EpisodeInput]]:
-    """One variant per decision of `trace` (a call of a node in `alternatives`) and alternative that differs from
-    what the call wrote; none for an episode that did not finish (its reward is not a return to compare with)."""
+def sampled(trace: Trace, alternatives: Mapping[str, Sequence[str]], k: int, key: str) -> set[CallRef] | None:
+    """At most `k` of `trace`'s decisions (calls of a node in `alternatives`), drawn uniformly without replacement by
+    a generator seeded with `key` (the same draw in every process and on resume); None: all of them (`k` is 0, or
+    the episode has no more than `k`). Why: an episode's scoring costs an episode per decision and alternative, so
+    long episodes would make a step's cost grow with their length; a uniform draw keeps each scored decision's
+    estimate as it was, and the others get no counterfactual term (as an unscored call)."""
+    refs = [(step.index, c) for step in trace.steps if step.node in alternatives for c in range(len(step.llm))]
+    if k <= 0 or len(refs) <= k:
+        return None
+    return set(random.Random(key).sample(refs, k))
+
+
+def variants(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]],
+             only: Collection[CallRef] | None = None) -> list[tuple[CallRef, str, EpisodeInput]]:
+    """One variant per decision of `trace` (a call of a node in `alternatives`; with `only`, those among them) and
+    alternative that differs from what the call wrote; none for an episode that did not finish (its reward is not
+    a return to compare with)."""
     if trace.status != "ok" or trace.reward is None:
         return []
     out = []
@@ -61,6 +76,8 @@ def variants(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequen
             continue
         before = _record(trace, pos)
         for k, call in enumerate(step.llm):
+            if only is not None and (step.index, k) not in only:
+                continue
             for alt in alternatives[step.node]:
                 if alt.strip() == call.text.strip():
                     continue
@@ -77,16 +94,19 @@ def forced(call: LLMCall, text: str) -> LLMCall:
                                    "finish_reason": "stop"})
 
 
-def as_made(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]]
-            ) -> list[tuple[int, EpisodeInput]]:
-    """(step index, episode input) per step of `trace` with decisions (calls of a node in `alternatives`): the episode
-    replayed as recorded up to and including that step, the later nodes run afresh, so that its score with another
-    question is the decisions' own Q beside their variants'; none for an episode that did not finish."""
+def as_made(root: EpisodeInput, trace: Trace, alternatives: Mapping[str, Sequence[str]],
+            only: Collection[CallRef] | None = None) -> list[tuple[int, EpisodeInput]]:
+    """(step index, episode input) per step of `trace` with decisions (calls of a node in `alternatives`; with
+    `only`, a step with one among them): the episode replayed as recorded up to and including that step, the later
+    nodes run afresh, so that its score with another question is the decisions' own Q beside their variants'; none
+    for an episode that did not finish."""
     if trace.status != "ok" or trace.reward is None:
         return []
+    steps = None if only is None else {step for step, _ in only}
     return [(step.index, replace(root, meta={**root.meta, META: {"root": trace.episode_id, "step": step.index}},
                                  replay=_record(trace, pos)))
-            for pos, step in enumerate(trace.steps) if step.node in alternatives and step.llm]
+            for pos, step in enumerate(trace.steps)
+            if step.node in alternatives and step.llm and (steps is None or step.index in steps)]
 
 
 def asked(episode: EpisodeInput, item_id: str, query: str, gold: str) -> EpisodeInput:

@@ -64,6 +64,9 @@ class RunConfig:
     counterfactual_probes: bool = False
     """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`; the mean over
     the item's question and its probes), recording the call's own mean score beside its alternatives'."""
+    counterfactual_decisions: int = 0
+    """With `counterfactual`: score at most this many decisions of each episode, drawn per episode with a seed of
+    the run's seed, item and sample (`counterfactual.sampled`); 0: every decision."""
 
 
 @dataclass
@@ -186,26 +189,30 @@ class Runner:
 
     async def _counterfactuals(self, task: Task, by_id: dict[str, Item], episodes: list[EpisodeInput],
                                traces: list[Trace]) -> None:
-        """Score every decision of the finished episodes with each alternative in its place (their variants run on a
-        scheduler of their own: scored, not stored or shown) and record `[step, call, alternative, score]` on each
-        root's meta. A variant that fails scores 0, as a failed episode does. Their greedy calls are memoised: most
-        variants show a frozen reader an input another variant already showed it. With `counterfactual_probes`,
-        each variant and each step as made is also asked the item's probe questions (`Task.probes`) and a score is
-        the mean over the item's question and its probes; the call's own mean is recorded too."""
-        from masgraph.counterfactual import META, as_made, asked, variants
+        """Score every decision of the finished episodes (with `counterfactual_decisions`, a draw of them) with each
+        alternative in its place (their variants run on a scheduler of their own: scored, not stored or shown) and
+        record `[step, call, alternative, score]` on each root's meta. A variant that fails scores 0, as a failed
+        episode does. Their greedy calls are memoised: most variants show a frozen reader an input another variant
+        already showed it. With `counterfactual_probes`, each variant and each step as made is also asked the item's
+        probe questions (`Task.probes`) and a score is the mean over the item's question and its probes; the call's
+        own mean is recorded too."""
+        from masgraph.counterfactual import META, as_made, asked, sampled, variants
 
         alternatives, probing = self.config.counterfactual, self.config.counterfactual_probes
         # (trace, call ref, completion, episode to score, whether the completion is the call's own)
         todo: list[tuple[Trace, tuple[int, int], str, EpisodeInput, bool]] = []
         probes: dict[str, list[Item]] = {}
         for root, tr in zip(episodes, traces):
-            todo += [(tr, ref, alt, ep, False) for ref, alt, ep in variants(root, tr, alternatives)]
+            only = sampled(tr, alternatives, self.config.counterfactual_decisions,
+                           key=f"{self.config.seed}/{root.item_id}/{root.sample}")
+            todo += [(tr, ref, alt, ep, False) for ref, alt, ep in variants(root, tr, alternatives, only)]
             if probing:
                 if root.item_id not in probes:
                     probes[root.item_id] = task.probes(by_id[root.item_id])
-                made = dict(as_made(root, tr, alternatives))
+                made = dict(as_made(root, tr, alternatives, only))
                 todo += [(tr, (step.index, k), call.text, made[step.index], True) for step in tr.steps
-                         if step.index in made for k, call in enumerate(step.llm)]
+                         if step.index in made for k, call in enumerate(step.llm)
+                         if only is None or (step.index, k) in only]
         if not todo:
             return
         runs: list[tuple[int, EpisodeInput]] = []  # (index in todo, an episode to score)

@@ -60,6 +60,8 @@ class TrainAlgorithm(ABC):
     (masgraph/counterfactual.py); None: off."""
     counterfactual_probes: bool = False
     """With `counterfactual`: each decision is also scored on the task's probe questions (`Task.probes`)."""
+    counterfactual_decisions: int = 0
+    """With `counterfactual`: at most this many decisions of an episode are scored (a seeded draw); 0: all."""
 
     @classmethod
     @abstractmethod

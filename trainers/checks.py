@@ -70,6 +70,7 @@ def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> lis
                                 "`counterfactual:`, or drop `counterfactual_advantage`"))
     for knob, what in (("counterfactual_rows", "the alternatives to force"),
                        ("counterfactual_probes", "the alternatives to score on the probes"),
+                       ("counterfactual_decisions", "the decisions to draw from"),
                        ("counterfactual_norm", "the advantages to normalise")):
         if getattr(config, knob) and not config.counterfactual:
             problems.append(Problem(f"{where}.{knob}", f"needs `counterfactual` ({what})",

@@ -115,6 +115,12 @@ class FlowGRPOConfig(BaseModel):
     not read the question (a memory manager sees the facts only: its recorded calls are replayed under another
     question). Costs one more episode per probe for each variant and each step as made (only the later nodes
     decode). False: the item's own question only. A task without probes scores as False."""
+    counterfactual_decisions: int = Field(0, ge=0)
+    """With `counterfactual`: score at most this many decisions of each episode, drawn uniformly per episode (seeded
+    by the run's seed, the item and the sample, so a resumed run draws the same); the others get no counterfactual
+    term, as an unscored call (with `counterfactual_advantage: replace` they keep the outcome advantage). Caps a
+    step's scoring cost, one episode per decision and alternative (times 1 + probes), where episodes make many
+    decisions. 0: every decision."""
     adv_eps: float = Field(1e-6, ge=0)
     """Added to the group's std."""
     temperature: float = Field(1.0, gt=0)

@@ -260,6 +260,7 @@ class FlowGRPO(TrainAlgorithm):
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
         self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
         self.counterfactual_probes = config.counterfactual_probes
+        self.counterfactual_decisions = config.counterfactual_decisions
         self._encode: Callable[[str], list[int]] | None = None
         problems = node_knob_problems(config, trainable)
         if problems:

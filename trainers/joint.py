@@ -89,6 +89,7 @@ class Joint(TrainAlgorithm):
         self.group_size, self.branch_width = nodes.group_size, getattr(nodes, "branch_width", 0)
         self.counterfactual = getattr(nodes, "counterfactual", None)
         self.counterfactual_probes = getattr(nodes, "counterfactual_probes", False)
+        self.counterfactual_decisions = getattr(nodes, "counterfactual_decisions", 0)
         self.topology.group_size = nodes.group_size  # one set of groups for both
         self.max_extra_rounds = nodes.max_extra_rounds
 

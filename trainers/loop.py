@@ -153,7 +153,8 @@ class TrainLoop:
         self._rollout_config = RunConfig(split="train", samples=self.group_size,
                                          branch_width=self.algo.branch_width,
                                          counterfactual=dict(self.algo.counterfactual or {}),
-                                         counterfactual_probes=self.algo.counterfactual_probes, **common)
+                                         counterfactual_probes=self.algo.counterfactual_probes,
+                                         counterfactual_decisions=self.algo.counterfactual_decisions, **common)
         self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
                                engine=self.serving.ray_engine)
         self._runners: list[tuple[GraphSpec, str, Runner]] = [(rollout_spec, "sample", self.rollouts)]

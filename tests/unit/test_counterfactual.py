@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from masgraph.counterfactual import META, as_made, asked, variants
+from masgraph.counterfactual import META, as_made, asked, sampled, variants
 from masgraph.errors import SpecError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
@@ -462,3 +462,61 @@ def test_the_episode_view_shows_the_calls_own_score_apart_from_the_alternatives(
     text = step_text(trace.steps[0], counterfactual=scores).plain
     assert "scored as made 0.50" in text and "scored instead Operation: NOOP 1.00\n" in text
     assert "as made" not in step_text(trace.steps[0], counterfactual={(0, 0): [("Operation: NOOP", 1.0)]}).plain
+
+
+def test_sampled_draws_k_decisions_the_same_way_for_the_same_key():
+    trace = _trace(1.0, ["Operation: ADD"] * 5)  # five decisions in step 0; the reader's step is not one
+    assert sampled(trace, ADD_NOOP, 0, "k") is None and sampled(trace, ADD_NOOP, 5, "k") is None  # all of them
+    draws = {frozenset(sampled(trace, ADD_NOOP, 2, f"7/q/{s}")) for s in range(20)}
+    assert all(len(d) == 2 and d <= {(0, c) for c in range(5)} for d in draws)
+    assert len(draws) > 3  # the draw depends on the key (10 pairs to draw from)...
+    assert sampled(trace, ADD_NOOP, 2, "7/q/3") == sampled(trace, ADD_NOOP, 2, "7/q/3")  # ...and on nothing else
+    only = sampled(trace, ADD_NOOP, 2, "7/q/3")
+    root = EpisodeInput("q", "q", 3, {"gold": "x"})
+    assert {ref for ref, _, _ in variants(root, trace, ADD_NOOP, only)} == only
+    assert [step for step, _ in as_made(root, trace, ADD_NOOP, only)] == [0]
+    assert as_made(root, trace, ADD_NOOP, set()) == [] and variants(root, trace, ADD_NOOP, set()) == []
+
+
+@pytest.mark.parametrize("probes", [False, True])
+def test_counterfactual_decisions_caps_the_scored_decisions_of_each_episode(root, scripted, runner_for, run, probes):
+    """Five decisions an episode, at most two scored: each episode records the three alternatives of exactly two
+    of its calls (and, with probes, their own scores), the draw differs between the samples of an item and repeats
+    in a second run with the same seed; the manager is asked nothing more and the reader far less than with all."""
+    def scored(cap: int) -> tuple[list[set], int]:
+        backend = scripted({"memory": replies, "generator": replies})
+        runner = runner_for(memory_graph(root), backend, n=1, samples=4, counterfactual={"memory": OPS},
+                            counterfactual_decisions=cap, counterfactual_probes=probes, seed=11)
+        traces = run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1))).traces
+        for t in traces:
+            alts = {(s, k): set() for s, k, _, _ in t.meta[META]}
+            for s, k, alt, _ in t.meta[META]:
+                alts[(s, k)].add(alt)
+            assert all(a == set(OPS) - {"Operation: ADD"} | ({"Operation: ADD"} if probes else set())
+                       for a in alts.values())
+        decodes = sum(r.key[1] == "generator" for r in backend.requests)
+        return [{(s, k) for s, k, _, _ in t.meta[META]} for t in traces], decodes
+
+    capped, capped_decodes = scored(2)
+    assert [len(refs) for refs in capped] == [2, 2, 2, 2] and len({frozenset(r) for r in capped}) > 1
+    assert scored(2)[0] == capped  # HEAD: every decision, 5 a trace
+    every, every_decodes = scored(0)
+    assert [len(refs) for refs in every] == [5] * 4 and capped_decodes < every_decodes
+
+
+def test_the_decisions_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path):
+    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.learner import LoraConfigSpec
+    from masgraph.trainers.flow_grpo import FlowGRPO
+    from masgraph.trainers.loop import TrainLoop
+
+    learner = HFLearner(str(tiny), dtype="float32")
+    learner.add_adapter("memory", LoraConfigSpec())
+    with pytest.raises(SpecError, match=r"counterfactual_decisions.*needs `counterfactual`"):
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_decisions=2))
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        FlowGRPOConfig(counterfactual={"memory": OPS}, counterfactual_decisions=-1)
+    graph = one_node_graph('group_size: 2, counterfactual: {answer: ["Answer: 1", "Answer: 2"]}, '
+                           'counterfactual_decisions: 3')
+    loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")
+    assert loop.rollouts.config.counterfactual_decisions == 3
