@@ -109,6 +109,35 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
 
 
+def test_counterfactual_decisions_scores_a_seeded_draw_of_the_real_managers_decisions(root, runner_for, run):
+    """`counterfactual_decisions: 2` on real rollouts: each episode's two drawn decisions (of its five or more) are
+    re-scored by the real reader with the operation they did not write, the others not at all, and a second run
+    with the same seed draws the same decisions (the draw does not depend on what the manager wrote)."""
+    from masgraph.backends.hf import HFBackend
+    from masgraph.counterfactual import META
+    from masgraph.trainers.credit import counterfactual_advantages
+
+    ops = {"memory": ["Operation: ADD", "Operation: NOOP"]}
+    graph = compile_spec(load_spec(root / "graphs" / "memory.yaml"))  # greedy: the same record in both runs
+    backend = HFBackend(max_batch_size=8)
+
+    def drawn() -> list[set[tuple[int, int]]]:
+        runner = runner_for(graph, backend, n=1, samples=2, concurrency=8, counterfactual=ops,
+                            counterfactual_decisions=2, seed=3)
+        traces = run(runner.run_task(MemoryUpdates())).traces
+        assert all(t.status == "ok" and len(t.steps[0].llm) >= 5 for t in traces)
+        for t in traces:
+            refs = {(s, k) for s, k, *_ in t.meta[META]}
+            # each drawn call: the operations it did not write (both, when it wrote another or no operation)
+            want = sum(2 - (t.steps[0].llm[k].text.strip() in ops["memory"]) for _, k in refs)
+            assert len(refs) == 2 and len(t.meta[META]) == want and {r for *_, r in t.meta[META]} <= {0.0, 1.0}
+        assert len(counterfactual_advantages(traces, ops)) == 4  # two decisions an episode carry a decision term
+        return [{(s, k) for s, k, *_ in t.meta[META]} for t in traces]
+
+    first = drawn()
+    assert all(len(refs) == 2 for refs in first) and drawn() == first
+
+
 @pytest.mark.slow
 def test_counterfactual_probes_score_every_decision_on_every_persons_question(root, runner_for, run):
     """With `counterfactual_probes` the real reader is also asked where each other person of the stream lives: every
