@@ -19,6 +19,10 @@ class FlowGRPOConfig(BaseModel):
     """PPO clip below 1 (ratio floor 1 - eps_low)."""
     clip_eps_high: float = Field(0.3, ge=0)
     """PPO clip above 1 (clip-higher, as in AgentFlow's config)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """c of dual-clip PPO: a negative-advantage token's loss is capped at -c A, so one whose probability ratio to
+    the rollout's has grown past c pushes nothing (the PPO clip alone leaves -rho A unbounded for A < 0). Acts on
+    off-policy mini-batches (`num_mini_batches` or `ppo_epochs` above 1). verl sets 3 (`clip_ratio_c`). None: off."""
     kl_coef: float = Field(0.001, ge=0)
     """beta: weight of the k3 KL to the reference policy."""
     lr: float = Field(5e-5, gt=0)

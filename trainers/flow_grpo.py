@@ -432,7 +432,7 @@ class FlowGRPO(TrainAlgorithm):
         adv = torch.tensor(row.advantage, device=logp.device)
         if cfg.entropy_bonus:
             adv = adv + surprisal_bonus(old, cfg.entropy_bonus)
-        pg = ppo_clip_loss(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
+        pg = ppo_clip_loss(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
         kl = kl_k3(logp, ref)
         log_ratio = logp.detach() - old
         ratio = torch.exp(log_ratio)

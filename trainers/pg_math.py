@@ -3,6 +3,7 @@
     group advantage   A_i = (R_i - mean_j R_j) / (std_j R_j + eps)      unbiased std; all 0 when the group has one
                                                                         member or no variance (GRPO)
     PPO-clip          l   = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A),  rho = exp(logp - old_logp)
+    dual clip         l   = min(l, -c A) where A < 0                      (Ye et al. 2020; verl's clip_ratio_c)
     k3 KL             k3  = r - log r - 1,  r = pi_ref / pi_theta        (>= 0; an unbiased KL(pi_theta || pi_ref))
 
 Flow-GRPO applies them to LLM tokens, HRPO to topology decisions; both import them from here, so the two cannot
@@ -35,11 +36,16 @@ def normalise(values: Sequence[float], eps: float = 1e-6) -> list[float]:
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                  eps_low: float, eps_high: float) -> torch.Tensor:
+                  eps_low: float, eps_high: float, dual_clip: float | None = None) -> torch.Tensor:
     """Per-element -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho = exp(logp - old_logp): the policy is
-    not pushed further once an action's probability has left the trust region (asymmetric: DAPO's clip-higher)."""
+    not pushed further once an action's probability has left the trust region (asymmetric: DAPO's clip-higher).
+    For A < 0 that term is -rho A, unbounded as rho grows (the clip keeps the worse of the two): with `dual_clip`
+    c > 1 it is capped at -c A, and a token whose ratio passed c pushes nothing (dual-clip PPO, Ye et al. 2020)."""
     ratio = torch.exp(logp - old_logp)
-    return -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is None:
+        return loss
+    return torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

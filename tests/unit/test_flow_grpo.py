@@ -47,6 +47,41 @@ def test_ppo_clip_asymmetric(ratio, adv, expected):
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("ratio,adv,expected", [
+    (5.0, -1.0, 3.0),   # A < 0, ratio past c = 3: capped at -c A (the plain clip gives 5.0)
+    (2.0, -1.0, 2.0),   # A < 0, ratio under c: the plain clip's -rho A
+    (5.0, 1.0, -1.3),   # A > 0: the plain clip, whatever c
+    (0.5, -2.0, 1.6),   # A < 0 below 1 - eps_low: the plain clip's 0.8 * 2
+])
+def test_dual_clip_caps_a_negative_advantage_tokens_loss(ratio, adv, expected):
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    loss = ppo_clip_loss(logp, torch.tensor([0.0]), torch.tensor(adv), 0.2, 0.3, dual_clip=3.0)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    loss.sum().backward()
+    clipped = (adv > 0 and ratio > 1.3) or (adv < 0 and ratio < 0.8)  # outside the plain trust region
+    capped = adv < 0 and ratio > 3.0
+    assert (logp.grad.item() == 0.0) == (clipped or capped)  # a capped token pushes nothing, as a clipped one
+
+
+def test_the_dual_clip_knob_reaches_the_update_loss():
+    from types import SimpleNamespace
+
+    from masgraph.trainers.flow_grpo import FlowGRPO, Row
+
+    row = Row(traj=0, node="n", adapter="a", prompt_ids=[1], completion_ids=[2, 3], old_logprobs=[-3.0, -1.0],
+              advantage=-1.0, policy_version=0)
+    logp = torch.tensor([-3.0 + math.log(10.0), -1.0])  # the first token's ratio is 10, the second's 1
+
+    def loss(**knobs):
+        totals = dict.fromkeys(("clip", "approx_kl", "kl", "pg"), 0.0)
+        cfg = FlowGRPOConfig(kl_coef=0.0, **knobs)
+        return FlowGRPO._token_loss(SimpleNamespace(config=cfg), row, logp, logp, totals).tolist()
+
+    assert loss() == pytest.approx([10.0, 1.0]) and loss(dual_clip=3.0) == pytest.approx([3.0, 1.0])
+    with pytest.raises(ValueError, match="greater than 1"):
+        FlowGRPOConfig(dual_clip=1.0)  # c <= 1 would cap tokens inside the trust region
+
+
 def test_kl_k3_hand_computed():
     got = kl_k3(torch.tensor([math.log(0.5), math.log(0.3)]), torch.tensor([math.log(0.25), math.log(0.3)]))
     assert got.tolist() == pytest.approx([0.5 - math.log(0.5) - 1, 0.0], abs=1e-6)
