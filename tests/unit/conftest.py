@@ -36,6 +36,12 @@ def memory_signal() -> ModuleType:
     return _benchmark("memory_signal")
 
 
+@pytest.fixture
+def replay_step() -> ModuleType:
+    """benchmarks/replay_step.py as a module (its checks before any model loads)."""
+    return _benchmark("replay_step")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """A 2-layer Llama with random weights and a word-level tokenizer with a chat template, saved as an HF dir."""
