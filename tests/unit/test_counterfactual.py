@@ -438,7 +438,10 @@ def test_probes_give_the_visit_about_a_person_not_asked_its_score(root, scripted
         {k: a for (_, _, k), a in want.items() if a})
 
 
-def test_the_probes_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path):
+@pytest.mark.parametrize(("knob", "value", "written"), [("counterfactual_probes", True, "true"),
+                                                      ("counterfactual_decisions", 3, "3")])
+def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path, knob, value,
+                                                                       written):
     from masgraph.backends.hf_learner import HFLearner
     from masgraph.learner import LoraConfigSpec
     from masgraph.trainers.flow_grpo import FlowGRPO
@@ -446,12 +449,12 @@ def test_the_probes_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, o
 
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
-    with pytest.raises(SpecError, match=r"counterfactual_probes.*needs `counterfactual`"):
-        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_probes=True))
-    graph = one_node_graph('group_size: 2, counterfactual: {answer: ["Answer: 1", "Answer: 2"]}, '
-                           'counterfactual_probes: true')
+    with pytest.raises(SpecError, match=rf"{knob}.*needs `counterfactual`"):
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(**{knob: value}))
+    graph = one_node_graph(f'group_size: 2, counterfactual: {{answer: ["Answer: 1", "Answer: 2"]}}, {knob}: {written}')
     loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")
-    assert loop.rollouts.config.counterfactual_probes is True
+    got = getattr(loop.rollouts.config, knob)
+    assert got == value and type(got) is type(value)
 
 
 def test_the_episode_view_shows_the_calls_own_score_apart_from_the_alternatives():
@@ -504,19 +507,6 @@ def test_counterfactual_decisions_caps_the_scored_decisions_of_each_episode(root
     assert [len(refs) for refs in every] == [5] * 4 and capped_decodes < every_decodes
 
 
-def test_the_decisions_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path):
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec
-    from masgraph.trainers.flow_grpo import FlowGRPO
-    from masgraph.trainers.loop import TrainLoop
-
-    learner = HFLearner(str(tiny), dtype="float32")
-    learner.add_adapter("memory", LoraConfigSpec())
-    with pytest.raises(SpecError, match=r"counterfactual_decisions.*needs `counterfactual`"):
-        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_decisions=2))
+def test_the_decisions_knob_is_not_negative():
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         FlowGRPOConfig(counterfactual={"memory": OPS}, counterfactual_decisions=-1)
-    graph = one_node_graph('group_size: 2, counterfactual: {answer: ["Answer: 1", "Answer: 2"]}, '
-                           'counterfactual_decisions: 3')
-    loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")
-    assert loop.rollouts.config.counterfactual_decisions == 3
