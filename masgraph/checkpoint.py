@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from masgraph.errors import MasgraphError
 
@@ -64,8 +64,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""The weight dtypes a learner loads (`auto`: the faster of bf16 and fp32 on this machine)."""
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""A weight dtype a learner loads (`auto`: the faster of bf16 and fp32 on this machine)."""
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
 def checkpoint_dtype(checkpoint: Path) -> str:

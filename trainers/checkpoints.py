@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from masgraph.checkpoint import checkpoint_adapters, read_state
+from masgraph.checkpoint import Dtype, checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learner import Learner
@@ -53,7 +53,7 @@ class TrainState(BaseModel):
     """Adapter -> its version (how many updates changed it)."""
     adapters: list[str]
     """The trained adapters saved in adapters/."""
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """The learner's dtype (a resumed run keeps it)."""
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from masgraph.checkpoint import checkpoint_adapters, checkpoint_dtype, latest_checkpoint, resolve_checkpoint
 from masgraph.errors import MasgraphError
+from masgraph.trainers.checkpoints import read_train_state
 
 
 def _ckpt(root, name, complete=True):
@@ -75,12 +76,17 @@ def test_garbage_checkpoints_are_clear_errors(tmp_path, garbage, message):
                                          ("float99", None), (16, None), ("nn", None), (["float32"], None)])
 def test_checkpoint_dtype_is_checked_before_a_model_loads(tmp_path, dtype, want):
     """A resumed run loads the dtype its checkpoint names; a hand-edited or foreign value is a located error, not
-    `getattr(torch, dtype)` failing (or finding `torch.nn`) inside the model loader."""
+    `getattr(torch, dtype)` failing (or finding `torch.nn`) inside the model loader. The loop's reader of the same
+    file (`read_train_state`) takes exactly the same values."""
     path = _ckpt(tmp_path, "step-1")
-    state = {"step": 1, "adapters": ["planner", "verifier"], **({} if dtype is None else {"dtype": dtype})}
+    state = {"step": 1, "adapters": ["planner", "verifier"], "versions": {},
+             **({} if dtype is None else {"dtype": dtype})}
     (path / "state.json").write_text(json.dumps(state))
     if want is None:
         with pytest.raises(MasgraphError, match=re.escape(f"{path}: state.json has dtype {dtype!r}")):
             checkpoint_dtype(path)
+        with pytest.raises(MasgraphError, match="malformed dtype"):
+            read_train_state(path)
     else:
         assert checkpoint_dtype(path) == want
+        assert read_train_state(path).dtype == want
