@@ -67,7 +67,7 @@ test: setup
 	$(VENV)/bin/pytest -q --durations=15 -m "not (integration and slow)" tests --ignore=tests/vllm
 
 # the long real-model integration tests (SIGKILL + resume beside busy processes, Ray workers, a served bundle,
-# 100 concurrent requests, whole training steps): ~10 min here; .ci/run runs them after `make test`
+# 100 concurrent requests, whole training steps): ~21 min here; .ci/run runs them beside `make test`
 test-slow: setup
 	$(VENV)/bin/pytest -q --durations=10 -m "integration and slow" tests/integration
 
