@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_file import results_file
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SETS = {"gameof24": "game24", "aime24": "number", "amc23": "number", "bamboogle": "contains", "2wiki": "contains",
@@ -108,7 +110,7 @@ def main() -> int:
                  "|---|---|---|---|---|---|---|\n" + "\n".join(checks) + "\n")
     print(text)
     if not args.no_record:
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("agentflow_sets"), "a") as f:
             f.write(f"\n### AgentFlow's sets through `{args.graph}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                     f"`python benchmarks/agentflow_sets.py {args.graph} --sets {' '.join(args.sets)} --n {args.n}"
                     f"{' --judge' if judge else ''}` — "

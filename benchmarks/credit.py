@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from learns import train
+from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
 from masgraph.graph import compile_spec
@@ -68,7 +69,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--no-before", action="store_true",
                    help="skip the untrained pass@k (already measured for these seeds in an earlier entry)")
-    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--record", type=Path, default=results_file("credit"))
     args = p.parse_args()
     t0 = time.perf_counter()
     before = None if args.no_before else pass_at_k(args.graph, args.task, args.passk_n, args.k, args.seeds[0])

@@ -247,10 +247,10 @@ step() {
 wants() { [[ ",$ONLY," == *",$1,"* ]]; }
 
 if wants a; then
-  # the CPU figure this repo recorded (benchmarks/RESULTS.md), next to the GPU's
+  # the CPU figure this repo recorded (benchmarks/results/rollout_throughput.md), next to the GPU's
   awk '/^### /{keep = ($0 ~ /^### Rollout throughput/ && tolower($0) ~ / on cpu /); if (keep) buf = ""}
-       keep {buf = buf $0 "\n"} END {printf "%s", buf}' "$ROOT/benchmarks/RESULTS.md" > "$OUTDIR/a-cpu-reference.md"
-  echo; echo "=== (a) the CPU figure recorded in benchmarks/RESULTS.md (the latest CPU rollout section):"
+       keep {buf = buf $0 "\n"} END {printf "%s", buf}' "$ROOT/benchmarks/results/rollout_throughput.md" > "$OUTDIR/a-cpu-reference.md"
+  echo; echo "=== (a) the CPU figure recorded in benchmarks/results/rollout_throughput.md (the latest CPU rollout section):"
   cat "$OUTDIR/a-cpu-reference.md"
   for m in "${ROLL_MODELS[@]}"; do
     step "a-rollout-${m#random:}" "(a) rollout throughput, AgentFlow + single-call ratios, $m on $DEV" \

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_file import results_file
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GRAPHS = ("agentflow", "single", "fanout")
@@ -51,7 +53,7 @@ def main() -> int:
                       f"{s.get('accuracy_finished') or 0:.3f}, reward {s['reward_mean']:.3f}, failures {failures}, "
                       f"parse errors {s['parse_error_rate']:.2f}, {time.perf_counter() - t0:.0f} s)", flush=True)
             rows.append((graph, accs))
-    with open(HERE / "RESULTS.md", "a") as f:
+    with open(results_file("graph_accuracy"), "a") as f:
         f.write(f"\n### Shipped graphs, greedy accuracy on held-out items ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — n={args.n} per task, seed {args.seed}, "
                 "`masgraph run --deterministic`\n\n"

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from models import resolve
+from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
 from masgraph.checkpoint import checkpoint_dtype, resolve_checkpoint
@@ -189,8 +190,8 @@ def main() -> int:
                    help="every hf policy's device: auto, cpu, cuda, cuda:N (default: as the graph says)")
     p.add_argument("--model", default=None, help="every hf policy's model (default: as the graph says); "
                    "random:SHAPE (benchmarks/models.py) only smoke-tests this script")
-    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md",
-                   help="markdown file the results section is appended to (default benchmarks/RESULTS.md)")
+    p.add_argument("--record", type=Path, default=results_file("learns"),
+                   help="markdown file the results section is appended to (default benchmarks/results/learns.md)")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs",
                    help="where the run directories and bench-learns-last.json go (default runs/)")
     args = p.parse_args()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from learns import knob_overrides, train
+from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
 from masgraph.checkpoint import resolve_checkpoint
@@ -130,7 +131,7 @@ def main() -> int:
     p.add_argument("--resume", type=Path, nargs="+", metavar="RUN",
                    help="continue these training runs of this script (one a seed) from their latest checkpoints to "
                    "--minutes in all, each with the graph, knobs and seed it was started with")
-    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--record", type=Path, default=results_file("memory"))
     args = p.parse_args()
     if args.split != "test" and not args.no_train:
         p.error("--split train scores the rule arms only; add --no-train")

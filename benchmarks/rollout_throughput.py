@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from models import is_random, no_eos, resolve
+from results_file import results_file
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
@@ -119,8 +120,8 @@ def main() -> None:
     ap.add_argument("--fixed-length", action="store_true",
                     help="every call generates its full max_tokens (no EOS); always on for a random model")
     ap.add_argument("--max-new", type=int, default=48, help="answer cap of the single-call measures (default 48)")
-    ap.add_argument("--record", type=Path, default=HERE / "RESULTS.md",
-                    help="markdown file the results section is appended to (default benchmarks/RESULTS.md)")
+    ap.add_argument("--record", type=Path, default=results_file("rollout_throughput"),
+                    help="markdown file the results section is appended to (default results/rollout_throughput.md)")
     args = ap.parse_args()
     fixed = args.fixed_length or is_random(args.model)
     model = resolve(args.model, args.device)

@@ -3,7 +3,7 @@
 Ours goes through the `masgraph run` code path (Runner -> Scheduler, with the run-directory store and the
 progress bar as sinks). The peer is LangGraph's compiled StateGraph (the faster of invoke / ainvoke).
 Prints µs per node step for both and the ratio ours / LangGraph (target <= 0.2), and appends a row to
-benchmarks/RESULTS.md.
+benchmarks/results/scheduler_overhead.md.
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--episodes 200]
 """
@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, TypedDict
+
+from results_file import results_file
 
 from masgraph.agents.registry import register_agent
 from masgraph.backends.scripted import ScriptedBackend
@@ -157,7 +159,7 @@ def main() -> None:
              "| shape | masgraph µs/step | masgraph c=16 | LangGraph µs/step | ratio (target ≤ 0.2) |\n",
              "|---|---|---|---|---|\n"]
     lines += [f"| {s} | {o:.1f} | {o16:.1f} | {lg:.1f} | **{o / lg:.3f}** |\n" for s, o, o16, lg in rows]
-    with open(HERE / "RESULTS.md", "a") as f:
+    with open(results_file("scheduler_overhead"), "a") as f:
         f.writelines(lines)
 
 

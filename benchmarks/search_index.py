@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_file import results_file
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -82,7 +84,7 @@ def main() -> int:
     text = "\n".join(rows) + "\n"
     print(text)
     if not args.no_record:
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("search_index"), "a") as f:
             f.write(f"\n### Search over a large collection: on-disk index vs today's search "
                     f"({time.strftime('%Y-%m-%d %H:%M')})\n\n`python benchmarks/search_index.py --tasks "
                     f"{' '.join(args.tasks)} --n {args.n} --distractors {args.distractors} --ratio {args.ratio}` — "

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from results_file import results_file
 from serve_throughput import pct  # benchmarks/ is on sys.path when this file runs
 from serve_throughput import server as serve_process
 
@@ -215,7 +216,7 @@ def main() -> None:
                               + ("MET" if all(verdicts) else "MISSED") + "\n")
     print(text)
     if not args.no_record:
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("serve"), "a") as f:
             f.write(f"\n### Serving under load: bursts of `openai`-client requests, quiet and beside busy loops "
                     f"({time.strftime('%Y-%m-%d %H:%M')})\n\n`python benchmarks/serve_load.py --graph {args.graph} "
                     f"--task {args.task} --bursts {' '.join(map(str, args.bursts))} --busy {args.busy} "

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from results_file import results_file
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -157,7 +158,7 @@ def main() -> None:
     text = "\n".join(rows) + "\n\n" + verdict + "\n"
     print(text)
     if not args.no_record:
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("serve"), "a") as f:
             f.write(f"\n### Serving throughput: `masgraph serve` vs offline `masgraph run` "
                     f"({time.strftime('%Y-%m-%d %H:%M')})\n\n`python benchmarks/serve_throughput.py --graph "
                     f"{args.graph} --task {args.task} --n {args.n} --clients {' '.join(map(str, args.clients))}` — "

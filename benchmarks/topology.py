@@ -28,7 +28,7 @@ its gains": T2's mean ≥ T's mean − the larger of the two sds.
 
 `all` runs the seeds of an arm side by side, one CPU thread each (the same contention for every arm), arm
 after arm. Each run writes runs/bench-topology/<task>/[<tag>/]<arm>-s<seed>.json; `report` prints the four
-comparisons for one tag and appends them to benchmarks/RESULTS.md.
+comparisons for one tag and appends them to benchmarks/results/topology.md.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from results_file import results_file
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -316,7 +317,7 @@ def report(record: bool, tag: str = "", longer: str | None = None) -> str:
                            for k in ("format_weight", "node_topology")
                            if any(r.get(k) not in (None, 0.0, "sample") for r in rs))
                  + (f" --tag {tag}" if tag else "") + (f" (and `--longer {longer}`)" if longer else ""))
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("topology"), "a") as f:
             f.write(f"\n### Topology + joint training on `{TASK}` ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
                     f"`python benchmarks/topology.py all --task {TASK} --arms "
                     f"{' '.join(a for a in ARMS if a in runs)} {flags}` — "

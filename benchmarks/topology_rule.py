@@ -6,7 +6,7 @@ items) must beat the best single fixed route (chosen on train items) by >= 10 po
 Every distinct route of the supergraph (`graphs/mixed_router.yaml`: straight to the generator, or the planner
 to one of three tool executors with or without the verifier loop: 7) runs the same train and held-out items of
 `--task` with the graph's own greedy sampling on the embedded model, untrained. Prints per route and query type
-the accuracy and tokens, the rule's verdict, and appends the table to benchmarks/RESULTS.md; the whole measurement
+the accuracy and tokens, the rule's verdict, and appends the table to results/topology.md; the whole measurement
 (per route, split and query type) goes to runs/bench-topology/rule-TASK.json, where benchmarks/topology.py reads
 the best fixed route and the oracle router.
 
@@ -23,6 +23,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
 from masgraph.graph import Topology, compile_spec
@@ -103,7 +105,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gain-min", type=float, default=GAIN_MIN * 100,
                    help=f"points the oracle router must gain over the best single route (default {GAIN_MIN * 100:g})")
-    p.add_argument("--no-record", action="store_true", help="print only (a smoke run), do not append to RESULTS.md")
+    p.add_argument("--no-record", action="store_true", help="print only (a smoke run), do not record")
     args = p.parse_args()
     graph = compile_spec(load_spec(ROOT / args.graph), str(ROOT / args.graph))
     task = get_task(args.task)
@@ -144,7 +146,7 @@ def main() -> int:
               + f" | {rows[r][1]['all'][0]:.3f} | {rows[r][1]['all'][1]:.0f} |\n" for r in rows]
     lines.append(f"\nOracle per type (chosen on train): {oracle}. {verdict}\n")
     if not args.no_record:
-        with open(HERE / "RESULTS.md", "a") as f:
+        with open(results_file("topology"), "a") as f:
             f.writelines(lines)
         out = ROOT / "runs" / "bench-topology"
         out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Where a training step's time goes: rollouts vs the update (and the rest: weight sync, bookkeeping), for the
 AgentFlow graph trained with Flow-GRPO, rollouts on the in-process hf backend and on a vLLM server, one run each.
 Read from the runs' metrics.jsonl (`time/rollout_s`, `time/step_s`); steps without an update (no informative
-group) are listed but left out of the update mean. The basis of the written GPU estimate in RESULTS.md.
+group) are listed but left out of the update mean. The basis of the written GPU estimate in results/scale_out.md.
 
     .venv/bin/python benchmarks/train_split.py [--steps 4] [--queries 2]     # the vllm side needs `make vllm`
 """

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from models import is_random, no_eos, resolve
+from results_file import results_file
 
 from masgraph.agents.formats import parse_answer
 from masgraph.device import describe, resolve_device
@@ -223,8 +224,8 @@ def main() -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="masgraph's train.flow_grpo.micro_batch_tokens (TRL has no such knob; default none)")
     p.add_argument("--no-trl", action="store_true", help="run masgraph alone (its tokens/s and memory)")
-    p.add_argument("--record", type=Path, default=HERE / "RESULTS.md",
-                   help="markdown file the results section is appended to (default benchmarks/RESULTS.md)")
+    p.add_argument("--record", type=Path, default=results_file("train_throughput"),
+                   help="markdown file the results section is appended to (default results/train_throughput.md)")
     p.add_argument("--side", choices=["masgraph", "trl"], help=argparse.SUPPRESS)  # one side, in its own process
     p.add_argument("--io", type=Path, help=argparse.SUPPRESS)  # that side's input / output (a pickle)
     args = p.parse_args()

@@ -16,7 +16,7 @@ run     The AgentFlow-shaped graph on the scripted backend through Runner (the `
         watched by `masgraph watch`'s app in a second process vs watched in-process as `--watch` runs it (the run
         on a worker thread, the app on the main one). Target: watched ≥ 0.95x unwatched episodes/s.
 
-Appends to benchmarks/RESULTS.md with the command.
+Appends to benchmarks/results/watch.md with the command.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_file import results_file
 
 HERE = Path(__file__).resolve().parent
 NODES = ("planner", "executor", "verifier", "generator")
@@ -311,7 +313,7 @@ def record(results: dict, argv: list[str]) -> None:
                      f"watched by a second process {r['eps']['process']} ({r['ratio_process']}x of the medians), "
                      f"watched in-process as --watch {r['eps']['inprocess']} ({r['ratio_inprocess']}x); target "
                      "≥ 0.95x.\n")
-    with open(HERE / "RESULTS.md", "a") as f:
+    with open(results_file("watch"), "a") as f:
         f.writelines(lines)
     print("".join(lines))
 
