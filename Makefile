@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 # torch's CPU threads sleep when they wait, so a busy machine does not collapse decoding (masgraph/__init__.py)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-fast test-slow test-unit test-integration test-gpu test-vllm vllm lint setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
+.PHONY: demo test test-fast test-slow test-unit test-integration test-gpu test-vllm vllm lint docs setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -73,6 +73,12 @@ test-slow: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# the docs site (docs/, mkdocs.yml): MkDocs + Material pinned in docs/requirements.txt, built offline into site/
+# (git-ignored) with warnings as errors
+docs: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -r docs/requirements.txt
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 # day-to-day: the unit tests not marked slow (under a minute here); `make test` and CI run everything
 test-fast: setup
