@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from masgraph.backends.hf_learner import HFLearner
-from masgraph.learner import LoraConfigSpec
+from masgraph.backends.hf.learner import HFLearner
+from masgraph.learn.learner import LoraConfigSpec
 from masgraph.store import read_traces
 from masgraph.trainers.credit import counterfactual_scores
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from learns import knob_overrides
 from pydantic import ValidationError
 
-from masgraph.counterfactual import META
+from masgraph.learn.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
 from masgraph.trainers.config import FlowGRPOConfig

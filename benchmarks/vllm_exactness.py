@@ -26,9 +26,9 @@ import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
-from masgraph.backends.hf_learner import HFLearner
+from masgraph.backends.hf.learner import HFLearner
 from masgraph.backends.vllm import VLLMBackend
-from masgraph.learner import LoraConfigSpec
+from masgraph.learn.learner import LoraConfigSpec
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import get_task
 

@@ -103,7 +103,7 @@ class Credited(Record):
     calls: list[tuple[int, int, float]]
     """(step index in the episode, call index in the step, advantage) of every call that was a training row."""
     counterfactual: list[tuple[int, int, str, float]] = Field(default_factory=list, exclude_if=lambda v: not v)
-    """With counterfactual credit (masgraph/counterfactual.py): (step index, call index, alternative, the episode's
+    """With counterfactual credit (masgraph.learn.counterfactual): (step index, call index, alternative, the episode's
     score with it in the call's place) of every variant scored; left out of the stored event when none."""
 
 

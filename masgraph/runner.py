@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -54,19 +54,6 @@ class RunConfig:
     """Where run directories are created."""
     topology: Literal["sample", "greedy"] = "sample"
     """With a topology policy: each episode samples its topology, or takes the most likely one."""
-    branch_width: int = 0
-    """Branching rollouts (masgraph/branching.py): each item's `samples` are roots and, after each root, this many
-    siblings forked at its least certain trainable step; 0: independent samples."""
-    counterfactual: dict[str, list[str]] = field(default_factory=dict)
-    """Counterfactual calls (masgraph/counterfactual.py): node -> the alternative completions of its calls; after the
-    episodes, every call of those nodes is re-scored with each alternative in its place, recorded on the episode's
-    `trace.meta["counterfactual"]`. Empty: off."""
-    counterfactual_probes: bool = False
-    """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`; the mean over
-    the item's question and its probes), recording the call's own mean score beside its alternatives'."""
-    counterfactual_decisions: int = 0
-    """With `counterfactual`: score at most this many decisions of each episode, drawn per episode with a seed of
-    the run's seed, item and sample (`counterfactual.sampled`); 0: every decision."""
 
 
 @dataclass
@@ -74,6 +61,31 @@ class RunResult:
     traces: list[Trace]
     summary: dict[str, Any]
     run_dir: Path | None = None
+
+
+@dataclass
+class RunContext:
+    """What a run's extension may use: the runner, the task, its items by id, and the run's own scheduler (its
+    sinks, e.g. the run directory and progress, see every episode it runs)."""
+
+    runner: Runner
+    task: Task
+    items: dict[str, Item]
+    scheduler: Scheduler
+
+
+class RunExtension(Protocol):
+    """Shapes the episodes of one run beyond items × samples (training's rollout shaping lives on the trainer
+    side, `masgraph.learn.rollouts`; the runner only calls this)."""
+
+    def starts(self, samples: int) -> int:
+        """How many of an item's `samples` the runner starts as independent episodes (sample indices 0..n-1)."""
+        ...
+
+    async def extend(self, run: RunContext, episodes: list[EpisodeInput], traces: list[Trace]) -> list[Trace]:
+        """After the started `episodes` finished as `traces` (in input order): every trace of the run, each item's
+        `samples` kept together; may run more episodes (on `run.scheduler`) and annotate traces."""
+        ...
 
 
 class Runner:
@@ -120,10 +132,12 @@ class Runner:
         return self.engine.scheduler(sinks, score, concurrency=self.config.concurrency, seed=self.config.seed)
 
     async def run_items(self, task: Task, items: list[Item], sinks: Sequence[Sink] = (),
-                        store: bool = True, run_dir: Path | None = None) -> RunResult:
+                        store: bool = True, run_dir: Path | None = None,
+                        extension: RunExtension | None = None) -> RunResult:
         """Run items × samples; store the run directory (a new one under `runs_dir`, or `run_dir`) unless
         store=False. When the run is cancelled, the summary (summary.json, and `last_result`) still counts every
-        episode that finished."""
+        episode that finished. An `extension` (training's rollout shaping, `masgraph.learn.rollouts`) decides how
+        many of an item's samples start as independent episodes and runs more episodes after them."""
         by_id = {it.id: it for it in items}
         finished = ListSink()  # the traces that ended, also when the run is cancelled before gather returns
         all_sinks: list[Sink] = [*sinks, finished]
@@ -132,16 +146,11 @@ class Runner:
             run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
                                  {"run": asdict(self.config), "task": task.name})
             all_sinks.append(run_store)
-        width, samples = self.config.branch_width, self.config.samples
-        if width:
-            self._on_driver("branching rollouts (`branch_width`)", "set branch_width: 0, or train without --ray")
-        if self.config.counterfactual:
-            self._on_driver("counterfactual calls (`counterfactual`)",
-                            "leave `counterfactual` empty, or train without --ray")
-        sched = self.scheduler(all_sinks, score=self._scorer(task, by_id))
-        roots = max(1, samples // (1 + width)) if width else samples
+        samples = self.config.samples
+        sched = self.scheduler(all_sinks, score=self.scorer(task, by_id))
+        starts = extension.starts(samples) if extension is not None else samples
         episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
-                    for it in items for s in range(roots)]
+                    for it in items for s in range(starts)]
         if self.topology is not None:
             greedy = self.config.topology == "greedy"
             episodes = [self._with_topology(ep, greedy) for ep in episodes]
@@ -149,10 +158,8 @@ class Runner:
         interrupted = False
         try:
             traces = await sched.run(episodes)  # in input order
-            if roots < samples:
-                traces, episodes = await self._branch(sched, episodes, traces, roots, samples)
-            if self.config.counterfactual:
-                await self._counterfactuals(task, by_id, episodes, traces)
+            if extension is not None:
+                traces = await extension.extend(RunContext(self, task, by_id, sched), episodes, traces)
         except BaseException:
             interrupted = True
             raise
@@ -166,73 +173,7 @@ class Runner:
             self.last_result = RunResult(traces, summary, run_store.path if run_store else None)
         return self.last_result
 
-    async def _branch(self, sched: Any, roots: list[EpisodeInput], traces: list[Trace], per_item: int, samples: int
-                      ) -> tuple[list[Trace], list[EpisodeInput]]:
-        """Run each root's siblings (masgraph/branching.py) so every item has `samples` episodes; returns every trace
-        and episode with each item's kept together: a root, then its siblings."""
-        from masgraph.branching import siblings
-
-        nodes = set(self.graph.spec.trainable_adapters())
-        extra = samples - per_item
-        kids: list[list[EpisodeInput]] = []
-        for r, (ep, tr) in enumerate(zip(roots, traces)):
-            j = r % per_item  # the root's place among its item's roots: the first ones take the remainder
-            width = extra // per_item + (j < extra % per_item)
-            first = per_item + j * (extra // per_item) + min(j, extra % per_item)
-            kids.append(siblings(ep, tr, nodes, width, first))
-        done = iter(await sched.run([k for ks in kids for k in ks]))
-        out_traces, out_eps = [], []
-        for ep, tr, ks in zip(roots, traces, kids):
-            out_eps += [ep, *ks]
-            out_traces += [tr, *(next(done) for _ in ks)]
-        return out_traces, out_eps
-
-    async def _counterfactuals(self, task: Task, by_id: dict[str, Item], episodes: list[EpisodeInput],
-                               traces: list[Trace]) -> None:
-        """Score every decision of the finished episodes (with `counterfactual_decisions`, a draw of them) with each
-        alternative in its place (their variants run on a scheduler of their own: scored, not stored or shown) and
-        record `[step, call, alternative, score]` on each root's meta. A variant that fails scores 0, as a failed
-        episode does. Their greedy calls are memoised: most variants show a frozen reader an input another variant
-        already showed it. With `counterfactual_probes`, each variant and each step as made is also asked the item's
-        probe questions (`Task.probes`) and a score is the mean over the item's question and its probes; the call's
-        own mean is recorded too."""
-        from masgraph.counterfactual import META, as_made, asked, sampled, variants
-
-        alternatives, probing = self.config.counterfactual, self.config.counterfactual_probes
-        # (trace, call ref, completion, episode to score, whether the completion is the call's own)
-        todo: list[tuple[Trace, tuple[int, int], str, EpisodeInput, bool]] = []
-        probes: dict[str, list[Item]] = {}
-        for root, tr in zip(episodes, traces):
-            only = sampled(tr, alternatives, self.config.counterfactual_decisions,
-                           key=f"{self.config.seed}/{root.item_id}/{root.sample}")
-            todo += [(tr, ref, alt, ep, False) for ref, alt, ep in variants(root, tr, alternatives, only)]
-            if probing:
-                if root.item_id not in probes:
-                    probes[root.item_id] = task.probes(by_id[root.item_id])
-                made = dict(as_made(root, tr, alternatives, only))
-                todo += [(tr, (step.index, k), call.text, made[step.index], True) for step in tr.steps
-                         if step.index in made for k, call in enumerate(step.llm)
-                         if only is None or (step.index, k) in only]
-        if not todo:
-            return
-        runs: list[tuple[int, EpisodeInput]] = []  # (index in todo, an episode to score)
-        for i, (_, _, _, ep, own) in enumerate(todo):
-            if not own:  # the item's own question (the call's own completion: the trace's reward says it)
-                runs.append((i, ep))
-            runs += [(i, asked(ep, p.id, p.question, p.answer)) for p in probes.get(ep.item_id, [])]
-        scoring = {**by_id, **{p.id: p for ps in probes.values() for p in ps}}
-        sched = self.engine.scheduler((), self._scorer(task, scoring), concurrency=self.config.concurrency,
-                                      seed=self.config.seed, memo_greedy=True)
-        done = await sched.run([ep for _, ep in runs])
-        scores = [[tr.reward or 0.0] if own else [] for tr, *_, own in todo]
-        for (i, _), out in zip(runs, done):
-            scores[i].append(out.reward if out.status == "ok" and out.reward is not None else 0.0)
-        for tr in traces:
-            tr.meta[META] = []
-        for (tr, (step, call), completion, _, _), got in zip(todo, scores):
-            tr.meta[META].append([step, call, completion, sum(got) / len(got)])
-
-    def _scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
+    def scorer(self, task: Task, by_id: dict[str, Item]) -> Any:
         """The run's reward: the task's own scoring, or its judge's (a task with a `judge`: an async call)."""
         spec = getattr(task, "judge", None)
         if spec is None:
@@ -246,7 +187,7 @@ class Runner:
             return reward
         return judged
 
-    def _on_driver(self, what: str, fix: str) -> None:
+    def require_driver(self, what: str, fix: str) -> None:
         """Refuse `what` on Ray rollout workers: it needs the driver's own engine (its policies)."""
         if not hasattr(self.engine, "policy"):
             raise MasgraphError(f"{what} needs the driver's engine: not available with Ray rollouts yet; {fix}")
@@ -258,7 +199,7 @@ class Runner:
 
         key = spec.model_dump_json()
         if key not in self._judges:
-            self._on_driver("a judge scorer", "score with a string scorer, or run without --ray")
+            self.require_driver("a judge scorer", "score with a string scorer, or run without --ray")
             self._judges[key] = Judge(self.engine.policy("judge", spec.policy), spec, self.engine.registry)
         return self._judges[key]
 

@@ -14,12 +14,16 @@ part's own `state_file`, so the files of a joint run are those of its two parts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from masgraph.events import Sink
 from masgraph.graph import Graph
-from masgraph.learner import Learner
+from masgraph.learn.learner import Learner
+from masgraph.runner import Runner
 from masgraph.spec import GraphSpec
+from masgraph.tasks import Item, Task
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.trace import Trace
 
@@ -53,15 +57,6 @@ class TrainAlgorithm(ABC):
 
     group_size: int
     """Episodes per training query (the group its advantages compare within)."""
-    branch_width: int = 0
-    """Branching rollouts: siblings forked after each root of a group (masgraph/branching.py); 0: independent."""
-    counterfactual: dict[str, list[str]] | None = None
-    """Counterfactual calls: node -> alternative completions each of its calls is re-scored with after the rollouts
-    (masgraph/counterfactual.py); None: off."""
-    counterfactual_probes: bool = False
-    """With `counterfactual`: each decision is also scored on the task's probe questions (`Task.probes`)."""
-    counterfactual_decisions: int = 0
-    """With `counterfactual`: at most this many decisions of an episode are scored (a seeded draw); 0: all."""
 
     @classmethod
     @abstractmethod
@@ -85,6 +80,12 @@ class TrainAlgorithm(ABC):
         route per query (as deployed: e.g. while only the nodes learn, so a query's group differs by its nodes'
         samples alone, not by the route each sample drew)."""
         return "sample"
+
+    async def rollouts(self, runner: Runner, task: Task, items: list[Item], sinks: Sequence[Sink]) -> list[Trace]:
+        """A step's episodes of `items` (the runner's `samples` = `group_size` consecutive per item), not stored.
+        Default: the runner's plain items × samples; an algorithm that shapes its rollouts (Flow-GRPO: branching,
+        counterfactual scoring) runs them through `masgraph.learn.rollouts` here."""
+        return (await runner.run_items(task, items, sinks=sinks, store=False)).traces
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         """How many more queries this step wants rolled out before its update (after `rounds` extra rounds so far),

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from masgraph.checkpoint import Dtype, checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
-from masgraph.learner import Learner
+from masgraph.learn.learner import Learner
 from masgraph.trainers.algorithm import TrainAlgorithm
 
 __all__ = ["Checkpoints", "TrainState", "check_lora_shapes", "read_train_state", "truncate_metrics"]

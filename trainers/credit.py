@@ -45,7 +45,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 
-from masgraph.counterfactual import META
+from masgraph.learn.counterfactual import META
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.pg_math import normalise
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,8 +31,12 @@ import torch
 
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
-from masgraph.learner import Learner
+from masgraph.events import Sink
+from masgraph.learn.learner import Learner
+from masgraph.learn.rollouts import RolloutShape, run_rollouts
+from masgraph.runner import Runner
 from masgraph.spec import GraphSpec
+from masgraph.tasks import Item, Task
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.checks import node_knob_problems, owner_values
@@ -258,9 +262,10 @@ class FlowGRPO(TrainAlgorithm):
         self.learner, self.trainable, self.config = learner, trainable, config
         self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
-        self.branch_width, self.counterfactual = config.branch_width, config.counterfactual
-        self.counterfactual_probes = config.counterfactual_probes
-        self.counterfactual_decisions = config.counterfactual_decisions
+        self.counterfactual = config.counterfactual
+        self.shape = RolloutShape(config.branch_width, config.counterfactual, config.counterfactual_probes,
+                                  config.counterfactual_decisions)
+        """How its rollouts are shaped (branching, counterfactual scoring: `masgraph.learn.rollouts`)."""
         self._encode: Callable[[str], list[int]] | None = None
         problems = node_knob_problems(config, trainable)
         if problems:
@@ -296,6 +301,10 @@ class FlowGRPO(TrainAlgorithm):
         per_policy = per_owner("node_temperature", self.config.node_temperature, self.config.temperature,
                                {n: spec.nodes[n].policy for n in self.trainable}, "policy", "temperatures")
         return sampling_spec(spec, self.config.temperature, per_policy)
+
+    async def rollouts(self, runner: Runner, task: Task, items: list[Item], sinks: Sequence[Sink]) -> list[Trace]:
+        """The runner's items × samples, branched and counterfactually scored as `shape` says."""
+        return (await run_rollouts(runner, task, items, self.shape, sinks)).traces
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         """With `zero_variance: resample` (DAPO's dynamic sampling): the queries short of `queries_per_step`

@@ -48,9 +48,13 @@ What follows from that, in the order it is built:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
+from masgraph.events import Sink
+from masgraph.runner import Runner
 from masgraph.spec import GraphSpec
+from masgraph.tasks import Item, Task
 from masgraph.trace import Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.flow_grpo import FlowGRPO
@@ -86,10 +90,7 @@ class Joint(TrainAlgorithm):
         self.nodes, self.topology, self.schedule = nodes, topology, schedule
         self.topology_steps, self.node_steps, self.node_topology = topology_steps, node_steps, node_topology
         self._last_step = 0
-        self.group_size, self.branch_width = nodes.group_size, getattr(nodes, "branch_width", 0)
-        self.counterfactual = getattr(nodes, "counterfactual", None)
-        self.counterfactual_probes = getattr(nodes, "counterfactual_probes", False)
-        self.counterfactual_decisions = getattr(nodes, "counterfactual_decisions", 0)
+        self.group_size = nodes.group_size
         self.topology.group_size = nodes.group_size  # one set of groups for both
         self.max_extra_rounds = nodes.max_extra_rounds
 
@@ -118,6 +119,9 @@ class Joint(TrainAlgorithm):
         if self.schedule == "staged" and self.stage(step) == "nodes":
             return self.node_topology
         return "sample"
+
+    async def rollouts(self, runner: Runner, task: Task, items: list[Item], sinks: Sequence[Sink]) -> list[Trace]:
+        return await self.nodes.rollouts(runner, task, items, sinks)  # shaped for the nodes' credit
 
     def extra_queries(self, traces: list[Trace], rounds: int) -> int:
         return self.nodes.extra_queries(traces, rounds)

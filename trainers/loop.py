@@ -13,17 +13,17 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import SyncedBackend
-from masgraph.counterfactual import META
 from masgraph.device import deterministic_kernels, resolve_device
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import CheckpointSaved, Credited, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
-from masgraph.learner import Learner, LoraConfigSpec, WeightSync
+from masgraph.learn.counterfactual import META
+from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
+from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
 from masgraph.metrics import MetricsSink
 from masgraph.ray_rollouts import RayConfig
 from masgraph.registry import default_registry
 from masgraph.runner import RunConfig, Runner, mean, summarize
-from masgraph.serving import local_learner, rollout_kind, serve_learner
 from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task
@@ -150,11 +150,7 @@ class TrainLoop:
         self.sync()  # the rollout backends serve every trained adapter from the start
         self._kind = kind = rollout_kind(spec)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
-        self._rollout_config = RunConfig(split="train", samples=self.group_size,
-                                         branch_width=self.algo.branch_width,
-                                         counterfactual=dict(self.algo.counterfactual or {}),
-                                         counterfactual_probes=self.algo.counterfactual_probes,
-                                         counterfactual_decisions=self.algo.counterfactual_decisions, **common)
+        self._rollout_config = RunConfig(split="train", samples=self.group_size, **common)
         self.rollouts = Runner(train_graph, self._rollout_config, backends={kind: self.backend}, topology=self.topology,
                                engine=self.serving.ray_engine)
         self._runners: list[tuple[GraphSpec, str, Runner]] = [(rollout_spec, "sample", self.rollouts)]
@@ -255,7 +251,7 @@ class TrainLoop:
         items = self.items[self.cursor:cursor]
         rollouts = self._rollouts_at(self.step)
         self._phase("rollouts", self.step + 1, len(items) * self.group_size)
-        traces = (await rollouts.run_items(self.task, items, sinks=[store, *self._progress], store=False)).traces
+        traces = await self.algo.rollouts(rollouts, self.task, items, [store, *self._progress])
         rounds = 0
         while (missing := self.algo.extra_queries(traces, rounds)) > 0:
             extra = self.items[cursor:cursor + missing]
@@ -263,8 +259,7 @@ class TrainLoop:
                 break
             cursor += len(extra)
             self._phase("resampling", self.step + 1, len(extra) * self.group_size)
-            traces += (await rollouts.run_items(self.task, extra, sinks=[store, *self._progress],
-                                                store=False)).traces
+            traces += await self.algo.rollouts(rollouts, self.task, extra, [store, *self._progress])
             rounds += 1
         t_roll = time.perf_counter() - t0
         self._phase("update", self.step + 1, len(traces))

@@ -29,8 +29,8 @@ class AlternatingReward(BasicArithmetic):
 @pytest.mark.slow
 def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for, run):
     from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
 
     spec = load_spec(root / "graphs" / "agentflow.yaml")
     hot = SamplingSpec(temperature=1.0, max_tokens=24)
@@ -109,7 +109,7 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
 def test_recorded_logprobs_are_recomputed_at_the_calls_sampling_params(hf, temperature, top_p):
     """The update's teacher-forced logprobs match the recorded ones at T != 1 and under top_p < 1 (both are the
     temperature-scaled softmax before nucleus truncation; greedy calls record the raw logits')."""
-    from masgraph.backends.hf_learner import HFLearner
+    from masgraph.backends.hf.learner import HFLearner
 
     sampling = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=16)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three fruits."}]

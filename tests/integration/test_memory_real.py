@@ -17,6 +17,15 @@ from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows
 pytestmark = pytest.mark.integration
 
 
+def shaped(runner_for, graph, backend, *, branch_width=0, counterfactual=None, counterfactual_probes=False,
+           counterfactual_decisions=0, **config):
+    """A runner (`runner_for`) whose runs are shaped as training shapes them (`masgraph.learn.rollouts`)."""
+    from masgraph.learn.rollouts import RolloutShape, Shaped
+
+    return Shaped(runner_for(graph, backend, **config),
+                  RolloutShape(branch_width, counterfactual or {}, counterfactual_probes, counterfactual_decisions))
+
+
 class AlternatingMemory(MemoryUpdates):
     """Real fact streams, a reward that varies in every group (odd samples win)."""
 
@@ -30,8 +39,8 @@ def manager_at_t1(root):
     """The memory graph with its manager sampling at T 1.0 (8 tokens), a learner with its adapter, and a backend
     serving the learner's weights."""
     from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
 
     spec = load_spec(root / "graphs" / "memory.yaml")
     policies = dict(spec.policies)
@@ -79,12 +88,12 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     """Real rollouts of the memory graph on `memory_updates` with counterfactual calls: every manager decision is
     re-scored by the real reader with each operation it did not write, and one update with those advantages (the
     operations not written teacher-forced too, `counterfactual_rows`) trains the manager's adapter."""
-    from masgraph.counterfactual import META
+    from masgraph.learn.counterfactual import META
     from masgraph.trainers.credit import counterfactual_advantages
 
     ops = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]
     graph, learner, backend = manager_at_t1(root)
-    runner = runner_for(graph, backend, n=1, samples=2, concurrency=16, counterfactual={"memory": ops})
+    runner = shaped(runner_for, graph, backend, n=1, samples=2, concurrency=16, counterfactual={"memory": ops})
     traces = run(runner.run_task(MemoryUpdates())).traces
     assert all(t.status == "ok" for t in traces)
     for t in traces:
@@ -114,7 +123,7 @@ def test_counterfactual_decisions_scores_a_seeded_draw_of_the_real_managers_deci
     re-scored by the real reader with the operation they did not write, the others not at all, and a second run
     with the same seed draws the same decisions (the draw does not depend on what the manager wrote)."""
     from masgraph.backends.hf import HFBackend
-    from masgraph.counterfactual import META
+    from masgraph.learn.counterfactual import META
     from masgraph.trainers.credit import counterfactual_advantages
 
     ops = {"memory": ["Operation: ADD", "Operation: NOOP"]}
@@ -122,7 +131,7 @@ def test_counterfactual_decisions_scores_a_seeded_draw_of_the_real_managers_deci
     backend = HFBackend(max_batch_size=8)
 
     def drawn() -> list[set[tuple[int, int]]]:
-        runner = runner_for(graph, backend, n=1, samples=2, concurrency=8, counterfactual=ops,
+        runner = shaped(runner_for, graph, backend, n=1, samples=2, concurrency=8, counterfactual=ops,
                             counterfactual_decisions=2, seed=3)
         traces = run(runner.run_task(MemoryUpdates())).traces
         assert all(t.status == "ok" and len(t.steps[0].llm) >= 5 for t in traces)
@@ -145,13 +154,13 @@ def test_counterfactual_probes_score_every_decision_on_every_persons_question(ro
     its two probes, the own one including the episode's reward; one update on those advantages moves the adapter."""
     from fractions import Fraction
 
-    from masgraph.counterfactual import META
+    from masgraph.learn.counterfactual import META
     from masgraph.trainers.credit import counterfactual_advantages
 
     ops = {"memory": ["Operation: ADD", "Operation: NOOP"]}
     graph, learner, backend = manager_at_t1(root)
     task = MemoryUpdates()
-    runner = runner_for(graph, backend, n=1, samples=2, concurrency=16, counterfactual=ops,
+    runner = shaped(runner_for, graph, backend, n=1, samples=2, concurrency=16, counterfactual=ops,
                         counterfactual_probes=True)
     traces = run(runner.run_task(task)).traces
     assert all(t.status == "ok" for t in traces) and len(task.probes(task.items("train", 1)[0])) == 2

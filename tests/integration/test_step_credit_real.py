@@ -16,6 +16,15 @@ from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows
 pytestmark = pytest.mark.integration
 
 
+def shaped(runner_for, graph, backend, *, branch_width=0, counterfactual=None, counterfactual_probes=False,
+           counterfactual_decisions=0, **config):
+    """A runner (`runner_for`) whose runs are shaped as training shapes them (`masgraph.learn.rollouts`)."""
+    from masgraph.learn.rollouts import RolloutShape, Shaped
+
+    return Shaped(runner_for(graph, backend, **config),
+                  RolloutShape(branch_width, counterfactual or {}, counterfactual_probes, counterfactual_decisions))
+
+
 class AlternatingLookup(Lookup):
     """Real two-hop questions, a reward that varies in every group (odd samples win)."""
 
@@ -28,8 +37,8 @@ class AlternatingLookup(Lookup):
 @pytest.mark.slow
 def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runner_for, run):
     from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
 
     spec = load_spec(root / "graphs" / "agentflow.yaml")
     policies = dict(spec.policies)
@@ -70,8 +79,8 @@ def test_branched_siblings_share_the_roots_prefix_and_meet_it_at_the_fork(root, 
     recorded calls, the fork step's input is the root's (one anchor-state group), and one update moves the
     adapters of the trainable nodes."""
     from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
 
     spec = load_spec(root / "graphs" / "agentflow.yaml")
     hot = SamplingSpec(temperature=1.0, max_tokens=16)
@@ -83,7 +92,7 @@ def test_branched_siblings_share_the_roots_prefix_and_meet_it_at_the_fork(root, 
         learner.add_adapter(adapter, LoraConfigSpec())
     backend = HFBackend(learner.weights, max_batch_size=8)
     WeightSync(learner, [backend])()
-    traces = run(runner_for(graph, backend, n=1, samples=4, concurrency=4, branch_width=1)
+    traces = run(shaped(runner_for, graph, backend, n=1, samples=4, concurrency=4, branch_width=1)
                  .run_task(AlternatingLookup())).traces
     assert [t.meta["sample"] for t in traces] == [0, 2, 1, 3] and all(t.status == "ok" for t in traces)
     roots = {t.episode_id: t for t in traces if "branch" not in t.meta}

@@ -162,7 +162,7 @@ def test_the_loop_names_no_algorithm_and_imports_no_backend():
     modules = {f"masgraph.trainers.{m}" for m in ("flow_grpo", "hrpo", "hrpo_math", "joint")}
     assert not [m for m in imports if m.split(".")[:3] and ".".join(m.split(".")[:3]) in modules]
     backends = [m for m in imports if m.startswith("masgraph.backends") and not m.startswith("masgraph.backends.base")]
-    assert backends == []  # the serving backends come from masgraph.serving; only the protocol is named
+    assert backends == []  # the serving backends come from masgraph.learn.serving; only the protocol is named
     strings = {n.value for n in ast.walk(ast.parse(loop.read_text()))
                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not strings & algorithms, strings & algorithms

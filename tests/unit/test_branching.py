@@ -8,14 +8,23 @@ import dataclasses
 import pytest
 
 from masgraph.backends.scripted import ScriptedBackend
-from masgraph.branching import fork_step, replay_prefix
 from masgraph.graph import compile_spec
+from masgraph.learn.branching import fork_step, replay_prefix
 from masgraph.loader import load_spec
 from masgraph.tasks import Item, Task
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.credit import anchor_groups, state_key
 
 SURPRISE = {"planner": -0.1, "executor": -5.0, "verifier": -2.0, "generator": -3.0}
+
+
+def shaped(runner_for, graph, backend, *, branch_width=0, counterfactual=None, counterfactual_probes=False,
+           counterfactual_decisions=0, **config):
+    """A runner (`runner_for`) whose runs are shaped as training shapes them (`masgraph.learn.rollouts`)."""
+    from masgraph.learn.rollouts import RolloutShape, Shaped
+
+    return Shaped(runner_for(graph, backend, **config),
+                  RolloutShape(branch_width, counterfactual or {}, counterfactual_probes, counterfactual_decisions))
 
 
 class Surprised(ScriptedBackend):
@@ -60,7 +69,7 @@ def test_the_fork_is_the_least_certain_opening_of_a_trainable_node():
 def test_a_group_is_roots_each_followed_by_siblings_that_replay_up_to_the_fork(root, scripted, runner_for, run):
     graph = compile_spec(load_spec(root / "graphs" / "agentflow.yaml"))
     backend = Surprised(default=scripted()._default)
-    runner = runner_for(graph, backend, n=2, samples=5, branch_width=1, concurrency=8)
+    runner = shaped(runner_for, graph, backend, n=2, samples=5, branch_width=1, concurrency=8)
     traces = run(runner.run_items(Sums(), Sums().items("train", 2))).traces
     assert [(t.item_id, t.meta["sample"]) for t in traces] == [  # 2 roots per item (5 // 2), the first takes 2
         ("q0", 0), ("q0", 2), ("q0", 3), ("q0", 1), ("q0", 4), ("q1", 0), ("q1", 2), ("q1", 3), ("q1", 1), ("q1", 4)]
@@ -89,7 +98,7 @@ def test_without_a_step_to_fork_at_siblings_are_independent_samples(root, script
     frozen = {k: p.model_copy(update={"trainable": False, "adapter": None}) for k, p in spec.policies.items()}
     graph = compile_spec(spec.model_copy(update={"policies": frozen, "train": None}))  # nothing trainable to fork
     backend = scripted()
-    traces = run(runner_for(graph, backend, n=1, samples=4, branch_width=3).run_items(
+    traces = run(shaped(runner_for, graph, backend, n=1, samples=4, branch_width=3).run_items(
         Sums(), Sums().items("train", 1))).traces
     assert [t.meta["sample"] for t in traces] == [0, 1, 2, 3] and not any("branch" in t.meta for t in traces)
     assert len(backend.requests) == 4
@@ -98,7 +107,7 @@ def test_without_a_step_to_fork_at_siblings_are_independent_samples(root, script
 @pytest.mark.parametrize("width", [0, 1])
 def test_branching_keeps_the_group_size(root, scripted, runner_for, run, width):
     graph = compile_spec(load_spec(root / "graphs" / "agentflow.yaml"))
-    traces = run(runner_for(graph, Surprised(default=scripted()._default), n=3, samples=4, branch_width=width)
+    traces = run(shaped(runner_for, graph, Surprised(default=scripted()._default), n=3, samples=4, branch_width=width)
                  .run_items(Sums(), Sums().items("train", 3))).traces
     assert [t.item_id for t in traces] == ["q0"] * 4 + ["q1"] * 4 + ["q2"] * 4
     assert sum("branch" in t.meta for t in traces) == (6 if width else 0)
@@ -124,8 +133,8 @@ def test_flow_grpo_branch_width_reaches_the_training_rollouts(one_node_graph, tm
 def test_branching_on_ray_rollout_workers_is_refused_with_the_fix(root, scripted, runner_for, run):
     from masgraph.errors import MasgraphError
 
-    runner = runner_for(compile_spec(load_spec(root / "graphs" / "agentflow.yaml")), scripted(), n=1, samples=4,
-                        branch_width=1)
-    runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    runner = shaped(runner_for, compile_spec(load_spec(root / "graphs" / "agentflow.yaml")), scripted(), n=1,
+                    samples=4, branch_width=1)
+    runner.runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
     with pytest.raises(MasgraphError, match=r"branching rollouts .* Ray rollouts yet; set branch_width: 0"):
         run(runner.run_items(Sums(), Sums().items("train", 1)))

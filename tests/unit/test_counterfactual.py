@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from masgraph.counterfactual import META, as_made, asked, sampled, variants
 from masgraph.errors import SpecError
 from masgraph.graph import compile_spec
+from masgraph.learn.counterfactual import META, as_made, asked, sampled, variants
 from masgraph.loader import load_spec
 from masgraph.scheduler import EpisodeInput
 from masgraph.tasks import Item, MemoryUpdates, Task, get_task
@@ -23,6 +23,15 @@ OPS = ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: N
 STREAM = ("Kalo Mira lives in Rafeport.\nIt rained all afternoon.\nTomo Rii lives in Velport.\n"
           "Kalo Mira moved to Orrinford.\nKalo Mira visited Ashmere last week.\n"
           "Question: In which city does Kalo Mira live now?")
+
+
+def shaped(runner_for, graph, backend, *, branch_width=0, counterfactual=None, counterfactual_probes=False,
+           counterfactual_decisions=0, **config):
+    """A runner (`runner_for`) whose runs are shaped as training shapes them (`masgraph.learn.rollouts`)."""
+    from masgraph.learn.rollouts import RolloutShape, Shaped
+
+    return Shaped(runner_for(graph, backend, **config),
+                  RolloutShape(branch_width, counterfactual or {}, counterfactual_probes, counterfactual_decisions))
 
 
 class MoveThenVisit(Task):
@@ -116,7 +125,7 @@ def test_replace_makes_the_counterfactual_advantage_a_scored_calls_whole_advanta
 
 def test_a_collapsed_manager_is_credited_against_what_it_did_not_do(root, scripted, runner_for, run):
     backend = scripted({"memory": replies, "generator": replies})
-    runner = runner_for(memory_graph(root), backend, n=1, samples=2, counterfactual={"memory": OPS})
+    runner = shaped(runner_for, memory_graph(root), backend, n=1, samples=2, counterfactual={"memory": OPS})
     traces = run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1))).traces
     assert [t.reward for t in traces] == [0.0, 0.0]  # every fact added: the reader answers the visit
     scored = {(s, k, alt): r for s, k, alt, r in traces[0].meta[META]}
@@ -149,9 +158,9 @@ def test_without_the_knob_no_variant_runs(root, scripted, runner_for, run):
 def test_counterfactual_on_ray_rollout_workers_is_refused_with_the_fix(root, scripted, runner_for, run):
     from masgraph.errors import MasgraphError
 
-    runner = runner_for(memory_graph(root), scripted({"memory": replies, "generator": replies}), n=1, samples=2,
-                        counterfactual={"memory": OPS})
-    runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    runner = shaped(runner_for, memory_graph(root), scripted({"memory": replies, "generator": replies}), n=1,
+                    samples=2, counterfactual={"memory": OPS})
+    runner.runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
     with pytest.raises(MasgraphError, match=r"counterfactual calls .* Ray rollouts yet; leave `counterfactual` empty"):
         run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1)))
 
@@ -163,8 +172,8 @@ def test_counterfactual_on_ray_rollout_workers_is_refused_with_the_fix(root, scr
     ({"memory": ["ADD", ""]}, r"non-empty"),
 ])
 def test_the_knob_is_checked_against_the_graph(tiny, knob, match):
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec
     from masgraph.trainers.flow_grpo import FlowGRPO
 
     learner = HFLearner(str(tiny), dtype="float32")
@@ -327,8 +336,8 @@ def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categ
 
 
 def test_alternative_rows_need_the_alternatives_and_a_tokenizer(tiny):
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec
     from masgraph.trainers.flow_grpo import FlowGRPO
 
     learner = HFLearner(str(tiny), dtype="float32")
@@ -418,7 +427,7 @@ def test_probes_give_the_visit_about_a_person_not_asked_its_score(root, scripted
     Kalo's home: (0 + 0) / 2 (nothing shown about Kalo); of Tomo's home: (1 + 0) / 2 (the visit alone);
     of the visit: (1 + 1) / 2. Without probes only Kalo's home matters (1 vs 0)."""
     backend = scripted({"memory": replies, "generator": replies})
-    runner = runner_for(memory_graph(root), backend, n=1, samples=1, counterfactual=ADD_NOOP,
+    runner = shaped(runner_for, memory_graph(root), backend, n=1, samples=1, counterfactual=ADD_NOOP,
                         counterfactual_probes=probes)
     [trace] = run(runner.run_items(AskAboutKalo(), AskAboutKalo().items("train", 1))).traces
     assert trace.reward == 1.0 and [c.text for c in trace.steps[0].llm] == ["Operation: ADD"] * 3
@@ -442,8 +451,8 @@ def test_probes_give_the_visit_about_a_person_not_asked_its_score(root, scripted
                                                       ("counterfactual_decisions", 3, "3")])
 def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path, knob, value,
                                                                        written):
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec
     from masgraph.trainers.flow_grpo import FlowGRPO
     from masgraph.trainers.loop import TrainLoop
 
@@ -453,7 +462,7 @@ def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, on
         FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(**{knob: value}))
     graph = one_node_graph(f'group_size: 2, counterfactual: {{answer: ["Answer: 1", "Answer: 2"]}}, {knob}: {written}')
     loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")
-    got = getattr(loop.rollouts.config, knob)
+    got = getattr(loop.algo.shape, knob)  # what the training rollouts are shaped by
     assert got == value and type(got) is type(value)
 
 
@@ -488,7 +497,7 @@ def test_counterfactual_decisions_caps_the_scored_decisions_of_each_episode(root
     in a second run with the same seed; the manager is asked nothing more and the reader far less than with all."""
     def scored(cap: int) -> tuple[list[set], int]:
         backend = scripted({"memory": replies, "generator": replies})
-        runner = runner_for(memory_graph(root), backend, n=1, samples=4, counterfactual={"memory": OPS},
+        runner = shaped(runner_for, memory_graph(root), backend, n=1, samples=4, counterfactual={"memory": OPS},
                             counterfactual_decisions=cap, counterfactual_probes=probes, seed=11)
         traces = run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1))).traces
         for t in traces:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from masgraph.backends.hf_learner import HFLearner
-from masgraph.learner import LoraConfigSpec
+from masgraph.backends.hf.learner import HFLearner
+from masgraph.learn.learner import LoraConfigSpec
 from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, Row
 
 

@@ -13,10 +13,10 @@ import torch
 
 from masgraph.backends.base import Completion, Request
 from masgraph.backends.hf import HFBackend
-from masgraph.backends.hf_learner import HFLearner
+from masgraph.backends.hf.learner import HFLearner
 from masgraph.events import EvalFinished, ListSink, TrainStep
 from masgraph.graph import compile_spec
-from masgraph.learner import LoraConfigSpec, WeightSync
+from masgraph.learn.learner import LoraConfigSpec, WeightSync
 from masgraph.loader import parse_spec
 from masgraph.metrics import MetricsSink
 from masgraph.spec import SamplingSpec

@@ -11,11 +11,11 @@ import torch
 
 from masgraph.backends.base import BackendError, Request
 from masgraph.backends.hf import HFBackend
-from masgraph.backends.hf_learner import HFLearner
+from masgraph.backends.hf.learner import HFLearner
 from masgraph.checkpoint import latest_checkpoint
 from masgraph.cli import main
 from masgraph.graph import compile_spec
-from masgraph.learner import LoraConfigSpec
+from masgraph.learn.learner import LoraConfigSpec
 from masgraph.loader import parse_spec
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
@@ -81,7 +81,7 @@ def test_a_rollout_out_of_memory_fails_its_calls_with_the_knobs_to_turn(tiny_mod
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr("masgraph.backends.hf.decode", oom)
+    monkeypatch.setattr("masgraph.backends.hf.backend.decode", oom)
     req = Request([{"role": "user", "content": "hi"}], sampling=SamplingSpec(max_tokens=2))
     with pytest.raises(BackendError, match=r"out of device memory.*--concurrency.*max_tokens"):
         asyncio.run(backend.complete([req]))

@@ -131,8 +131,8 @@ def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(
 
 def _rollouts(tiny: Path, temperature: float, samples: int = 4):
     from masgraph.backends.hf import HFBackend
-    from masgraph.backends.hf_learner import HFLearner
-    from masgraph.learner import LoraConfigSpec, WeightSync
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
 
     torch.manual_seed(0)
     learner = HFLearner(str(tiny), dtype="float32")

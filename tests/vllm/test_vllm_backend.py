@@ -20,8 +20,8 @@ import torch
 
 from masgraph.backends.base import BackendError, Request
 from masgraph.backends.hf import HFBackend
-from masgraph.backends.hf_learner import HFLearner
-from masgraph.learner import LoraConfigSpec, WeightSync
+from masgraph.backends.hf.learner import HFLearner
+from masgraph.learn.learner import LoraConfigSpec, WeightSync
 from masgraph.spec import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
