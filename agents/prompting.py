@@ -83,8 +83,8 @@ def render(ctx: NodeContext, default: str, **values: str) -> list[dict[str, str]
 
 
 def judge_messages(question: str, references: list[str], response: str) -> list[dict[str, str]]:
-    """The judge's chat (agents/prompts/judge.txt; `masgraph.judge`): the question, the reference answers joined by
-    " | ", and the response to grade."""
+    """The judge's chat (agents/prompts/judge.txt; `masgraph.tasks.judge`): the question, the reference answers
+    joined by " | ", and the response to grade."""
     values = {"question": question.strip(), "reference": " | ".join(r.strip() for r in references),
               "response": response.strip()}
     return [{"role": t.role, "content": t.template.safe_substitute(values)} for t in load_turns("judge")]

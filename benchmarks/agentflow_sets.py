@@ -48,11 +48,11 @@ def main() -> int:
     ap.add_argument("--judge-api-base", default=None)
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    from masgraph.datatask import DataTask, DataTaskSpec
     from masgraph.errors import MasgraphError
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
     from masgraph.runner import RunConfig, Runner
+    from masgraph.tasks.data import DataTask, DataTaskSpec
 
     data = Path(args.data)
     missing = [s for s in args.sets if not (data / s / "data.json").is_file()]
@@ -67,7 +67,7 @@ def main() -> int:
         return 2
     judge = None
     if args.judge:
-        from masgraph.judge import JudgeSpec
+        from masgraph.tasks.judge import JudgeSpec
 
         judge = JudgeSpec.model_validate({"policy": {"backend": args.judge_backend, "model": args.judge_model,
                                                      "api_base": args.judge_api_base,
@@ -121,8 +121,8 @@ def main() -> int:
 
 def _agreement(traces: list, items: list) -> tuple[str, str]:
     """contains' accuracy on the same answers the judge scored, and how often the two agree on correct."""
-    from masgraph.scorers import contains
     from masgraph.tasks import is_correct
+    from masgraph.tasks.scorers import contains
 
     gold = {it.id: it.meta["gold"] for it in items}
     by_contains = [t.status == "ok" and contains(t.answer or "", gold[t.item_id], {}) == 1.0 for t in traces]
@@ -132,7 +132,7 @@ def _agreement(traces: list, items: list) -> tuple[str, str]:
 
 def _judge_check(judge, name: str, items: list) -> str:
     """The judge on known answers: each item's reference (should be yes) and the next item's (should be no)."""
-    from masgraph.scorers import contains
+    from masgraph.tasks.scorers import contains
 
     async def verdicts():
         pairs = [(it, it.meta["gold"][0]) for it in items] + [

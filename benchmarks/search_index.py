@@ -37,11 +37,11 @@ def main() -> int:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     from masgraph.agents.tools.search import default_corpus_path, read_documents
-    from masgraph.distractors import write_corpus
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
     from masgraph.runner import RunConfig, Runner
     from masgraph.tasks import get_task, is_correct
+    from masgraph.tasks.distractors import write_corpus
 
     work = ROOT / "runs" / "bench-search"
     t0 = time.perf_counter()

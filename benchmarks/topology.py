@@ -83,8 +83,8 @@ def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
 def fixed_route_yaml(raw: dict[str, Any], decisions: dict[str, str]) -> dict[str, Any]:
     """The supergraph with its decisions taken: the route's nodes and the edges its view keeps, no topology."""
     from masgraph.graph import compile_spec
+    from masgraph.graph.space import DecisionSpace
     from masgraph.loader import parse_spec
-    from masgraph.topology.space import DecisionSpace
 
     graph = compile_spec(parse_spec(yaml.safe_dump(raw, sort_keys=False)), GRAPH)
     space = DecisionSpace(graph)

@@ -28,10 +28,10 @@ from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
 from masgraph.graph import Topology, compile_spec
+from masgraph.graph.space import DecisionSpace
 from masgraph.loader import load_spec
 from masgraph.runner import RunConfig, Runner
 from masgraph.tasks import get_task, is_correct
-from masgraph.topology.space import DecisionSpace
 from masgraph.trace import TopologyChoice, Trace
 
 HERE = Path(__file__).resolve().parent

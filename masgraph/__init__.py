@@ -16,7 +16,7 @@ _os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-__version__ = "0.1.0"
+from masgraph._version import __version__ as __version__
 
 
 def load_agent(source, checkpoint=None, topology=None, deterministic=False):  # noqa: ANN001, ANN201

@@ -185,7 +185,7 @@ def export_bundle(source: str | Path, out: str | Path, archive: bool = False) ->
 
 
 def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, Any], dst: Path) -> dict[str, Any]:
-    from masgraph import __version__
+    from masgraph._version import __version__
     from masgraph.store import package_versions
 
     graph = {k: v for k, v in raw.items() if k != "train"}

@@ -80,7 +80,7 @@ class Engine:
     def policy(self, name: str, pol: PolicySpec) -> Policy:
         """`pol` bound to its backend: the one already serving its (backend, model, api_base, device), else a new
         one kept with the others (closed by `aclose`). The graph's policies are made so; so is a policy outside
-        the graph, such as a task's judge (`masgraph.judge`), which then shares the graph's model when it names
+        the graph, such as a task's judge (`masgraph.tasks.judge`), which then shares the graph's model when it names
         the same one."""
         key = (pol.backend, pol.model, pol.api_base, pol.device)
         if key not in self.backends:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from masgraph.backends.base import Backend, Request
+from masgraph.backends.base import Backend, Request, llm_call, replayed
 from masgraph.eager import _Resumed, gather_eager
 from masgraph.errors import MasgraphError
 from masgraph.events import (
@@ -37,7 +37,7 @@ from masgraph.memory.action_log import ActionLog
 from masgraph.memory.conversations import ConversationStores
 from masgraph.node import Agent, NodeContext, NodeOutput, ToolFn
 from masgraph.spec import EdgeSpec, PolicySpec
-from masgraph.trace import LLMCall, Step, TopologyChoice, Trace, llm_call, replayed
+from masgraph.trace import LLMCall, Step, TopologyChoice, Trace
 from masgraph.workclock import WAITER, CallWait, WorkClock, not_working
 
 
@@ -91,7 +91,7 @@ async def run_bounded(run_episode: Callable[..., Awaitable[Trace]], episodes: It
 
 
 Score = Callable[[EpisodeInput, Trace], "float | Awaitable[float]"]
-"""An episode's reward: a plain function, or an async one (a scorer that calls a model: `masgraph.judge`)."""
+"""An episode's reward: a plain function, or an async one (a scorer that calls a model: `masgraph.tasks.judge`)."""
 
 
 async def apply_score(score: Score | None, ep: EpisodeInput, trace: Trace) -> None:

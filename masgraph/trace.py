@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-
-if TYPE_CHECKING:
-    from masgraph.backends.base import Completion, Request
 
 
 class Record(BaseModel):
@@ -62,25 +59,6 @@ class LLMCall(Record):
     def n_completion(self) -> int:
         """Completion tokens: the server's count when it reported one, else the ids'."""
         return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
-
-
-def llm_call(req: Request, c: Completion, latency_s: float, queue_s: float = 0.0) -> LLMCall:
-    """The trace's record of one call: what was asked (`req`: policy, adapter, sampling) and what came back."""
-    return LLMCall(policy=req.policy, adapter=req.adapter, policy_version=c.policy_version, prompt_ids=c.prompt_ids,
-                   completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
-                   temperature=req.sampling.temperature, top_p=req.sampling.top_p, finish_reason=c.finish_reason,
-                   prompt_truncated=c.prompt_truncated, latency_s=latency_s, prompt_tokens=c.prompt_tokens,
-                   completion_tokens=c.completion_tokens, queue_s=queue_s)
-
-
-def replayed(call: LLMCall) -> Completion:
-    """`llm_call`'s inverse: a recorded call as the completion a node receives (a branched sibling's prefix, which
-    is replayed, not decoded)."""
-    from masgraph.backends.base import Completion
-
-    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
-                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
-                      completion_tokens=call.completion_tokens)
 
 
 class ToolCall(Record):
@@ -181,7 +159,7 @@ class Trace(Record):
     work_s: float | None = Field(None, exclude_if=lambda v: v is None)
     """What `episode_timeout_s` counted (see `Step.work_s`; None in traces recorded before it was)."""
     judge_calls: list[LLMCall] = Field(default_factory=list, exclude_if=lambda v: not v)
-    """The calls of an LLM judge that scored the answer (`masgraph.judge`; none when its verdict was cached): kept
+    """The calls of an LLM judge that scored the answer (`masgraph.tasks.judge`; none when its verdict was cached): kept
     apart from the steps' calls, so the episode's turns and tokens stay the graph's own; left out when empty."""
     topology: TopologyChoice | None = None
     """The decisions of a topology policy this episode ran (None: the whole graph, or a topology given directly)."""
@@ -211,14 +189,3 @@ class Trace(Record):
     def turns(self) -> int:
         """Most runs of any node (the number of loop turns taken)."""
         return max((s.turn for s in self.steps), default=0)
-
-
-_MOVED = {"EVENT_SCHEMA_VERSION", "EpisodeStarted", "StepFinished", "EpisodeFinished", "Event", "Sink", "ListSink"}
-
-
-def __getattr__(name: str):  # the event types moved to masgraph.events; old imports keep working
-    if name in _MOVED:
-        from masgraph import events
-
-        return getattr(events, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,16 @@
-"""Calculator tool: evaluates one arithmetic expression with the safe parser of `masgraph.arith` (never `eval`)."""
+"""Calculator tool: evaluates one arithmetic expression with `masgraph.tasks.arith`'s safe parser (never `eval`)."""
 
 from __future__ import annotations
 
 from masgraph.agents.tools.registry import ToolError, ToolOptions, register_kind
-from masgraph.arith import ArithError, format_number
-from masgraph.arith import calculate as _calculate
+from masgraph.tasks.arith import ArithError, format_number
+from masgraph.tasks.arith import calculate as _calculate
 
 __all__ = ["calculate", "format_number"]
 
 
 def calculate(expression: str) -> int | float:
-    """`masgraph.arith.calculate`, its errors as the tool error the step records."""
+    """`masgraph.tasks.arith.calculate`, its errors as the tool error the step records."""
     try:
         return _calculate(expression)
     except ArithError as exc:

@@ -3,13 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from masgraph.errors import MasgraphError
 from masgraph.spec import SamplingSpec
+from masgraph.trace import LLMCall
 
-if TYPE_CHECKING:
-    from masgraph.learner import AdapterSource
+
+@dataclass
+class LoraConfigSpec:
+    """LoRA shape of one named adapter."""
+
+    rank: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    """Modules that get LoRA, fitted to the architecture when the adapter is attached
+    (`masgraph.backends.hf.lora_targets.resolve_targets`: Phi3's fused `qkv_proj` for q_proj/v_proj, ...);
+    `("all-linear",)` for every linear layer but the output head."""
+    dropout: float = 0.0
+
+
+class TokenRow(Protocol):
+    """What a logprob pass needs of a training row: the exact token ids and the softmax temperature."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    temperature: float
+
+
+class AdapterSource(Protocol):
+    """One adapter's current weights, in whichever form a receiver takes them."""
+
+    home: object
+    """The object the weights live in; an in-process receiver that serves from the same one needs no copy."""
+
+    def save(self, path: str) -> str:
+        """Write the adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors); its path."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The adapter's weights by PEFT key (for an object store)."""
+        ...
 
 
 @dataclass
@@ -53,6 +87,23 @@ class Completion:
     def n_completion(self) -> int:
         """Completion tokens: the reported count, else the ids'."""
         return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
+
+
+def llm_call(req: Request, c: Completion, latency_s: float, queue_s: float = 0.0) -> LLMCall:
+    """The trace's record of one call: what was asked (`req`: policy, adapter, sampling) and what came back."""
+    return LLMCall(policy=req.policy, adapter=req.adapter, policy_version=c.policy_version, prompt_ids=c.prompt_ids,
+                   completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
+                   temperature=req.sampling.temperature, top_p=req.sampling.top_p, finish_reason=c.finish_reason,
+                   prompt_truncated=c.prompt_truncated, latency_s=latency_s, prompt_tokens=c.prompt_tokens,
+                   completion_tokens=c.completion_tokens, queue_s=queue_s)
+
+
+def replayed(call: LLMCall) -> Completion:
+    """`llm_call`'s inverse: a recorded call as the completion a node receives (a branched sibling's prefix, which
+    is replayed, not decoded)."""
+    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
+                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
+                      completion_tokens=call.completion_tokens)
 
 
 class BackendError(MasgraphError, RuntimeError):

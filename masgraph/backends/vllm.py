@@ -21,7 +21,7 @@ from masgraph.backends.vllm_server import VLLMServer
 from masgraph.workclock import Queued
 
 if TYPE_CHECKING:
-    from masgraph.learner import AdapterSource, LoraConfigSpec
+    from masgraph.backends.base import AdapterSource, LoraConfigSpec
 
 
 class VLLMBackend:
@@ -51,7 +51,7 @@ class VLLMBackend:
         import httpx
         from transformers import AutoTokenizer
 
-        from masgraph.backends.hf_layout import TokenLayout
+        from masgraph.backends.hf.layout import TokenLayout
         from masgraph.model import resolve_model
 
         model_dir = resolve_model(model)
@@ -278,6 +278,6 @@ def _dtype_name(dtype: str) -> str:
     """`auto` -> the dtype the hf backend would pick on this machine (bf16 where it is faster), as vLLM names it."""
     if dtype != "auto":
         return dtype
-    from masgraph.backends.hf_dtype import pick_dtype
+    from masgraph.backends.hf.dtype import pick_dtype
 
     return str(pick_dtype()).removeprefix("torch.")

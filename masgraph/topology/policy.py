@@ -21,8 +21,8 @@ import torch
 from masgraph.checkpoint import TOPOLOGY_FILE
 from masgraph.errors import MasgraphError
 from masgraph.graph import Graph, Topology
+from masgraph.graph.space import DecisionSpace
 from masgraph.topology.features import HASHED_DIM, hashed_features
-from masgraph.topology.space import DecisionSpace
 from masgraph.trace import TopologyChoice
 
 

@@ -7,8 +7,8 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from masgraph.graph.space import node_places
 from masgraph.topology.policy import TopologyPolicy
-from masgraph.topology.space import node_places
 
 
 def edge_probabilities(policy: TopologyPolicy, queries: Sequence[str], samples: int = 400) -> list[float]:

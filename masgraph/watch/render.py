@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.text import Text
 
-from masgraph.topology.space import node_places
+from masgraph.graph.space import node_places
 from masgraph.trace import Step, Trace
 from masgraph.watch.index import NodeStats, Row, RunIndex
 

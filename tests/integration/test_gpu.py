@@ -67,7 +67,7 @@ def test_a_training_step_keeps_everything_on_the_gpu(tmp_path):
 
 
 def test_bf16_is_picked_on_a_gpu_that_supports_it():
-    from masgraph.backends.hf_dtype import pick_dtype
+    from masgraph.backends.hf.dtype import pick_dtype
 
     if torch.cuda.is_bf16_supported():
         assert pick_dtype(device=torch.device("cuda")) == torch.bfloat16

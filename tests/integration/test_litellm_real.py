@@ -92,7 +92,7 @@ def test_a_judge_served_through_litellm_records_the_servers_counts(served, tmp_p
     on the second ask."""
     from masgraph.engine import Engine
     from masgraph.graph import compile_spec
-    from masgraph.judge import Judge, JudgeSpec
+    from masgraph.tasks.judge import Judge, JudgeSpec
     from masgraph.loader import load_spec
 
     model, api_base, _ = served

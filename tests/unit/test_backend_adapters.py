@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from masgraph.backends import make_backend
 from masgraph.backends.base import BackendError
 from masgraph.backends.hf import HFBackend, LoraConfigSpec
 from masgraph.errors import MasgraphError
+from masgraph.registry import default_registry
 from masgraph.spec import PolicySpec
 
 ODD = LoraConfigSpec(rank=4, alpha=7, target_modules=("k_proj", "o_proj", "up_proj"))
@@ -95,4 +95,4 @@ def test_unreadable_checkpoint_is_a_masgraph_error(tiny, tmp_path):
 
 def test_unknown_backend_kind_is_a_masgraph_error_with_a_fix():
     with pytest.raises(MasgraphError, match=r"backend: scripted. .* no built-in instance.*; fix: .*backends="):
-        make_backend(PolicySpec(backend="scripted", model="m"))
+        default_registry().backend(PolicySpec(backend="scripted", model="m"), {})

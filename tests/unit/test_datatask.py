@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from masgraph.errors import MasgraphError
-from masgraph.scorers import alternatives, choice, contains, exact, game24, number
 from masgraph.tasks import resolve_task
+from masgraph.tasks.scorers import alternatives, choice, contains, exact, game24, number
 
 AGENTFLOW = Path(os.environ.get("MASGRAPH_AGENTFLOW_DATA")
                  or Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "agentflow")

@@ -85,7 +85,7 @@ def test_every_generator_names_its_device():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.Generator":
                     calls.append((path.name, node.lineno, any(k.arg == "device" for k in node.keywords)))
-    assert {name for name, _, _ in calls} >= {"hf.py", "policy.py"}  # the scan sees the code it guards
+    assert {name for name, _, _ in calls} >= {"backend.py", "policy.py"}  # the scan sees the code it guards
     assert [c for c in calls if not c[2]] == []
 
 
@@ -159,12 +159,12 @@ def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(tiny_
     assert not record["stray"], "tensors created without a device:\n" + "\n".join(sorted(set(record["stray"])))
     seen = {w.split(" at ")[1].split(":")[0] for w in record["ok"]}
     # the check saw the code it guards (so it cannot pass by watching nothing)
-    for part in ("hf_decode.py", "hf_learner.py", "hf_layout.py", "flow_grpo.py", "policy.py", "hrpo.py"):
+    for part in ("hf/decode.py", "hf/learner.py", "hf/layout.py", "flow_grpo.py", "policy.py", "hrpo.py"):
         assert any(s.endswith(part) for s in seen), (part, seen)
 
 
 class HostSyncs(TorchFunctionMode):
-    """Counts device-to-host copies (tolist, item, int/float/bool of a tensor) made from hf_decode.py."""
+    """Counts device-to-host copies (tolist, item, int/float/bool of a tensor) made from hf/decode.py."""
 
     SYNCS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero"}
 
@@ -174,7 +174,7 @@ class HostSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in self.SYNCS and sys._getframe(1).f_code.co_filename.endswith(
-                "hf_decode.py"):
+                "hf/decode.py"):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -183,7 +183,7 @@ class HostSyncs(TorchFunctionMode):
 def test_the_decode_loop_syncs_with_the_host_once_per_step_whatever_the_batch(tiny_model):
     from transformers import DynamicCache
 
-    from masgraph.backends.hf_decode import decode
+    from masgraph.backends.hf.decode import decode
 
     backend = HFBackend(str(tiny_model("llama")), dtype="float32")
     steps = 6

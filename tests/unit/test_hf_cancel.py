@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from masgraph.backends.base import Request
-from masgraph.backends.hf_batcher import Batcher
-from masgraph.backends.hf_decode import decode
+from masgraph.backends.hf.batcher import Batcher
+from masgraph.backends.hf.decode import decode
 from masgraph.spec import SamplingSpec
 
 LONG = 8192  # tokens (the most a request may ask): minutes at the fake model's pace, so only a stop ends it soon

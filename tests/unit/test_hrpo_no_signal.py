@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from masgraph.graph.space import DecisionSpace
 from masgraph.topology.policy import TopologyPolicy
-from masgraph.topology.space import DecisionSpace
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo import HRPO

@@ -102,8 +102,8 @@ def _toy_episode(policy, query: str, seed: int, step: int, greedy_nodes: bool):
 def _toy_run(graph, schedule: str, no_signal: str, steps: int = 20) -> list[float]:
     """p(tool) after each step of a Joint whose node part is a stand-in and whose topology part is real HRPO; the
     rollouts decode the nodes greedily exactly when the stage's rollout graph is the graph as written."""
+    from masgraph.graph.space import DecisionSpace
     from masgraph.topology.policy import TopologyPolicy
-    from masgraph.topology.space import DecisionSpace
     from masgraph.trainers.config import HRPOConfig
     from masgraph.trainers.hrpo import HRPO
 

@@ -9,11 +9,11 @@ import pytest
 
 from masgraph.backends.base import BackendError
 from masgraph.backends.scripted import ScriptedBackend
-from masgraph.datatask import load_data_task
 from masgraph.errors import MasgraphError
-from masgraph.judge import Judge, JudgeSpec, VerdictCache, parse_verdict
 from masgraph.registry import default_registry
 from masgraph.scheduler import Policy
+from masgraph.tasks.data import load_data_task
+from masgraph.tasks.judge import Judge, JudgeSpec, VerdictCache, parse_verdict
 from masgraph.trace import Trace
 
 

@@ -66,7 +66,8 @@ def test_core_modules_load_without_agents_and_trainers():
         "from masgraph.graph import GraphBuilder, compile_spec\n"
         "from masgraph.errors import SpecError\n"
         "import masgraph.engine, masgraph.runner, masgraph.store, masgraph.scheduler, masgraph.cli\n"
-        "reg = Registry(); register_core(reg)\n"
+        "from masgraph.backends.kinds import register\n"
+        "reg = Registry(); register_core(reg); register(reg)\n"
         "g = GraphBuilder('g').add_policy('p', backend='scripted').add_node('a', role='generator', policy='p')\n"
 
         "try:\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from masgraph.backends.lora_targets import resolve_targets
+from masgraph.backends.hf.lora_targets import resolve_targets
 from masgraph.errors import MasgraphError
 from masgraph.trainers.config import TrainSpec
 

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from masgraph.backends.kinds import register as register_backends
 from masgraph.errors import SpecError
 from masgraph.graph import GraphBuilder, compile_spec
 from masgraph.loader import load_spec, parse_spec
@@ -82,6 +83,7 @@ def test_a_second_algorithm_registers_its_own_section():
 
     reg = Registry(agents=dict(default_registry().agents))
     register_core(reg)
+    register_backends(reg)
     reg.algorithms["toy"] = Algorithm("toy", Toy, lambda spec, r: [], lambda: None)
     graph = (GraphBuilder("g").add_policy("p", backend="scripted").add_node("a", role="generator", policy="p")
              .set(train={"algorithm": "toy", "knob": 5}).compile(registry=reg))
@@ -91,6 +93,7 @@ def test_a_second_algorithm_registers_its_own_section():
 def test_backend_capabilities_come_from_the_registry():
     reg = Registry(agents=dict(default_registry().agents))
     register_core(reg)
+    register_backends(reg)
     spec = (GraphBuilder("g").add_policy("p", backend="remote", trainable=True)
             .add_node("a", role="generator", policy="p").spec())
     with pytest.raises(SpecError, match="backend 'remote' is not registered"):
@@ -137,6 +140,7 @@ def test_a_plugin_registers_into_the_registry_that_loads_it_and_any_later_one(tm
     def fresh():
         reg = Registry(agents=dict(default_registry().agents))
         register_core(reg)
+        register_backends(reg)
         return reg
 
     first, second = fresh(), fresh()

@@ -13,8 +13,8 @@ import pytest
 from masgraph.agents.tools import fts_index
 from masgraph.agents.tools.registry import ToolError
 from masgraph.agents.tools.search import SearchOptions, load_corpus, load_index, make_search
-from masgraph.distractors import write_corpus
 from masgraph.tasks import load_kb
+from masgraph.tasks.distractors import write_corpus
 
 
 @pytest.fixture(autouse=True)

@@ -103,8 +103,8 @@ exit: last
 def test_hf_backend_hands_each_token_to_the_loop_while_the_batch_decodes(tiny, monkeypatch):
     """The real HFBackend on the tiny model: a streamed request's sink sees its text grow token by token, each a
     beginning of the completion's text, while the batch is still decoding; other requests in the batch do not."""
-    from masgraph.backends import hf as hf_module
     from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf import backend as hf_module
 
     backend = HFBackend(str(tiny), dtype="float32", batch_wait_ms=20)
     forwards: list[float] = []

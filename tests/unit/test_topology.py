@@ -18,7 +18,7 @@ from masgraph.graph import Graph, GraphBuilder, compile_spec
 from masgraph.loader import load_spec
 from masgraph.node import NodeOutput
 from masgraph.topology.policy import TopologyPolicy
-from masgraph.topology.space import DecisionSpace
+from masgraph.graph.space import DecisionSpace
 from masgraph.trace import Trace
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo import HRPO

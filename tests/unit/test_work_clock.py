@@ -17,7 +17,7 @@ import pytest
 from masgraph import workclock
 from masgraph.agents.registry import register_agent, resolve_agents
 from masgraph.backends.base import Completion
-from masgraph.backends.hf_batcher import Batcher, rows_started
+from masgraph.backends.hf.batcher import Batcher, rows_started
 from masgraph.events import ListSink, LLMCallFinished
 from masgraph.graph import GraphBuilder
 from masgraph.node import NodeOutput

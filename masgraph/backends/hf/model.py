@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 
-from masgraph.backends.base import BackendError
-from masgraph.backends.hf_dtype import pick_dtype
+from masgraph.backends.base import BackendError, LoraConfigSpec
+from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.device import describe, is_out_of_memory, resolve_device
-from masgraph.learner import LoraConfigSpec
 from masgraph.model import resolve_model
 
 
@@ -86,7 +85,7 @@ class HFModel:
         q_proj/v_proj; `all-linear` as peft expands it); BackendError when the model has no such modules."""
         from peft import LoraConfig
 
-        from masgraph.backends.lora_targets import resolve_targets
+        from masgraph.backends.hf.lora_targets import resolve_targets
 
         lora = lora or LoraConfigSpec()
         targets = resolve_targets(self._linear_module_names(), lora.target_modules)

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from masgraph.backends.hf_layout import left_pad, pad_token_id, prefill
-from masgraph.backends.hf_model import HFModel
+from masgraph.backends.base import LoraConfigSpec, TokenRow
+from masgraph.backends.hf.layout import left_pad, pad_token_id, prefill
+from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
-from masgraph.learner import LoraConfigSpec, TokenRow
 
 
 class HFLearner:

@@ -13,17 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from masgraph.backends.base import BackendError, Completion, Request
-from masgraph.backends.hf_batcher import Batcher
-from masgraph.backends.hf_decode import decode
-from masgraph.backends.hf_dtype import pick_dtype
-from masgraph.backends.hf_layout import TokenLayout, prefill
-from masgraph.backends.hf_model import HFModel
-from masgraph.learner import LoraConfigSpec
+from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Request
+from masgraph.backends.hf.batcher import Batcher
+from masgraph.backends.hf.decode import decode
+from masgraph.backends.hf.dtype import pick_dtype
+from masgraph.backends.hf.layout import TokenLayout, prefill
+from masgraph.backends.hf.model import HFModel
 from masgraph.streaming import TextSink, sink_for
 
 if TYPE_CHECKING:
-    from masgraph.learner import AdapterSource
+    from masgraph.backends.base import AdapterSource
 
 __all__ = ["HFBackend", "HFModel", "LoraConfigSpec", "pick_dtype"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import Request
-from masgraph.backends.hf_batcher import Stopped
-from masgraph.backends.hf_layout import left_pad
+from masgraph.backends.hf.batcher import Stopped
+from masgraph.backends.hf.layout import left_pad
 
 
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
