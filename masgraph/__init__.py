@@ -21,7 +21,7 @@ from masgraph._version import __version__ as __version__
 
 def load_agent(source, checkpoint=None, topology=None, deterministic=False):  # noqa: ANN001, ANN201
     """A deployable agent from a graph YAML file (and a training run's checkpoint): `agent.ask(question)` →
-    answer and trace; `await agent.aask(question)` from async code. See `masgraph.agent.load_agent`."""
-    from masgraph.agent import load_agent as _load
+    answer and trace; `await agent.aask(question)` from async code. See `masgraph.serve.agent.load_agent`."""
+    from masgraph.serve.agent import load_agent as _load
 
     return _load(source, checkpoint, topology, deterministic)

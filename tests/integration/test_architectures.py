@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from masgraph.agent import load_agent
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
-from masgraph.bundle import export_bundle
 from masgraph.errors import MasgraphError
 from masgraph.graph import Graph, compile_spec
 from masgraph.loader import load_spec, parse_spec
 from masgraph.runner import RunConfig, Runner
+from masgraph.serve.agent import load_agent
+from masgraph.serve.bundle import export_bundle
 from masgraph.spec import GraphSpec, SamplingSpec
 from masgraph.tasks import BasicArithmetic, get_task
 from masgraph.trainers.loop import TrainLoop

@@ -143,9 +143,9 @@ class ArithSplit(Arith):
 def test_training_evaluation_and_the_exported_bundle_count_what_run_counts(tiny, tmp_path):
     """The same six held-out answers (partial credit, 8.0 for 8, a timeout, an error, a parse failure) through a
     training run's evaluation and the bundle exported from it: 3 of 6 correct, as `run`'s summary says above."""
-    from masgraph.bundle import export_bundle
     from masgraph.graph import compile_spec
     from masgraph.loader import parse_spec
+    from masgraph.serve.bundle import export_bundle
     from masgraph.trainers.loop import TrainLoop
 
     register_agent("by-query")(by_query)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from masgraph.agent import Agent, load_agent, open_source
-from masgraph.bundle import export_bundle, load_bundle
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
+from masgraph.serve.agent import Agent, load_agent, open_source
+from masgraph.serve.bundle import export_bundle, load_bundle
 from masgraph.tasks import Item, Task
 from masgraph.trainers.loop import TrainLoop
 
@@ -159,7 +159,7 @@ def _edit(bundle: Path, change) -> None:
 
 def _retemplate(bundle: Path) -> None:
     """Other prompt text than this masgraph's, with a manifest that agrees (so only the prompt check can catch it)."""
-    from masgraph.bundle import sha256_file
+    from masgraph.serve.bundle import sha256_file
 
     (bundle / "prompts" / "direct.txt").write_text("Answer in French.\n")
     _edit(bundle, lambda m: m["files"].update({"prompts/direct.txt": {
@@ -217,14 +217,14 @@ def test_a_malformed_manifest_or_an_unlisted_file_is_one_error_line(tmp_path, ca
 def test_a_file_of_the_wrong_size_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
     """A 4 GiB (sparse) file where the manifest names a small one: refused on its size, never read (HEAD hashed it
     for ~35 s first)."""
-    import masgraph.bundle
+    import masgraph.serve.bundle
 
     bundle = scripted_bundle(tmp_path)
     big = bundle / "prompts" / "direct.txt"
     with open(big, "r+b") as f:
         f.truncate(4 << 30)
     hashed = []
-    monkeypatch.setattr(masgraph.bundle, "sha256_file", lambda p: hashed.append(Path(p).name) or "0" * 64)
+    monkeypatch.setattr(masgraph.serve.bundle, "sha256_file", lambda p: hashed.append(Path(p).name) or "0" * 64)
     with pytest.raises(MasgraphError, match=r"prompts/direct.txt is 4294967296 bytes, the manifest says \d+"):
         load_bundle(bundle)
     assert hashed == []

@@ -10,7 +10,6 @@ import json
 import openai
 import pytest
 
-from masgraph.agent import Agent
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.engine import Engine
 from masgraph.errors import MasgraphError, SpecError
@@ -18,6 +17,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.memory.conversations import ConversationStores
 from masgraph.memory.store import FactStore
+from masgraph.serve.agent import Agent
 
 GRAPH = """\
 name: remember

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from masgraph import store as store_module
-from masgraph.agent import Agent
 from masgraph.agents.registry import register_agent
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.engine import Engine
@@ -35,7 +34,8 @@ from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.node import NodeOutput
-from masgraph.server import ServeConfig, check_bind, create_app, serve, uvicorn_options
+from masgraph.serve.agent import Agent
+from masgraph.serve.server import ServeConfig, check_bind, create_app, serve, uvicorn_options
 from masgraph.store import INDEX, RunStore, read_jsonl, read_traces
 
 GRAPH = """\
@@ -326,10 +326,10 @@ def test_cli_refuses_a_public_bind_before_loading_anything(root):
 
 SERVE_SCRIPT = textwrap.dedent("""\
     import sys
-    from masgraph.agent import Agent
+    from masgraph.serve.agent import Agent
     from masgraph.graph import compile_spec
     from masgraph.loader import parse_spec
-    from masgraph.server import ServeConfig, serve
+    from masgraph.serve.server import ServeConfig, serve
     sys.path.insert(0, {here!r})
     import test_server  # registers the `sleepy` agent
     agent = Agent(compile_spec(parse_spec(test_server.SLOW, "slow.yaml")))
@@ -749,7 +749,7 @@ def test_a_queued_client_that_goes_away_gives_its_place_back(caplog):
 def test_whatever_escapes_the_app_is_an_openai_style_error(caplog):
     """The last resort: a bug is a 500 with an error body (its traceback logged); a request cancelled from
     outside (uvicorn's shutdown timeout) is a 503 with one log line, no traceback."""
-    from masgraph.server import _Edge, _Gate, _Metrics
+    from masgraph.serve.server import _Edge, _Gate, _Metrics
 
     async def run(exc: BaseException) -> tuple[int, dict]:
         async def app(scope, receive, send):

@@ -1,0 +1,424 @@
+"""`masgraph serve`: an agent behind an OpenAI-compatible HTTP endpoint (FastAPI on uvicorn).
+
+    POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE: the
+                                built-in generator's answer streams as it decodes, see masgraph/streaming.py)
+    GET  /v1/models             the one model served (the graph's name)
+    GET  /health                liveness, load and the trace store's state (no auth)
+    GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens, queue
+
+Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together.
+
+Admission: at most `max_concurrency` episodes run and `max_queue` more requests wait for a slot (each at most
+`max_wait_s`: 503 beyond); a request beyond those is refused at once with 429 and Retry-After. A request's
+`timeout_s` starts when its episode starts, not when it arrived (504 beyond; the episode is cancelled).
+
+Every failure is an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`), never a bare
+500: 400 bad JSON or fields (a lone UTF-16 surrogate, JSON nested past the parser's depth, a number too long),
+401 auth, 404 model, 408 a body too slow, 413 too large, 415 not application/json, 429/503 busy, 504 too slow,
+500 an episode that failed (with its trace id). A client that goes away cancels its episode; SIGTERM lets
+admitted requests finish, then exits (uvicorn's graceful shutdown). A trace store that fails (a full disk) does
+not stop the serving: /health says "degraded" with the store's last error, /metrics counts its errors, the log
+has a line for each.
+
+Connections: uvicorn has no header or body timeouts and holds a silent connection forever, so a connection must
+send a request's head within `header_timeout_s` of opening or of its previous response, and a body must arrive
+within `body_timeout_s`; connections beyond `max_connections` get a 503. A server without an API key is a
+loopback server: it answers only requests whose Host is a loopback name (a DNS-rebinding page cannot reach it),
+and every POST must be application/json (a cross-site form or `text/plain` fetch cannot)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import secrets
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from masgraph.serve.agent import Agent, Answer
+from masgraph.serve.guards import (
+    _RETRY,
+    ApiError,
+    _Edge,
+    _Gate,
+    _guarded_protocol,
+    _is_loopback,
+    _Metrics,
+    _Ticket,
+    check_bind,
+)
+from masgraph.serve.openai_api import (
+    ChatRequest,
+    chunk,
+    completion,
+    error_body,
+    extension,
+    lone_surrogate,
+    question_of,
+    usage,
+    validation_message,
+)
+from masgraph.store import RunStore
+from masgraph.streaming import AnswerStream
+from masgraph.trace import Trace
+
+__all__ = ["ServeConfig", "check_bind", "create_app", "serve", "uvicorn_options"]
+
+
+_log = logging.getLogger("uvicorn.error")
+"""The server's own lines go where uvicorn's go (its format, its --log-level)."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the endpoint guards itself. Defaults suit one CPU box; raise them on a GPU server."""
+
+    api_key: str | None = None
+    """Bearer token every /v1 and /metrics request must carry (None: no auth; only for loopback binds)."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body (413 beyond)."""
+    max_concurrency: int = 32
+    """Episodes running at once (their LLM calls batch together). The engine's default batch is 32 rows, so
+    each node's call of every running episode fits one batch; more would wait for later batches inside the
+    episode, against the nodes' own timeouts, instead of in the queue."""
+    max_queue: int = 256
+    """Requests waiting for a slot beyond those; more get 429 with Retry-After at once."""
+    max_wait_s: float | None = None
+    """Longest a request waits in the queue (503 with Retry-After beyond); None: `timeout_s`."""
+    timeout_s: float = 300.0
+    """Limit of one episode, from when it starts (504 beyond; the episode is cancelled)."""
+    store: Path | None = None
+    """Run directory that keeps every episode's trace (events.jsonl); None: traces are not stored."""
+    max_connections: int | None = None
+    """Open connections at once (503 beyond); None: max_concurrency + max_queue + 64 (health checks, scrapes)."""
+    header_timeout_s: float = 10.0
+    """A connection must send a request's head within this of opening or of its previous response."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this of its head (408 beyond)."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this (uvicorn's default)."""
+    max_header_bytes: int = 16 * 1024
+    """Largest request head (h11's default; 400 beyond)."""
+    loopback_hosts_only: bool = True
+    """Without an API key, answer only requests whose Host is a loopback name (DNS rebinding); `serve` turns
+    it off for a keyless public bind (--allow-public-without-key)."""
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.timeout_s if self.max_wait_s is None else self.max_wait_s
+
+    @property
+    def connection_limit(self) -> int:
+        return self.max_connections or self.max_concurrency + self.max_queue + 64
+
+
+def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) -> FastAPI:
+    """The ASGI app serving `agent` as model `model`."""
+    gate = _Gate(config.max_concurrency, config.max_queue, config.queue_wait_s)
+    store = (RunStore(config.store, agent.graph.spec, {"serve": {"model": model, "max_concurrency":
+             config.max_concurrency, "timeout_s": config.timeout_s}}) if config.store is not None else None)
+    metrics, sinks = _Metrics(gate, store), [store] if store is not None else []
+    started, served = int(time.time()), [0]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:  # after uvicorn has drained the in-flight requests; the agent is closed whatever the store does
+            try:
+                if store is not None:
+                    store.close({"episodes": served[0], "store_errors": store.errors})
+            except Exception as exc:
+                _log.error("closing the trace store %s failed: %s: %s", store.path, type(exc).__name__, exc)
+            finally:
+                await agent.aclose()
+
+    app = FastAPI(title=f"masgraph: {model}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind),
+                            status_code=exc.status_code)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        sound = store is None or store.errors == 0
+        return {"status": "ok" if sound else "degraded", "model": model, "in_flight": gate.admitted,
+                "running": gate.running, "queued": gate.admitted - gate.running,
+                "trace_store": None if store is None else {"path": str(store.path), "errors": store.errors,
+                                                           "last_error": store.last_error}}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": started,
+                                            "owned_by": "masgraph"}]}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> PlainTextResponse:
+        authorize(request)
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        authorize(request)
+        _require_json(request)
+        req = _parse(await _read_body(request, config.max_body_bytes, config.body_timeout_s))
+        if req.model != model:
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model!r}", param="model",
+                           code="model_not_found")
+        question = question_of(req)
+        if question is None:
+            raise ApiError(400, "messages: no user message with text content (the question is the last user "
+                                "message)", param="messages")
+        ticket, rid = gate.admit(), uuid.uuid4().hex[:24]
+        if req.stream:  # the background task releases the ticket of a stream cut before its generator started
+            return StreamingResponse(_stream(req, question, rid, ticket), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(ticket.release))
+        try:
+            ans = await _answer(question, rid, ticket, request, conversation=req.masgraph.conversation)
+        finally:
+            ticket.release()
+        return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
+
+    async def _stream(req: ChatRequest, question: str, rid: str, ticket: _Ticket) -> AsyncIterator[str]:
+        """The SSE events of a streaming request: the role, the answer's text as the answer node decodes it, the
+        rest of the answer when the episode ends (all of it when nothing streamed), the finish chunk, usage if
+        asked, [DONE]. A failure after the first event is an OpenAI-style error event, then [DONE]."""
+        stream = agent.answer_stream()
+        answering = asyncio.ensure_future(_answer(question, rid, ticket, None, stream, req.masgraph.conversation))
+        answering.add_done_callback(lambda _: stream.close())  # also when it failed before its episode began
+        try:
+            yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
+            async for text in stream:  # a disconnect cancels this generator (Starlette listens for it) and the episode
+                yield _sse(chunk(rid, model, {"content": text}))
+            try:
+                ans = await answering
+            except ApiError as exc:
+                yield _sse(exc.body)
+                yield "data: [DONE]\n\n"
+                return
+            except Exception as exc:  # a bug: its traceback in the log, an error event to the client
+                _log.error("POST /v1/chat/completions (stream): unexpected error", exc_info=exc)
+                yield _sse(error_body(f"internal server error ({type(exc).__name__}); the server log has the "
+                                      "details", "server_error", code="internal_error"))
+                yield "data: [DONE]\n\n"
+                return
+            rest = stream.rest(ans.answer or "")
+            if rest is None:
+                _log.warning("stream %s (trace %s): the answer node's final answer does not continue the text "
+                             "streamed (it wrote a second answer, or its step was retried); the stream kept what "
+                             "it had sent", rid, ans.trace.episode_id)
+            elif rest:
+                yield _sse(chunk(rid, model, {"content": rest}))
+            final = chunk(rid, model, {}, "stop")
+            if req.masgraph.trace:
+                final["masgraph"] = extension(ans.trace, _store_path())
+            yield _sse(final)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _sse(chunk(rid, model, {}, usage_=usage(ans.trace), choices=False))
+            yield "data: [DONE]\n\n"
+        finally:
+            answering.cancel()  # a client gone: the episode is cancelled
+            with suppress(asyncio.CancelledError):
+                await asyncio.gather(answering, return_exceptions=True)
+            ticket.release()
+
+    async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None,
+                      stream: AnswerStream | None = None, conversation: str | None = None) -> Answer:
+        """The episode of one request, run as its own task: queued, then run within the timeout; cancelled when
+        the client goes away (watched here for a non-streaming `request`). `stream` gets the answer's text;
+        `conversation` names the conversation whose memory it continues (`scope: conversation` memory nodes)."""
+        t0 = time.perf_counter()
+        meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {})}
+        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream))
+        episode.add_done_callback(_retrieved)
+        waits = {episode}
+        if request is not None:
+            waits.add(asyncio.ensure_future(_disconnected(request)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not episode.done():
+                raise ApiError(499, "client closed the request", code="client_closed")
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            metrics.latency.observe(time.perf_counter() - t0)
+        return _outcome(episode)
+
+    async def _episode(question: str, meta: dict[str, str], ticket: _Ticket, stream: AnswerStream | None) -> Answer:
+        """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
+        try:
+            await ticket.start()
+            limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
+            try:
+                async with limit:
+                    return await agent.aask(question, sinks=sinks, meta=meta, stream=stream)
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                raise ApiError(504, f"the episode took longer than the server's {config.timeout_s:g}s limit; it "
+                                    "was cancelled", "timeout_error", code="timeout") from None
+        finally:
+            ticket.release()
+
+    def _outcome(episode: asyncio.Future) -> Answer:
+        """The answer of a finished episode task, or the ApiError that fits how it ended."""
+        if episode.cancelled():  # not by this request (it only cancels an episode it no longer waits for)
+            raise ApiError(503, "the episode was cancelled inside the server before it finished; retry",
+                           "server_error", code="episode_cancelled", headers=_RETRY)
+        exc = episode.exception()
+        if isinstance(exc, ApiError):
+            raise exc
+        if exc is not None:
+            raise exc  # a bug: _Edge logs it and answers 500
+        ans: Answer = episode.result()
+        _count(ans.trace)
+        if not ans.ok:
+            raise _failed(ans.trace)
+        return ans
+
+    def _count(trace: Trace) -> None:
+        served[0] += 1
+        metrics.episodes.labels(trace.status).inc()
+        u = usage(trace)
+        metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
+        metrics.tokens.labels("completion").inc(u["completion_tokens"])
+
+    def _store_path() -> str | None:
+        return str(store.path) if store is not None else None
+
+    app.add_middleware(_Edge, metrics=metrics, check_host=config.api_key is None and config.loopback_hosts_only)
+    return app
+
+
+def _failed(trace: Trace) -> ApiError:
+    """The error of a failed episode: 504 when it ran out of time (the episode's limit or a node's: a node waits
+    for its LLM call on a loaded server), else 500; both carry the trace id."""
+    timed_out = trace.status == "timeout" or any(s.error is not None and s.error.startswith("node timed out")
+                                                 for s in trace.steps)
+    message = f"the agent failed on this question (trace {trace.episode_id}): {trace.error}"
+    if timed_out:
+        return ApiError(504, message, "timeout_error", code="episode_timeout")
+    return ApiError(500, message, "server_error", code=f"episode_{trace.status}")
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's exception as seen (asyncio logs an unseen one as an error when the task is collected)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _require_json(request: Request) -> None:
+    """POST bodies must be declared JSON: a cross-site page can send a form or text/plain without asking the
+    browser's preflight, but not application/json."""
+    media = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, not {media or 'missing'}",
+                       param="Content-Type", code="unsupported_media_type")
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes is over the server's {limit}-byte limit",
+                       code="body_too_large")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise ApiError(413, f"request body is over the server's {limit}-byte limit", code="body_too_large")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within the server's {timeout_s:g}s limit",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ApiError(499, "client closed the request", code="client_closed") from None
+    return bytes(body)
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""Where a JSON body can hold a lone surrogate: an escape (raw surrogate bytes are not UTF-8: a decode error)."""
+
+
+def _parse(body: bytes) -> ChatRequest:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
+    except ValueError:  # an integer longer than Python converts
+        raise ApiError(400, f"the request body has a number of more than {sys.get_int_max_str_digits()} digits",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    if _ESCAPED_SURROGATE.search(body) and (where := lone_surrogate(data)) is not None:
+        raise ApiError(400, f"{where or 'the request body'}: holds a lone UTF-16 surrogate (an escape \\ud800-"
+                            "\\udfff without its pair), which is not text; send valid Unicode",
+                       param=where or None, code="invalid_unicode")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise ApiError(400, message, param=param) from None
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
+    """uvicorn.Config/uvicorn.run keyword arguments that apply `config`'s connection guards."""
+    return {"http": _guarded_protocol(config.header_timeout_s), "limit_concurrency": config.connection_limit,
+            "timeout_keep_alive": config.keep_alive_s, "h11_max_incomplete_event_size": config.max_header_bytes,
+            # a queued request may wait, then run: SIGTERM lets both finish
+            "timeout_graceful_shutdown": int(config.queue_wait_s + config.timeout_s) + 5}
+
+
+def serve(agent: Agent, model: str, host: str, port: int, config: ServeConfig = ServeConfig(),
+          log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; admitted requests finish first."""
+    import uvicorn
+
+    if config.api_key is None and not _is_loopback(host):  # a keyless public bind, asked for: any Host
+        config = dataclasses.replace(config, loopback_hosts_only=False)
+    uvicorn.run(create_app(agent, model, config), host=host, port=port, log_level=log_level,
+                **uvicorn_options(config))
