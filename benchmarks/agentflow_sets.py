@@ -51,7 +51,7 @@ def main() -> int:
     from masgraph.errors import MasgraphError
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks.data import DataTask, DataTaskSpec
 
     data = Path(args.data)

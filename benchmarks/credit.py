@@ -29,7 +29,7 @@ from results_file import results_file
 from masgraph.backends.hf import HFBackend
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import get_task, is_correct
 from masgraph.trainers.flow_grpo import sampling_spec
 

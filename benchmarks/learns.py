@@ -39,7 +39,7 @@ from masgraph.checkpoint import checkpoint_dtype, resolve_checkpoint
 from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.store import read_jsonl
 from masgraph.tasks import get_task, is_correct

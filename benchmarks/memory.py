@@ -46,7 +46,7 @@ from masgraph.checkpoint import resolve_checkpoint
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task, get_task
 from masgraph.trainers.checkpoints import read_train_state

@@ -16,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from masgraph.engine import BackendOptions
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.ray_rollouts import RayConfig, RayEngine
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.engine import BackendOptions
+from masgraph.runtime.ray_engine import RayConfig, RayEngine
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]

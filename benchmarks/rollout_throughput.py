@@ -39,7 +39,7 @@ from masgraph.backends.hf import HFBackend
 from masgraph.device import describe
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec, SamplingSpec
 from masgraph.tasks import get_task
 

@@ -27,7 +27,7 @@ from masgraph.backends.scripted import ScriptedBackend
 from masgraph.cli import ProgressBar
 from masgraph.graph import Graph, GraphBuilder
 from masgraph.node import NodeOutput
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
 
 HERE = Path(__file__).resolve().parent

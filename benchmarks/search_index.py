@@ -39,7 +39,7 @@ def main() -> int:
     from masgraph.agents.tools.search import default_corpus_path, read_documents
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks import get_task, is_correct
     from masgraph.tasks.distractors import write_corpus
 

@@ -37,7 +37,7 @@ ROOT = HERE.parent
 def offline(graph_path: str, task_name: str, questions: list, clients: list[int]) -> dict[int, float]:
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks import get_task
 
     graph, task = compile_spec(load_spec(graph_path)), get_task(task_name)

@@ -30,7 +30,7 @@ from masgraph.backends.hf import HFBackend
 from masgraph.graph import Topology, compile_spec
 from masgraph.graph.space import DecisionSpace
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import get_task, is_correct
 from masgraph.trace import TopologyChoice, Trace
 

@@ -19,7 +19,7 @@ from masgraph.backends.vllm import VLLMBackend
 from masgraph.cli import with_backend
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]

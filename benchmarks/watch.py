@@ -213,7 +213,7 @@ from masgraph.agents.registry import register_agent
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.graph import GraphBuilder
 from masgraph.node import NodeOutput
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.store import new_run_dir
 from masgraph.tasks import Item, Task
 

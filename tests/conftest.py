@@ -82,7 +82,7 @@ def scripted():
 @pytest.fixture
 def runner_for(tmp_path):
     """runner_for(graph, backend, **config) -> a Runner whose every policy is served by `backend`."""
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
 
     def make(graph, backend, **config):
         config.setdefault("runs_dir", str(tmp_path / "runs"))

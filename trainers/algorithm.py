@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from masgraph.events import Sink
 from masgraph.graph import Graph
 from masgraph.learn.learner import Learner
-from masgraph.runner import Runner
+from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task
 from masgraph.topology.policy import TopologyPolicy

@@ -34,7 +34,7 @@ from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import Sink
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
-from masgraph.runner import Runner
+from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task
 from masgraph.trace import LLMCall, Trace

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from masgraph.events import Sink
-from masgraph.runner import Runner
+from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task
 from masgraph.trace import Trace

@@ -21,9 +21,9 @@ from masgraph.learn.counterfactual import META
 from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
 from masgraph.metrics import MetricsSink
-from masgraph.ray_rollouts import RayConfig
 from masgraph.registry import default_registry
-from masgraph.runner import RunConfig, Runner, mean, summarize
+from masgraph.runtime.ray_engine import RayConfig
+from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
 from masgraph.store import RunStore
 from masgraph.tasks import Task

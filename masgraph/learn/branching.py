@@ -10,7 +10,7 @@ step-level credit (`trainers/credit.py`) compares them there. Pure functions; `r
 
 from __future__ import annotations
 
-from masgraph.scheduler import EpisodeInput
+from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.trace import LLMCall, Trace
 
 __all__ = ["OPENING", "fork_step", "replay_prefix", "siblings"]

@@ -14,7 +14,7 @@ import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
-from masgraph.scheduler import EpisodeInput
+from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.trace import LLMCall, Trace
 
 __all__ = ["META", "CallRef", "as_made", "asked", "forced", "sampled", "variants"]

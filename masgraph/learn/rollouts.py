@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from masgraph.events import Sink
 from masgraph.learn import branching, counterfactual
-from masgraph.runner import RunContext, Runner, RunResult
-from masgraph.scheduler import EpisodeInput
+from masgraph.runtime.runner import RunContext, Runner, RunResult
+from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.tasks import Item, Task
 from masgraph.trace import Trace
 

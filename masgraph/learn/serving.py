@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from masgraph.backends.base import SyncedBackend
     from masgraph.graph import Graph
     from masgraph.learn.learner import Learner
-    from masgraph.ray_rollouts import RayConfig
+    from masgraph.runtime.ray_engine import RayConfig
     from masgraph.spec import GraphSpec, PolicySpec
 
 
@@ -77,8 +77,8 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     options = {"deterministic": deterministic, "seed": seed, "log_dir": str(run_dir) if run_dir else None,
                "max_lora_rank": max_lora_rank}
     if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
-        from masgraph.engine import BackendOptions
-        from masgraph.ray_rollouts import RayEngine
+        from masgraph.runtime.engine import BackendOptions
+        from masgraph.runtime.ray_engine import RayEngine
 
         engine = RayEngine(graph, ray, BackendOptions(deterministic, seed=seed))
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])

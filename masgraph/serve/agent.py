@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from masgraph.engine import BackendOptions, Engine
 from masgraph.errors import MasgraphError
 from masgraph.events import Sink
 from masgraph.graph import Graph
+from masgraph.runtime.engine import BackendOptions, Engine
 from masgraph.serve.bundle import Bundle, load_bundle
 from masgraph.streaming import AnswerStream, answer_node
 from masgraph.trace import Trace

@@ -124,7 +124,7 @@ class VerdictCache:
 
 
 class Judge:
-    """Scores responses with a model (`policy`: a bound `masgraph.scheduler.Policy`, e.g. `Engine.policy`).
+    """Scores responses with a model (`policy`: a bound `masgraph.runtime.scheduler.Policy`, e.g. `Engine.policy`).
 
     Example:
         >>> judge = Judge(engine.policy("judge", spec.policy), spec, registry)

@@ -20,7 +20,7 @@ from masgraph.backends.hf import HFBackend
 from masgraph.errors import MasgraphError
 from masgraph.graph import Graph, compile_spec
 from masgraph.loader import load_spec, parse_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.serve.agent import load_agent
 from masgraph.serve.bundle import export_bundle
 from masgraph.spec import GraphSpec, SamplingSpec

@@ -90,10 +90,10 @@ def test_a_yaml_graph_on_the_server_counts_its_tokens(served, tmp_path, capsys):
 def test_a_judge_served_through_litellm_records_the_servers_counts(served, tmp_path, run):
     """The judge on an API (litellm -> the real server): a verdict, its call with the server's token counts, cached
     on the second ask."""
-    from masgraph.engine import Engine
     from masgraph.graph import compile_spec
-    from masgraph.tasks.judge import Judge, JudgeSpec
     from masgraph.loader import load_spec
+    from masgraph.runtime.engine import Engine
+    from masgraph.tasks.judge import Judge, JudgeSpec
 
     model, api_base, _ = served
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,7 +26,7 @@ def head(free_port):
     """`ray start --head --block` in a temp dir of its own (terminating it stops the cluster; `ray stop` would stop
     every Ray on the machine); yields (address, the $RAY_TMPDIR under which plain `ray.init()` finds it, the head
     session's log dir)."""
-    from masgraph.ray_rollouts import check_address
+    from masgraph.runtime.ray_engine import check_address
 
     port = free_port()
     tmpdir = tempfile.mkdtemp(prefix="mgray")  # short: Ray's socket paths live under it

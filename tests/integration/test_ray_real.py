@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from masgraph.engine import BackendOptions
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.engine import BackendOptions
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.store import read_traces
 from masgraph.tasks import get_task
 
@@ -74,7 +74,7 @@ class KillOnFirstFinish:
 @pytest.mark.slow
 @pytest.mark.parametrize("kill", [False, True], ids=["two-workers", "a-worker-killed"])
 def test_two_ray_workers_give_the_one_process_results(graph, one_process, ray_session, tmp_path, kill, busy):
-    from masgraph.ray_rollouts import RayConfig, RayEngine
+    from masgraph.runtime.ray_engine import RayConfig, RayEngine
 
     # 4 in flight (the one-process run had 16): episodes are still queued when the worker dies, so the dead one is
     # found and replaced; deterministic results do not depend on the concurrency either

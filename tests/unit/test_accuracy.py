@@ -13,7 +13,7 @@ from masgraph.agents.registry import register_agent
 from masgraph.cli import ProgressBar, accuracy_line
 from masgraph.graph import GraphBuilder
 from masgraph.node import NodeOutput
-from masgraph.runner import summarize
+from masgraph.runtime.runner import summarize
 from masgraph.tasks import BasicArithmetic, Item, MixedRoutes, is_correct
 from masgraph.trace import Step, Trace
 from masgraph.watch.index import RunIndex

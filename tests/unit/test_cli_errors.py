@@ -16,7 +16,7 @@ import pytest
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.cli import main
 from masgraph.graph import GraphBuilder
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
 
 SCRIPTED_GRAPH = ("name: s\npolicies:\n  main: {backend: scripted}\n"
@@ -28,7 +28,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.cli import run_with_progress
 from masgraph.graph import GraphBuilder
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
 
 class Ones(Task):

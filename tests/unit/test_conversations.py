@@ -11,12 +11,12 @@ import openai
 import pytest
 
 from masgraph.backends.scripted import ScriptedBackend
-from masgraph.engine import Engine
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.memory.conversations import ConversationStores
 from masgraph.memory.store import FactStore
+from masgraph.runtime.engine import Engine
 from masgraph.serve.agent import Agent
 
 GRAPH = """\

@@ -12,7 +12,7 @@ from masgraph.errors import SpecError
 from masgraph.graph import compile_spec
 from masgraph.learn.counterfactual import META, as_made, asked, sampled, variants
 from masgraph.loader import load_spec
-from masgraph.scheduler import EpisodeInput
+from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.tasks import Item, MemoryUpdates, Task, get_task
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.credit import counterfactual_advantages, counterfactual_scales, counterfactual_values
@@ -223,7 +223,7 @@ def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
     import asyncio
 
     from masgraph.backends.base import Request
-    from masgraph.scheduler import Scheduler
+    from masgraph.runtime.scheduler import Scheduler
 
     class Flaky:
         calls = 0

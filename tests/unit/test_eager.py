@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from masgraph.eager import await_within, gather_eager
+from masgraph.runtime.eager import await_within, gather_eager
 
 
 async def instant():

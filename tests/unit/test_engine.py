@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from masgraph.backends.scripted import ScriptedBackend
-from masgraph.engine import Engine
 from masgraph.events import ListSink
 from masgraph.graph import GraphBuilder, Topology
+from masgraph.runtime.engine import Engine
 
 
 def graph():

@@ -23,7 +23,7 @@ LIVE_RUN = '''
 import asyncio, sys
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.graph import GraphBuilder
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
 
 class Ones(Task):

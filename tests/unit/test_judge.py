@@ -11,7 +11,7 @@ from masgraph.backends.base import BackendError
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.errors import MasgraphError
 from masgraph.registry import default_registry
-from masgraph.scheduler import Policy
+from masgraph.runtime.scheduler import Policy
 from masgraph.tasks.data import load_data_task
 from masgraph.tasks.judge import Judge, JudgeSpec, VerdictCache, parse_verdict
 from masgraph.trace import Trace

@@ -21,8 +21,8 @@ def run_cli(args: list[str], block_ray: bool = False) -> subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_local_runs_and_training_import_no_ray():
-    code = ("import sys; import masgraph.cli, masgraph.runner, masgraph.trainers.loop, masgraph.ray_rollouts; "
-            "print('ray' in sys.modules)")
+    code = ("import sys; import masgraph.cli, masgraph.runtime.runner, masgraph.trainers.loop; "
+            "import masgraph.runtime.ray_engine; print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -94,7 +94,7 @@ def test_ray_start_errors_become_one_error_line():
     import pytest
 
     from masgraph.errors import MasgraphError
-    from masgraph.ray_rollouts import RayConfig, connect
+    from masgraph.runtime.ray_engine import RayConfig, connect
 
     class NoCluster:  # what ray.init does for `auto` with no cluster on the machine
         calls: list[dict] = []
@@ -117,7 +117,7 @@ def test_ray_start_errors_become_one_error_line():
 
 
 def test_where_the_cluster_comes_from(monkeypatch):
-    from masgraph.ray_rollouts import cluster_address
+    from masgraph.runtime.ray_engine import cluster_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cluster_address(None) == (None, "")  # a local Ray for the run

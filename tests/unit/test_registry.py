@@ -38,7 +38,7 @@ def test_a_plugin_file_named_in_the_graph_registers_its_agent(tmp_path, run):
     assert "shout" not in default_registry().agents
     graph = compile_spec(load_spec(tmp_path / "g.yaml"), str(tmp_path / "g.yaml"))  # relative to the graph file
     from masgraph.backends.scripted import ScriptedBackend
-    from masgraph.engine import Engine
+    from masgraph.runtime.engine import Engine
 
     trace = run(Engine(graph, backends={"scripted": ScriptedBackend()}).episode("hi there"))
     assert trace.answer == "HI THERE" and trace.status == "ok"

@@ -15,7 +15,7 @@ from masgraph.events import EVENT_SCHEMA_VERSION, ListSink
 from masgraph.graph import GraphBuilder, compile_spec
 from masgraph.loader import load_spec
 from masgraph.node import NodeOutput
-from masgraph.scheduler import EpisodeInput
+from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.store import read_traces
 from masgraph.tasks import Item, Task
 from masgraph.trace import ToolCall
@@ -215,7 +215,7 @@ def test_cancel_stores_finished_and_marks_cancelled(root, scripted, runner_for, 
 def test_scheduler_without_runner_emits_events(root, scripted, run):
     from masgraph.agents.registry import resolve_agents
     from masgraph.agents.tools.registry import build_tools
-    from masgraph.scheduler import Policy, Scheduler
+    from masgraph.runtime.scheduler import Policy, Scheduler
 
     graph = agentflow(root)
     backend = scripted()
@@ -269,7 +269,7 @@ def fan_in_graph(merge="concat", b2="say-x", extra=(), **limits):
 
 
 def run_one(graph, run, scripted=None, query="q"):
-    from masgraph.scheduler import Policy, Scheduler
+    from masgraph.runtime.scheduler import Policy, Scheduler
 
     policies = {n: Policy(n, p, scripted) for n, p in graph.spec.policies.items()} if scripted else {}
     tools = {}
@@ -368,7 +368,7 @@ def test_merge_prefers_real_results(merge, answer, run):
 
 
 def test_merge_of_only_non_results_keeps_them():
-    from masgraph.scheduler import _merge
+    from masgraph.runtime.scheduler import _merge
 
     bad = [("x", NodeOutput(text="Error: a", parse_error="p")), ("y", NodeOutput(text="", no_result=True)),
            ("z", NodeOutput(text="Error: a", tool=ToolCall(tool="t", input="", error="a")))]
@@ -426,7 +426,7 @@ def sync_sleeper(ctx):
 
 @pytest.mark.slow
 def test_sync_agent_does_not_block_other_episodes(run):
-    from masgraph.scheduler import Scheduler
+    from masgraph.runtime.scheduler import Scheduler
 
     graph = GraphBuilder("sync").add_node("solo", role="custom", agent="sync-sleeper", timeout_s=5).compile()
     sched = Scheduler(graph, resolve_agents(graph.spec), {}, {}, concurrency=2)
@@ -446,7 +446,7 @@ def test_sync_agent_node_timeout_is_enforced(run):
 
 def test_an_edge_switched_off_changes_the_route(run):
     from masgraph.graph import Topology
-    from masgraph.scheduler import Scheduler
+    from masgraph.runtime.scheduler import Scheduler
 
     graph = fan_in_graph("concat")  # edges: 0 src->a, 1 src->b1, 2 src->c, 3 a->join, 4 b1->b2, 5 b2->join, 6 c->join
     sched = Scheduler(graph, resolve_agents(graph.spec), {}, {})
@@ -528,8 +528,8 @@ def test_a_batch_of_episodes_runs_with_fewer_gc_passes_and_puts_the_callers_thre
     are back, also when batches overlap or one fails."""
     import gc
 
-    from masgraph.gc_scope import GEN0
-    from masgraph.scheduler import run_bounded
+    from masgraph.runtime.gc_scope import GEN0
+    from masgraph.runtime.scheduler import run_bounded
 
     seen: list[int] = []
 
@@ -606,7 +606,7 @@ def test_an_agent_that_swallows_its_timeout_is_a_timed_out_step(run):
 def test_an_episode_stalled_by_another_agent_blocking_the_loop_is_not_blamed(run):
     """Only the time inside an agent's own code counts: a waiting agent that overran because another one held
     the loop is ok (its timer could not fire either: it returned in the same loop pass)."""
-    from masgraph.scheduler import Scheduler
+    from masgraph.runtime.scheduler import Scheduler
 
     @register_agent("waits-briefly")
     async def waits_briefly(ctx):

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from masgraph.agents import register_agent
-from masgraph.engine import Engine
 from masgraph.errors import SpecError
 from masgraph.graph import Graph, GraphBuilder, compile_spec
+from masgraph.graph.space import DecisionSpace
 from masgraph.loader import load_spec
 from masgraph.node import NodeOutput
+from masgraph.runtime.engine import Engine
 from masgraph.topology.policy import TopologyPolicy
-from masgraph.graph.space import DecisionSpace
 from masgraph.trace import Trace
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo import HRPO

@@ -20,7 +20,7 @@ from masgraph.errors import MasgraphError, SpecError
 from masgraph.events import CheckpointSaved, Credited, EvalFinished, ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
-from masgraph.runner import RunConfig, Runner
+from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.tasks import Item, Task
 from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig, build_rows
 from masgraph.trainers.loop import TrainLoop

@@ -21,7 +21,7 @@ from masgraph.backends.hf.batcher import Batcher, rows_started
 from masgraph.events import ListSink, LLMCallFinished
 from masgraph.graph import GraphBuilder
 from masgraph.node import NodeOutput
-from masgraph.scheduler import EpisodeInput, Policy, Scheduler
+from masgraph.runtime.scheduler import EpisodeInput, Policy, Scheduler
 from masgraph.trace import Trace
 from masgraph.workclock import WAITER, CallWait, Queued, WorkClock
 

@@ -100,7 +100,7 @@ def test_a_graph_runs_on_an_attached_server(vllm_fp32, tmp_path):
     from masgraph.cli import with_backend
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks import get_task
 
     path = str(ROOT / "graphs/agentflow.yaml")
@@ -145,7 +145,7 @@ def test_a_server_that_dies_fails_its_episodes_with_the_log_and_the_run_goes_on(
     from masgraph.cli import with_backend
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks import get_task
 
     backend = VLLMBackend("smollm2-135m", log_dir=tmp_path)
@@ -199,11 +199,11 @@ def test_ray_workers_as_clients_of_one_shared_server(vllm_fp32, tmp_path):
     import ray
 
     from masgraph.cli import with_backend
-    from masgraph.engine import BackendOptions
     from masgraph.graph import compile_spec
     from masgraph.loader import load_spec
-    from masgraph.ray_rollouts import RayConfig, RayEngine
-    from masgraph.runner import RunConfig, Runner
+    from masgraph.runtime.engine import BackendOptions
+    from masgraph.runtime.ray_engine import RayConfig, RayEngine
+    from masgraph.runtime.runner import RunConfig, Runner
     from masgraph.tasks import get_task
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
