@@ -35,8 +35,8 @@ from masgraph.trainers.flow_grpo import sampling_spec
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ARMS = {"episode": {"advantage": "episode"}, "step": {"advantage": "episode+step"},
-        "branching": {"advantage": "episode+step", "branch_width": 1}}
+ARMS = {"episode": {"credit": {"advantage": "episode"}}, "step": {"credit": {"advantage": "episode+step"}},
+        "branching": {"credit": {"advantage": "episode+step"}, "branch_width": 1}}
 
 
 def pass_at_k(graph_path: str, task: str, n: int, k: int, seed: int, checkpoint: str | None = None) -> float:

@@ -43,7 +43,7 @@ from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.store import read_jsonl
 from masgraph.tasks import get_task, is_correct
-from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.config import with_overrides
 from masgraph.trainers.flow_grpo import sampling_spec
 from masgraph.trainers.loop import TrainLoop
 
@@ -147,7 +147,7 @@ def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: in
     (`graph_path` is then its spec.yaml): `minutes` is the whole budget, the time its checkpoint spent included."""
     spec = place(load_spec(graph_path), model, device)
     spec = edit(spec) if edit else spec
-    fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | (flow_grpo or {}))
+    fg = with_overrides(spec.train.flow_grpo, flow_grpo or {})
     cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "budget_clock": clock,
                                         "steps": steps or 10_000, "eval_every": 10_000, "eval_n": eval_n,
                                         "checkpoint_every": checkpoint_every})

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from masgraph.learn.counterfactual import META
 from masgraph.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
-from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.config import FlowGRPOConfig, with_overrides
 from masgraph.trainers.flow_grpo import build_rows
 
 
@@ -101,9 +101,9 @@ def print_rows(run: Path, overrides: dict | None = None) -> None:
     rollouts and scores would have given under them. A term's part of a row is what the row loses when the rows
     are built again with that term's weight at 0 (`build_rows` itself, so the split follows the trainer's rules)."""
     knobs = json.loads((run / "config.json").read_text())["config"]["train"]["flow_grpo"]
-    config = FlowGRPOConfig(**{**knobs, **(overrides or {})})
-    without_format = config.model_copy(update={"format_weight": 0.0})
-    without_decision = config.model_copy(update={"counterfactual_weight": 0.0})
+    config = with_overrides(knobs, overrides or {})  # an older run's flat knobs too
+    without_format = with_overrides(config, {"credit": {"format_weight": 0.0}})
+    without_decision = with_overrides(config, {"counterfactual": {"weight": 0.0}})
     batches = step_batches(run)
     lengths = {c.text.strip(): len(c.completion_ids) for trs in batches.values() for t in trs for s in t.steps
                for c in s.llm if c.completion_ids}  # the tokens of an alternative's row, from a call that wrote it

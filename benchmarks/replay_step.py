@@ -33,7 +33,7 @@ from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.store import read_jsonl
 from masgraph.tasks import get_task
-from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.config import with_overrides
 from masgraph.trainers.loop import TrainLoop
 
 SHOWN = ("rows", "approx_kl", "clip_frac", "kl", "grad_norm", "loss/total", "informative_groups")
@@ -46,7 +46,7 @@ def replay(run: Path, step: int, overrides: dict) -> dict[str, float]:
     train = config["config"]["train"]
     checkpoint = resolve_checkpoint(run / "checkpoints" / f"step-{step - 1}")
     spec = load_spec(run / "spec.yaml")
-    fg = FlowGRPOConfig.model_validate(spec.train.flow_grpo.model_dump() | overrides)
+    fg = with_overrides(spec.train.flow_grpo, overrides)
     cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": train["seed"], "eval_n": train["eval_n"]})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), run / "spec.yaml")
     traces = step_batches(run).get(step)

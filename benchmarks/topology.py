@@ -5,7 +5,7 @@ evaluation not counted, on `--clock` (`cpu`: the process's CPU time, robust to a
 evaluated greedy on the same `--eval-n` held-out items, seed 0's test split):
 
 - `topology`  HRPO on `graphs/mixed_router.yaml`'s query-conditioned topology policy, node policies frozen
-- `gptswarm`  the same with the GPTSwarm-style estimator (`hrpo.baseline: moving_average`)
+- `gptswarm`  the same with the GPTSwarm-style estimator (`algorithm: reinforce`)
 - `cost`      the same as `topology` with an accuracy-vs-cost reward, `hrpo.cost_lambda: --cost-lambda`
 - `joint`     HRPO and Flow-GRPO (planner and verifier adapters) from the same rollouts, `simultaneous`
 - `policy`    Flow-GRPO alone on the best fixed route (the plain graph of the rule's best single route)
@@ -66,18 +66,17 @@ def train_section(arm: str, seed: int, s: argparse.Namespace) -> dict[str, Any]:
     """The `train:` section of one arm (validated by the registry's algorithm model, as in a YAML file)."""
     # eval_n 1: the loop's own end-of-run evaluation is a token one; `evaluate` below measures every arm alike
     common = {"task": TASK, "seed": seed, "max_minutes": s.minutes, "budget_clock": s.clock, "steps": 100_000,
-              "queries_per_step": 4,
-              "eval_every": 0, "eval_n": 1, "checkpoint_every": 100_000, "flow_grpo": {"group_size": 8, "lr": 0.001,
-                                                                           "temperature": 0.7,
-                                                                           "format_weight": s.format_weight}}
+              "queries_per_step": 4, "eval_every": 0, "eval_n": 1, "checkpoint_every": 100_000}
+    nodes = {"flow_grpo": {"group_size": 8, "lr": 0.001, "temperature": 0.7,
+                           "credit": {"format_weight": s.format_weight}}}
     hrpo = {"lr": s.hrpo_lr, "omega": 0.5}
     return {"topology": {"algorithm": "hrpo", "hrpo": hrpo},
-            "gptswarm": {"algorithm": "hrpo", "hrpo": {**hrpo, "baseline": "moving_average"}},
+            "gptswarm": {"algorithm": "reinforce", "reinforce": {"lr": s.hrpo_lr}},
             "cost": {"algorithm": "hrpo", "hrpo": {**hrpo, "cost_lambda": s.cost_lambda}},
-            "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous"},
+            "joint": {"algorithm": "joint", "hrpo": hrpo, "schedule": "simultaneous", **nodes},
             "staged": {"algorithm": "joint", "hrpo": {**hrpo, "no_signal": "skip"}, "schedule": "staged",
-                       "stages": {"topology_steps": s.topology_steps, "node_topology": s.node_topology}},
-            "policy": {"algorithm": "flow_grpo"}}[arm] | common
+                       "stages": {"topology_steps": s.topology_steps, "node_topology": s.node_topology}, **nodes},
+            "policy": {"algorithm": "flow_grpo", **nodes}}[arm] | common
 
 
 def fixed_route_yaml(raw: dict[str, Any], decisions: dict[str, str]) -> dict[str, Any]:

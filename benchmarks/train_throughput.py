@@ -47,6 +47,7 @@ from masgraph.loader import load_spec
 from masgraph.model import resolve_model
 from masgraph.store import read_traces
 from masgraph.tasks import get_task
+from masgraph.trainers.config import with_overrides
 from masgraph.trainers.loop import TrainLoop
 
 HERE = Path(__file__).resolve().parent
@@ -88,8 +89,8 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
     """Flow-GRPO through TrainLoop (rollouts via the Runner); returns config, per-step records, prompts, items."""
     spec = load_spec(ROOT / "graphs" / "single.yaml")
     # zero_variance: keep — train on every row, as TRL does (skipping all-equal groups would do less work)
-    fg = spec.train.flow_grpo.model_copy(update={"zero_variance": "keep",
-                                                 "micro_batch_tokens": args.micro_batch_tokens})
+    fg = with_overrides(spec.train.flow_grpo, {"batching": {"zero_variance": "keep",
+                                                            "micro_batch_tokens": args.micro_batch_tokens}})
     cfg = spec.train.model_copy(update={"steps": args.steps, "eval_every": 0, "eval_n": 1, "checkpoint_every": 10_000,
                                         "flow_grpo": fg, "gradient_checkpointing": args.gradient_checkpointing})
     main = spec.policies["main"]
@@ -122,11 +123,11 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "group_size": cfg.flow_grpo.group_size, "queries_per_step": cfg.queries_per_step,
               "max_completion_tokens": sampling.max_tokens,
               "temperature": cfg.flow_grpo.temperature,
-              "clip": [cfg.flow_grpo.clip_eps_low, cfg.flow_grpo.clip_eps_high],
-              "kl_coef": cfg.flow_grpo.kl_coef, "micro_batch": cfg.flow_grpo.micro_batch,
-              "micro_batch_tokens": cfg.flow_grpo.micro_batch_tokens,
+              "clip": [cfg.flow_grpo.ppo.clip_eps_low, cfg.flow_grpo.ppo.clip_eps_high],
+              "kl_coef": cfg.flow_grpo.ppo.kl_coef, "micro_batch": cfg.flow_grpo.batching.micro_batch,
+              "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
-              "zero_variance": cfg.flow_grpo.zero_variance, "resident_gib": loaded,
+              "zero_variance": cfg.flow_grpo.batching.zero_variance, "resident_gib": loaded,
               "threads": torch.get_num_threads()}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from masgraph.errors import Problem, SpecError, one_of, shorten
-from masgraph.spec import ROLES, GraphSpec
+from masgraph.spec import ROLES, GraphSpec, MovedKeysWarning
 
 if TYPE_CHECKING:
     from masgraph.registry import Registry
@@ -72,7 +73,7 @@ def parse_spec(text: str | bytes, file: str | None = None, registry: Registry | 
     if data.get("plugins") and _unknown_algorithm(raw_train, registry):
         train, train_problems = raw_train, []  # a plugin may register it: compile_spec validates after loading them
     else:
-        train, train_problems = validate_train(raw_train, registry, root)
+        train, train_problems = validate_train(raw_train, registry, root, file)
     problems += train_problems
     if problems or spec is None:
         raise SpecError(problems, file)
@@ -88,8 +89,11 @@ def _unknown_algorithm(raw: Any, registry: Registry) -> bool:
         registry.algorithms
 
 
-def validate_train(raw: Any, registry: Registry, root: yaml.Node | None = None) -> tuple[Any, list[Problem]]:
-    """A `train:` section as its algorithm's model (`algorithm:` picks it; the registry's default if absent)."""
+def validate_train(raw: Any, registry: Registry, root: yaml.Node | None = None,
+                   file: str | None = None) -> tuple[Any, list[Problem]]:
+    """A `train:` section as its algorithm's model (`algorithm:` picks it; the registry's default if absent). Keys
+    that moved since the file was written load in their new place, with one `MovedKeysWarning` per section that
+    gives each old key's file:line and what to write instead."""
     if raw is None or isinstance(raw, BaseModel):
         return raw, []
     if not isinstance(raw, dict):
@@ -102,10 +106,30 @@ def validate_train(raw: Any, registry: Registry, root: yaml.Node | None = None) 
         return None, locate_in([Problem("train.algorithm", f"unknown training algorithm {shorten(str(name))!r}",
                                         fix)], root)
     model = registry.algorithms[name].config
-    try:
-        return model.model_validate({**raw, "algorithm": name}, strict=True), []
-    except ValidationError as exc:
-        return None, problems_from(exc, root, prefix=("train",), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MovedKeysWarning)
+        try:
+            train = model.model_validate({**raw, "algorithm": name}, strict=True)
+        except ValidationError as exc:
+            train, problems = None, problems_from(exc, root, prefix=("train",), model=model)
+        else:
+            problems = []
+    for w in caught:
+        if isinstance(w.message, MovedKeysWarning):
+            _warn_located(w.message, root, file)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return train, problems
+
+
+def _warn_located(moved: MovedKeysWarning, root: yaml.Node | None, file: str | None) -> None:
+    """`moved` again, its keys under `train:`, each with its file:line."""
+    moved = moved.under("train.")
+    where = {}
+    for old, _ in moved.moves:
+        [p] = locate_in([Problem(old, "")], root)
+        where[old] = f"{file or '<spec>'}" + (f":{p.line}" if p.line is not None else "")
+    warnings.warn(moved.under("", where), stacklevel=4)
 
 
 def _remember(spec: GraphSpec, root: yaml.Node | None) -> None:

@@ -14,6 +14,23 @@ from masgraph.errors import one_of, shorten
 SCHEMA_VERSION = 1
 
 
+class MovedKeysWarning(FutureWarning):
+    """Keys of a graph file that moved (same meaning, new place) or that nothing reads: the file still loads, and
+    the warning names each key's new place (the loader adds its file:line)."""
+
+    def __init__(self, moves: list[tuple[str, str]], dropped: str = "", where: dict[str, str] | None = None):
+        self.moves, self.dropped, self.where = moves, dropped, where or {}
+        """(old key path, new key path; "" for a key nothing reads, `dropped` saying why), and old path -> file:line."""
+        super().__init__("\n  ".join(
+            ["keys of the graph file moved (it loads as before; write the new keys):"]
+            + [f"{self.where.get(old, '') + ': ' if old in self.where else ''}`{old}` "
+               + (f"moved to `{new}`" if new else f"is not read ({dropped}): delete it") for old, new in moves]))
+
+    def under(self, prefix: str, where: dict[str, str] | None = None) -> MovedKeysWarning:
+        """The same moves with their paths under `prefix` (e.g. `train.`)."""
+        return MovedKeysWarning([(prefix + o, prefix + n if n else "") for o, n in self.moves], self.dropped, where)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 

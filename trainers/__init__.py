@@ -9,12 +9,20 @@ def register(registry) -> None:
     one loop (`TrainLoop`) drives them all."""
     from masgraph.registry import Algorithm
     from masgraph.trainers.checks import flow_grpo_problems, joint_problems, topology_problems
-    from masgraph.trainers.config import DEFAULT_ALGORITHM, HRPOTrainSpec, JointTrainSpec, TrainSpec
+    from masgraph.trainers.config import (
+        DEFAULT_ALGORITHM,
+        HRPOTrainSpec,
+        JointTrainSpec,
+        ReinforceTrainSpec,
+        TrainSpec,
+    )
 
     registry.algorithms["flow_grpo"] = Algorithm("flow_grpo", TrainSpec, flow_grpo_problems, train_loop,
                                                  lambda: _import("flow_grpo", "FlowGRPO"))
     registry.algorithms["hrpo"] = Algorithm("hrpo", HRPOTrainSpec, topology_problems, train_loop,
                                             lambda: _import("hrpo", "HRPO"))
+    registry.algorithms["reinforce"] = Algorithm("reinforce", ReinforceTrainSpec, topology_problems, train_loop,
+                                                 lambda: _import("reinforce", "Reinforce"))
     registry.algorithms["joint"] = Algorithm("joint", JointTrainSpec, joint_problems, train_loop,
                                              lambda: _import("joint", "Joint"))
     registry.default_algorithm = registry.default_algorithm or DEFAULT_ALGORITHM

@@ -126,6 +126,9 @@ def check_lora_shapes(adapters: dict[str, Path], config: Any, learner: Learner) 
     compared with what the graph's `lora_targets` resolved to on this model, as the attached adapter records them
     (Phi3's `qkv_proj` for q_proj/v_proj; `all-linear` expanded to module names), which is what a checkpoint
     saves."""
+    if not hasattr(config, "lora_rank"):  # a topology-only algorithm: its untrained adapters load in their own shape
+        return
+
     def sort(targets: Any) -> Any:  # peft keeps a list of names, or one regex string
         return sorted(targets) if isinstance(targets, (list, tuple, set)) else targets
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from masgraph.errors import Problem, one_of, shorten
 from masgraph.registry import Registry
 from masgraph.spec import GraphSpec
-
-if TYPE_CHECKING:
-    from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.config import FlowGRPOConfig, TrainSpec
 
 LEARNABLE_BACKENDS = ("hf", "vllm")
 """Backends whose policies the learner trains: both serve the local base model the learner loads, as LoRA adapters."""
@@ -35,46 +31,46 @@ def flow_grpo_problems(spec: GraphSpec, registry: Registry) -> list[Problem]:
             problems.append(Problem(f"policies.{pname}.adapter", f"adapter {shorten(pol.adapter)!r} is also trained "
                                     f"by policy {shorten(adapters[pol.adapter])!r}",
                                     "give each trainable policy its own adapter"))
-    flow_grpo = getattr(spec.train, "flow_grpo", None)
-    if flow_grpo is not None:
-        problems += node_knob_problems(flow_grpo, spec.trainable_adapters())
+    if isinstance(spec.train, TrainSpec):  # its Flow-GRPO knobs (joint training's too)
+        problems += node_knob_problems(spec.train.flow_grpo, spec.trainable_adapters())
     return problems
 
 
 def node_knob_problems(config: FlowGRPOConfig, trainable: dict[str, str]) -> list[Problem]:
-    """The per-node Flow-GRPO knobs (`node_lr`, `node_temperature`, `counterfactual`) name trainable nodes with
-    usable values, and the nodes of one adapter agree on `node_lr` and `node_temperature`; `counterfactual_rows` and
-    `counterfactual_advantage: replace` have alternatives to use. `trainable` maps node -> adapter. Checked by
-    `masgraph validate` and again when the trainer is built (a Python-built graph)."""
+    """The per-node Flow-GRPO knobs (`node_lr`, `node_temperature`, `counterfactual.alternatives`) name trainable
+    nodes with usable values, and the nodes of one adapter agree on `node_lr` and `node_temperature`; the other
+    `counterfactual` knobs have alternatives to use. `trainable` maps node -> adapter. Checked by `masgraph validate`
+    and again when the trainer is built (a Python-built graph)."""
     problems = []
     where = "train.flow_grpo"
-    for knob in ("node_lr", "node_temperature", "counterfactual"):
-        for node, value in getattr(config, knob).items():
+    cf = config.counterfactual
+    for knob, values in (("node_lr", config.node_lr), ("node_temperature", config.node_temperature),
+                         ("counterfactual.alternatives", cf.alternatives)):
+        for node, value in values.items():
             if node not in trainable:
                 problems.append(Problem(f"{where}.{knob}.{node}", f"{shorten(node)!r} is not a trainable node",
                                         f"use one of {one_of(trainable)}"))
-            elif knob != "counterfactual" and not value > 0:
+            elif not knob.startswith("counterfactual") and not value > 0:
                 problems.append(Problem(f"{where}.{knob}.{node}", f"must be above 0 (got {value})"))
-            elif knob == "counterfactual" and (len({a.strip() for a in value}) < 2
-                                               or not all(a.strip() for a in value)):
-                problems.append(Problem(f"{where}.counterfactual.{node}", f"needs two or more distinct, non-empty "
+            elif knob.startswith("counterfactual") and (len({a.strip() for a in value}) < 2
+                                                        or not all(a.strip() for a in value)):
+                problems.append(Problem(f"{where}.{knob}.{node}", f"needs two or more distinct, non-empty "
                                         f"completions (got {shorten(repr(value))})", "list the outputs the node "
                                         "chooses among, e.g. [\"Operation: ADD\", \"Operation: NOOP\"]"))
     if not problems:  # the nodes of one adapter (and so of one policy) must agree on its learning rate, temperature
         for knob, default, what in (("node_lr", config.lr, "learning rates"),
                                     ("node_temperature", config.temperature, "temperatures")):
             problems += owner_values(knob, getattr(config, knob), default, trainable, "adapter", what)[1]
-    if config.counterfactual_advantage == "replace" and not config.counterfactual:
-        problems.append(Problem(f"{where}.counterfactual_advantage", "`replace` needs `counterfactual` (the scores "
-                                "that replace the outcome advantage)", "list a node's alternatives under "
-                                "`counterfactual:`, or drop `counterfactual_advantage`"))
-    for knob, what in (("counterfactual_rows", "the alternatives to force"),
-                       ("counterfactual_probes", "the alternatives to score on the probes"),
-                       ("counterfactual_decisions", "the decisions to draw from"),
-                       ("counterfactual_norm", "the advantages to normalise")):
-        if getattr(config, knob) and not config.counterfactual:
-            problems.append(Problem(f"{where}.{knob}", f"needs `counterfactual` ({what})",
-                                    f"list a node's alternatives under `counterfactual:`, or drop `{knob}`"))
+    if cf.advantage == "replace" and not cf.alternatives:
+        problems.append(Problem(f"{where}.counterfactual.advantage", "`replace` needs `counterfactual.alternatives` "
+                                "(the scores that replace the outcome advantage)", "list a node's alternatives under "
+                                "`counterfactual: {alternatives: ...}`, or drop `counterfactual.advantage`"))
+    for knob, what in (("rows", "the alternatives to force"), ("probes", "the alternatives to score on the probes"),
+                       ("decisions", "the decisions to draw from"), ("norm", "the advantages to normalise")):
+        if getattr(cf, knob) and not cf.alternatives:
+            problems.append(Problem(f"{where}.counterfactual.{knob}", f"needs `counterfactual.alternatives` ({what})",
+                                    "list a node's alternatives under `counterfactual: {alternatives: ...}`, or "
+                                    f"drop `counterfactual.{knob}`"))
     return problems
 
 

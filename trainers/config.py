@@ -3,40 +3,75 @@ validates without importing torch). `masgraph.trainers` registers them; the core
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from masgraph.spec import MovedKeysWarning
 
-class FlowGRPOConfig(BaseModel):
-    """Knobs of Flow-GRPO (defaults from the paper and its released config, LoRA learning rate ours)."""
 
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    group_size: int = Field(8, ge=1)
-    """G: rollouts per query."""
+
+class CreditConfig(_Section):
+    """Flow-GRPO's credit: which advantage each trainable call is pushed by."""
+
+    advantage: Literal["episode", "step", "episode+step"] = "episode"
+    """`episode` broadcasts the trajectory's group advantage to all its calls (the paper); `step` uses each step's
+    advantage within its anchor-state group (steps of the group's trajectories in the same node with the same input:
+    GiGPO, trainers/credit.py); `episode+step` adds the two, the step term weighted by `step_weight`."""
+    group_by: Literal["query", "query_node"] = "query"
+    """Advantage groups: the G trajectories of a query, or of a query per node."""
+    step_weight: float = Field(1.0, ge=0)
+    """w in A = A^E + w * A^S (`advantage: episode+step`; GiGPO's default 1)."""
+    step_gamma: float = Field(1.0, gt=0, le=1)
+    """Discount of a step's return: gamma^(steps after it) * the trajectory's reward (1: the outcome itself)."""
+    format_weight: float = Field(0.0, ge=0)
+    """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
+    group, each call of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that
+    node's calls in the group (`credit.step_format_advantages`), so a node whose format can drift without changing
+    the outcome is pushed back to it, and no other node is. 0: outcome only (the paper)."""
+    parse_penalty: float = Field(0.0, ge=0)
+    """Subtracted from the outcome reward of an episode in which any step's output failed to parse (format
+    shaping, like R1's format reward). 0 = outcome reward only, as in the paper."""
+    entropy_bonus: float = Field(0.0, ge=0)
+    """beta of an entropy bonus on every trainable call: each sampled token's advantage gains beta * its surprisal
+    (-log pi_old of the token, at its sampling temperature), the REINFORCE estimate of the entropy's gradient
+    (`pg_math.surprisal_bonus`); it needs no full-vocabulary pass and acts on every token of a completion, also in
+    groups whose outcome has no signal. The advantage the TUI shows per call is the row's, before this term.
+    0: off (the paper)."""
+    adv_eps: float = Field(1e-6, ge=0)
+    """Added to the group's std."""
+
+
+class PPOConfig(_Section):
+    """Flow-GRPO's loss and optimizer steps (PPO-clip plus k3 KL to the reference, as in verl)."""
+
     clip_eps_low: float = Field(0.2, ge=0)
     """PPO clip below 1 (ratio floor 1 - eps_low)."""
     clip_eps_high: float = Field(0.3, ge=0)
     """PPO clip above 1 (clip-higher, as in AgentFlow's config)."""
     dual_clip: float | None = Field(None, gt=1)
     """c of dual-clip PPO: a negative-advantage token's loss is capped at -c A, so one whose probability ratio to
-    the rollout's has grown past c pushes nothing (the PPO clip alone leaves -rho A unbounded for A < 0). Acts on
-    off-policy mini-batches (`num_mini_batches` or `ppo_epochs` above 1). verl sets 3 (`clip_ratio_c`). None: off."""
+    the rollout's has grown past c pushes nothing. Acts on off-policy mini-batches (`num_mini_batches` or `epochs`
+    above 1). verl sets 3 (`clip_ratio_c`). None: off."""
     kl_coef: float = Field(0.001, ge=0)
     """beta: weight of the k3 KL to the reference policy."""
-    lr: float = Field(5e-5, gt=0)
-    """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
-    node_lr: dict[str, float] = Field(default_factory=dict)
-    """Per-node learning rate overrides, by trainable node name (the nodes of a shared adapter need one value:
-    override all of them or none)."""
-    node_temperature: dict[str, float] = Field(default_factory=dict)
-    """Per-node overrides of `temperature`, by trainable node name (the nodes of a shared policy need one value):
-    e.g. more exploration for a node whose output is one of a few decisions (a memory manager's operation)."""
     loss_agg: Literal["token-mean", "nested"] = "token-mean"
     """token-mean: all tokens weigh the same (the released code); nested: trajectory -> turn -> token means (Eq. 10)."""
-    group_by: Literal["query", "query_node"] = "query"
-    """Advantage groups: the G trajectories of a query, or of a query per node."""
+    epochs: int = Field(1, ge=1)
+    """Passes over a step's rollouts; above 1, later passes are off-policy and the PPO clip acts (verl)."""
+    num_mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch: each epoch shuffles the rows (seeded) into this many mini-batches."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping per adapter."""
+
+
+class BatchingConfig(_Section):
+    """Which groups a step trains on, and how its rows are cut into forward passes."""
+
     zero_variance: Literal["skip", "keep", "resample"] = "skip"
     """Groups whose rewards are all equal: drop their rows; keep them (advantage 0; KL term only); or drop
     them and roll out fresh queries in their place (DAPO's dynamic sampling, up to `resample_rounds`)."""
@@ -44,98 +79,6 @@ class FlowGRPOConfig(BaseModel):
     """With `zero_variance: resample`: extra rollout rounds per step to replace zero-variance groups."""
     stragglers: Literal["drop", "zero"] = "drop"
     """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
-    parse_penalty: float = Field(0.0, ge=0)
-    """Subtracted from the outcome reward of an episode in which any step's output failed to parse (format
-    shaping, like R1's format reward). 0 = outcome reward only, as in the paper."""
-    advantage: Literal["episode", "step", "episode+step"] = "episode"
-    """Credit: `episode` broadcasts the trajectory's group advantage to all its calls (the paper); `step` uses each
-    step's advantage within its anchor-state group (steps of the group's trajectories in the same node with the
-    same input: GiGPO, trainers/credit.py); `episode+step` adds the two, the step term weighted by `step_weight`."""
-    step_weight: float = Field(1.0, ge=0)
-    """w in A = A^E + w * A^S (`advantage: episode+step`; GiGPO's default 1)."""
-    step_gamma: float = Field(1.0, gt=0, le=1)
-    """Discount of a step's return: gamma^(steps after it) * the trajectory's reward (1: the outcome itself)."""
-    branch_width: int = Field(0, ge=0)
-    """Branching rollouts (ARPO, masgraph/branching.py): a query's `group_size` episodes are roots each followed by
-    this many siblings that replay the root up to its least certain trainable step and sample from there (the
-    group keeps its size); pair with `advantage: episode+step` so siblings compare where they split. 0: off."""
-    format_weight: float = Field(0.0, ge=0)
-    """Weight of each node's own format advantage, added to the outcome advantage of its calls: within a query's
-    group, each call of a node scores -1 when its output failed to parse and 0 otherwise, normalised over that
-    node's calls in the group (`credit.step_format_advantages`; a call fails by its own flag where its node sets
-    one, as a memory manager does per fact, else by its step's). A node whose format can drift without changing the
-    outcome (a verifier whose unparseable verdict falls back to `continue`, after which the loop bound still exits)
-    is pushed back to its format, which the outcome alone never does, also in a group whose outcome has no signal.
-    Unlike `parse_penalty`, the push lands on the node that broke its format only. 0: outcome only (the paper)."""
-    entropy_bonus: float = Field(0.0, ge=0)
-    """beta of an entropy bonus on every trainable call: each sampled token's advantage gains beta * its surprisal
-    (-log pi_old of the token, at the temperature it was sampled), the REINFORCE estimate of the entropy's gradient
-    (`pg_math.surprisal_bonus`), so a rarely sampled choice is pushed up and a certain token (surprisal ~0) is left
-    alone. It needs no full-vocabulary pass, and it also acts on groups whose outcome has no signal (their rows are
-    kept with outcome advantage 0, which makes a step's update dearer). It acts on every token of a completion:
-    on the memory task (RESULTS.md, "Memory round 4") the entropy it bought went into the words after the manager's
-    operation while the operation itself still collapsed to one choice. The advantage the TUI shows per call is the
-    row's, before this per-token term. 0: off (the paper)."""
-    counterfactual: dict[str, list[str]] = Field(default_factory=dict)
-    """Counterfactual credit (masgraph/counterfactual.py), per trainable node whose calls choose among a closed set
-    of completions: those completions, e.g. `{memory: ["Operation: ADD", "Operation: UPDATE", "Operation:
-    DELETE", "Operation: NOOP"]}`. After each step's rollouts every call of such a node is re-scored with each
-    alternative in its place (the rest of the record replayed, the later nodes run afresh), and the call's
-    advantage gains `counterfactual_weight` * (its episode's reward - the mean of those scores), COMA's baseline:
-    a decision is credited against the ones it did not take, also in a group whose episodes all scored alike.
-    Costs one extra episode per call and alternative (each replays the record, so only the later nodes decode).
-    Empty: off (the paper)."""
-    counterfactual_weight: float = Field(1.0, ge=0)
-    """w in A = A^E + ... + w * A^C for the calls of `counterfactual` nodes."""
-    counterfactual_advantage: Literal["add", "replace"] = "add"
-    """`add`: a scored call's w * A^C joins its outcome (and step) advantage. `replace`: it takes their place, as in
-    COMA, where R - mean(Q) is the decision's whole advantage: the outcome advantage gives every decision of an
-    episode the same push, so on a node making many decisions per episode it is mostly noise about any one of
-    them (a call left unscored, e.g. in an episode that failed, keeps the outcome advantage; the format advantage
-    stays)."""
-    counterfactual_rows: bool = False
-    """With `counterfactual`: also train on each alternative a call did not write and that scored above the mean of
-    the call's scores, teacher-forced after the call's prompt (its tokens, then the call's own stop token), pushed
-    up by `counterfactual_weight` * (its score - that mean); worse alternatives are not pushed down (an unsampled,
-    unlikely completion pushed down has no bound: the KL ran away on the memory task, RESULTS.md round 5b). A
-    choice the policy rarely samples but that would have scored higher is pushed up without waiting to be sampled
-    (an all-action update, as mean actor-critic; not importance-weighted, so it moves the policy towards the better
-    choices faster than the sampled-only gradient and is not unbiased for it).
-    Needs a learner with a tokenizer (the HF learner). False: the sampled calls only."""
-    counterfactual_norm: bool = False
-    """With `counterfactual`: divide each node's counterfactual advantages, and its alternatives' rows, by their root
-    mean square over the node's scored calls in the step (Dr.MAS's per-agent normalisation, arXiv 2602.08847, on
-    the decision term; no re-centring: COMA's baseline already centres each decision, and a call whose alternatives
-    scored alike stays 0). The term is then on the unit scale of the (normalised) outcome, step and format terms
-    whatever one decision moves the score, and `counterfactual_weight` alone sets its share. Why: on the memory
-    task a decision's raw term is ~0.17 and the format term carried 73-83 % of the first steps' updates
-    (RESULTS.md, "where does the update's direction come from?"). False: raw score differences."""
-    counterfactual_probes: bool = False
-    """With `counterfactual`: score each decision on the task's probe questions too (`Task.probes`: further questions
-    on the same input; `memory_updates` asks where each other person of the stream lives now), Q being the mean
-    over the item's own question and its probes; the call's own Q is then that mean for the episode as made (its
-    record replayed up to the decision's step), not the episode's reward. A decision that the item's question
-    does not read (a memory manager's choice about another person) then still gets a signal. The decisions must
-    not read the question (a memory manager sees the facts only: its recorded calls are replayed under another
-    question). Costs one more episode per probe for each variant and each step as made (only the later nodes
-    decode). False: the item's own question only. A task without probes scores as False."""
-    counterfactual_decisions: int = Field(0, ge=0)
-    """With `counterfactual`: score at most this many decisions of each episode, drawn uniformly per episode (seeded
-    by the run's seed, the item and the sample, so a resumed run draws the same); the others get no counterfactual
-    term, as an unscored call (with `counterfactual_advantage: replace` they keep the outcome advantage). Caps a
-    step's scoring cost, one episode per decision and alternative (times 1 + probes), where episodes make many
-    decisions. 0: every decision."""
-    adv_eps: float = Field(1e-6, ge=0)
-    """Added to the group's std."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of trainable policies during training rollouts (the update recomputes each
-    row's logprobs at the temperature its call was recorded with)."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over a step's rollouts; above 1, later passes are off-policy and the PPO clip acts (verl)."""
-    num_mini_batches: int = Field(1, ge=1)
-    """Optimizer steps per epoch: each epoch shuffles the rows (seeded) into this many mini-batches."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient clipping per adapter."""
     micro_batch: int = Field(16, ge=1)
     """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per
     pass)."""
@@ -144,10 +87,142 @@ class FlowGRPOConfig(BaseModel):
     and logits grow with tokens, not rows); None = rows only."""
 
 
-class HRPOConfig(BaseModel):
-    """Knobs of HRPO, the topology policy's trainer (reconstructed from MasHost; see trainers/hrpo.py)."""
+class CounterfactualConfig(_Section):
+    """Counterfactual credit (masgraph.learn.counterfactual): a decision credited against the ones it did not take."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    alternatives: dict[str, list[str]] = Field(default_factory=dict)
+    """Per trainable node whose calls choose among a closed set of completions: those completions, e.g. `{memory:
+    ["Operation: ADD", "Operation: UPDATE", "Operation: DELETE", "Operation: NOOP"]}`. After each step's rollouts
+    every call of such a node is re-scored with each alternative in its place (the rest of the record replayed, the
+    later nodes run afresh), and the call's advantage gains `weight` * (its episode's reward - the mean of those
+    scores), COMA's baseline. Costs one extra episode per call and alternative. Empty: off (the paper)."""
+    weight: float = Field(1.0, ge=0)
+    """w in A = A^E + ... + w * A^C for the calls of the `alternatives` nodes."""
+    advantage: Literal["add", "replace"] = "add"
+    """`add`: a scored call's w * A^C joins its outcome (and step) advantage. `replace`: it takes their place, as in
+    COMA, where R - mean(Q) is the decision's whole advantage (a call left unscored keeps the outcome advantage;
+    the format advantage stays)."""
+    rows: bool = False
+    """Also train on each alternative a call did not write and that scored above the mean of the call's scores,
+    teacher-forced after the call's prompt, pushed up by `weight` * (its score - that mean); worse alternatives are
+    not pushed down (an unsampled, unlikely completion pushed down has no bound). Not importance-weighted: faster
+    towards the better choices, not unbiased. Needs a learner with a tokenizer (the HF learner). False: the sampled
+    calls only."""
+    norm: bool = False
+    """Divide each node's counterfactual advantages, and its alternatives' rows, by their root mean square over the
+    node's scored calls in the step (Dr.MAS's per-agent normalisation, arXiv 2602.08847, on this term alone), so
+    `weight` alone sets the term's share whatever one decision moves the score. False: raw score differences."""
+    probes: bool = False
+    """Score each decision on the task's probe questions too (`Task.probes`), Q being the mean over the item's own
+    question and its probes; the call's own Q is then that mean for the episode as made. The decisions must not
+    read the question. Costs one more episode per probe for each variant and each step as made. A task without
+    probes scores as False."""
+    decisions: int = Field(0, ge=0)
+    """Score at most this many decisions of each episode, drawn uniformly per episode (seeded by the run's seed,
+    the item and the sample, so a resumed run draws the same); the others get no counterfactual term. Caps a step's
+    scoring cost. 0: every decision."""
+
+
+FLOW_GRPO_MOVES: dict[str, str] = {
+    **{k: f"credit.{k}" for k in CreditConfig.model_fields},
+    **{k: f"ppo.{k}" for k in PPOConfig.model_fields if k != "epochs"}, "ppo_epochs": "ppo.epochs",
+    **{k: f"batching.{k}" for k in BatchingConfig.model_fields},
+    **{f"counterfactual_{k}": f"counterfactual.{k}" for k in CounterfactualConfig.model_fields if k != "alternatives"},
+}
+"""Flat `flow_grpo:` keys of graph files written before the knobs were nested -> their new place."""
+
+
+def migrate_flow_grpo(data: Any, prefix: str = "") -> tuple[Any, list[tuple[str, str]]]:
+    """A `flow_grpo:` mapping with its old flat keys moved to their nested place (same values, same meaning), and
+    the moves made (old path, new path, both under `prefix`). A key given both ways is left for validation to
+    refuse; anything not a mapping is returned as it is."""
+    if not isinstance(data, dict):
+        return data, []
+    out, moves = dict(data), []
+    cf = out.get("counterfactual")
+    if isinstance(cf, dict) and any(isinstance(v, list) for v in cf.values()):  # node -> alternatives: the old form
+        out["counterfactual"] = {"alternatives": cf}
+        moves.append((f"{prefix}counterfactual", f"{prefix}counterfactual.alternatives"))
+    for old, new in FLOW_GRPO_MOVES.items():
+        if old not in out:
+            continue
+        section, key = new.split(".")
+        target = out.get(section, {})
+        if not isinstance(target, dict) or key in target:
+            raise ValueError(f"`{old}` moved to `{new}`, which is also given: keep `{new}` only")
+        out[section] = {**target, key: out.pop(old)}
+        moves.append((prefix + old, prefix + new))
+    return out, moves
+
+
+def warn_moved(moves: list[tuple[str, str]], dropped: str = "") -> None:
+    """One `MovedKeysWarning` for `moves` (old path, new path; "" for a key dropped because nothing reads it)."""
+    if moves:
+        warnings.warn(MovedKeysWarning(moves, dropped), stacklevel=4)
+
+
+def with_overrides(config: FlowGRPOConfig | dict[str, Any], overrides: dict[str, Any]) -> FlowGRPOConfig:
+    """`config` (a model, or a `flow_grpo:` mapping such as an older run's config.json holds) with `overrides`
+    applied key by key (`--set` knobs of the benchmarks), both in old flat keys or new ones, validated like YAML."""
+    base = config.model_dump() if isinstance(config, BaseModel) else config
+    (base, moved), (over, moved_too) = migrate_flow_grpo(base), migrate_flow_grpo(overrides)
+    warn_moved(moved + moved_too)
+    merged = {**base, **{k: {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict)
+                         and k in SECTIONS else v for k, v in over.items()}}
+    return FlowGRPOConfig.model_validate(merged)
+
+
+SECTIONS = ("credit", "ppo", "batching", "counterfactual")
+
+
+class FlowGRPOConfig(_Section):
+    """Knobs of Flow-GRPO (defaults from the paper and its released config, LoRA learning rate ours), by concern."""
+
+    group_size: int = Field(8, ge=1)
+    """G: rollouts per query."""
+    lr: float = Field(5e-5, gt=0)
+    """Adam learning rate of every adapter (LoRA wants far more than the paper's full-FT 1e-6)."""
+    node_lr: dict[str, float] = Field(default_factory=dict)
+    """Per-node learning rate overrides, by trainable node name (the nodes of a shared adapter need one value:
+    override all of them or none)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of trainable policies during training rollouts (the update recomputes each
+    row's logprobs at the temperature its call was recorded with)."""
+    node_temperature: dict[str, float] = Field(default_factory=dict)
+    """Per-node overrides of `temperature`, by trainable node name (the nodes of a shared policy need one value):
+    e.g. more exploration for a node whose output is one of a few decisions (a memory manager's operation)."""
+    branch_width: int = Field(0, ge=0)
+    """Branching rollouts (ARPO, masgraph.learn.branching): a query's `group_size` episodes are roots each followed
+    by this many siblings that replay the root up to its least certain trainable step and sample from there (the
+    group keeps its size); pair with `credit.advantage: episode+step` so siblings compare where they split. 0: off."""
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    """Which advantage each trainable call is pushed by."""
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    """The loss and its optimizer steps."""
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    """Which groups a step trains on, and the forward passes' size."""
+    counterfactual: CounterfactualConfig = Field(default_factory=CounterfactualConfig)
+    """Counterfactual credit (off unless `alternatives` are given)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys_moved(cls, data: Any) -> Any:
+        """Old flat keys (`clip_eps_low: 0.2`, `counterfactual: {memory: [...]}`) load in their new place, with a
+        `MovedKeysWarning` naming it."""
+        data, moves = migrate_flow_grpo(data)
+        warn_moved(moves)
+        return data
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> FlowGRPOConfig:
+        """As pydantic's, but an update with old flat keys (which would set nothing the trainer reads) is applied in
+        their new place, validated (`with_overrides`)."""
+        if update and any(k not in type(self).model_fields for k in update):
+            return with_overrides(self, update)
+        return super().model_copy(update=update, deep=deep)
+
+
+class HRPOConfig(_Section):
+    """Knobs of HRPO, the topology policy's trainer (reconstructed from MasHost; see trainers/hrpo.py)."""
 
     group_size: int = Field(8, ge=2)
     """G: topologies sampled (and episodes run) per query (at least 2: advantages are relative to the group)."""
@@ -170,17 +245,47 @@ class HRPOConfig(BaseModel):
     step received it and no later prompt showed it; component rationality)."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer steps per batch of rollouts (the clip acts from the second)."""
-    baseline: Literal["group", "moving_average"] = "group"
-    """`group`: HRPO's group-relative advantages (+ action-wise); `moving_average`: the GPTSwarm-style baseline
-    (REINFORCE on whole-topology log-probs, moving-average baseline, no group normalisation, no action terms)."""
-    momentum: float = Field(0.9, ge=0, lt=1)
-    """Moving-average momentum (`baseline: moving_average`)."""
     no_signal: Literal["learn", "skip"] = "learn"
     """A group whose episodes all got the same *task* reward (every route failed, or every route worked): `learn`
     from it anyway (its token costs and action-wise terms then decide alone, pushing the cheapest route), or
     `skip` it, as Flow-GRPO skips zero-variance groups. In joint training, a route can fail only because its node
     has not learned yet; `skip` keeps the topology from forgetting that route before it has been tried with the
     current node policies (see trainers/joint.py)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _baseline_is_an_algorithm(cls, data: Any) -> Any:
+        """`baseline: moving_average` was GPTSwarm's REINFORCE inside HRPO; it is its own algorithm now (a located
+        error naming it, never a silent switch). `baseline: group` (HRPO itself) and the `momentum` it ignored are
+        dropped with a warning."""
+        if not isinstance(data, dict) or "baseline" not in data and "momentum" not in data:
+            return data
+        if data.get("baseline", "group") != "group":
+            raise ValueError(f"`baseline: {data['baseline']}` was GPTSwarm's REINFORCE inside HRPO, now its own "
+                             "algorithm: write `algorithm: reinforce` with its knobs under `reinforce:` (lr, "
+                             "momentum, cost_lambda, group_size, no_signal, epochs), and drop `baseline`")
+        data = dict(data)
+        warn_moved([(f"hrpo.{k}", "") for k in ("baseline", "momentum") if data.pop(k, None) is not None],
+                   "HRPO's group baseline is its only one")
+        return data
+
+
+class ReinforceConfig(_Section):
+    """Knobs of GPTSwarm's topology trainer: REINFORCE on whole-topology log-probabilities against a moving-average
+    baseline (no group normalisation, no action-wise terms); see trainers/reinforce.py."""
+
+    group_size: int = Field(8, ge=1)
+    """Topologies sampled (and episodes run) per query."""
+    lr: float = Field(0.1, gt=0)
+    """Adam learning rate of the topology policy."""
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """Moving-average momentum of the baseline."""
+    cost_lambda: float = Field(0.0, ge=0)
+    """Reward = task reward − λ · completion tokens / 1000 (accuracy vs cost)."""
+    epochs: int = Field(1, ge=1)
+    """Optimizer steps per batch of rollouts."""
+    no_signal: Literal["learn", "skip"] = "learn"
+    """A group whose episodes all got the same task reward: `learn` from it anyway, or `skip` it."""
 
 
 class TrainBase(BaseModel):
@@ -215,11 +320,9 @@ class TrainBase(BaseModel):
     """Episodes in flight during rollouts and evaluation."""
 
 
-class TrainSpec(TrainBase):
-    """`algorithm: flow_grpo` — Flow-GRPO on the LoRA adapters of the graph's trainable policies."""
+class LoraTrainBase(TrainBase):
+    """What an algorithm that trains LoRA adapters adds: their shape and the memory knob of its passes."""
 
-    algorithm: Literal["flow_grpo"] = "flow_grpo"
-    """The RL algorithm."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank of every trainable adapter."""
     lora_alpha: int = Field(32, ge=1)
@@ -232,9 +335,6 @@ class TrainSpec(TrainBase):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less GPU memory for ~30 % more compute (the logprob pass
     then runs whole sequences instead of sharing the prompt prefix's KV)."""
-    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
-    """Algorithm knobs."""
-
     @field_validator("lora_targets", mode="before")
     @classmethod
     def _targets_as_list(cls, targets: object) -> object:
@@ -259,16 +359,69 @@ class TrainSpec(TrainBase):
         return targets
 
 
+class TrainSpec(LoraTrainBase):
+    """`algorithm: flow_grpo` — Flow-GRPO on the LoRA adapters of the graph's trainable policies."""
+
+    algorithm: Literal["flow_grpo"] = "flow_grpo"
+    """The RL algorithm."""
+    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
+    """Algorithm knobs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_flow_grpo_keys_moved(cls, data: Any) -> Any:
+        """Old flat `flow_grpo:` keys load in their new place (warned here, where the section's path is known)."""
+        if isinstance(data, dict) and isinstance(data.get("flow_grpo"), dict):
+            try:
+                flow_grpo, moves = migrate_flow_grpo(data["flow_grpo"], "flow_grpo.")
+            except ValueError:  # a key given both ways: FlowGRPOConfig refuses it, located at `flow_grpo`
+                return data
+            warn_moved(moves)
+            data = {**data, "flow_grpo": flow_grpo}
+        return data
+
+
 DEFAULT_ALGORITHM = "flow_grpo"
 
 
-class HRPOTrainSpec(TrainSpec):
+NOT_TOPOLOGY = ("lora_rank", "lora_alpha", "lora_targets", "gradient_checkpointing", "flow_grpo")
+"""`train:` keys a topology-only algorithm never reads (specs dumped before they left its model hold them)."""
+
+
+def _drop_node_keys(data: Any, algorithm: str) -> Any:
+    if not isinstance(data, dict) or not any(k in data for k in NOT_TOPOLOGY):
+        return data
+    warn_moved([(k, "") for k in NOT_TOPOLOGY if k in data],
+               f"`algorithm: {algorithm}` trains the topology only")
+    return {k: v for k, v in data.items() if k not in NOT_TOPOLOGY}
+
+
+class HRPOTrainSpec(TrainBase):
     """`algorithm: hrpo` — HRPO on the graph's topology policy (its `topology:` section); node policies frozen."""
 
-    algorithm: Literal["hrpo"] = "hrpo"  # type: ignore[assignment]
+    algorithm: Literal["hrpo"] = "hrpo"
     """The RL algorithm."""
     hrpo: HRPOConfig = Field(default_factory=HRPOConfig)
     """Topology trainer knobs (G = `hrpo.group_size` topologies per query)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_keys_dropped(cls, data: Any) -> Any:
+        return _drop_node_keys(data, "hrpo")
+
+
+class ReinforceTrainSpec(TrainBase):
+    """`algorithm: reinforce` — GPTSwarm's REINFORCE on the graph's topology policy; node policies frozen."""
+
+    algorithm: Literal["reinforce"] = "reinforce"
+    """The RL algorithm."""
+    reinforce: ReinforceConfig = Field(default_factory=ReinforceConfig)
+    """Topology trainer knobs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_keys_dropped(cls, data: Any) -> Any:
+        return _drop_node_keys(data, "reinforce")
 
 
 class StagesConfig(BaseModel):

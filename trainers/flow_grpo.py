@@ -77,7 +77,7 @@ class Row:
     call: int = 0
     """Where the call is in its trajectory: its step's index and its index among the step's calls."""
     alternative: str | None = None
-    """With `counterfactual_rows`: the alternative this row teacher-forces in the call's place (None: the call's own
+    """With `counterfactual.rows`: the alternative this row teacher-forces in the call's place (None: the call's own
     completion); its `old_logprobs` are computed by the update."""
 
 
@@ -141,8 +141,8 @@ def trajectory_rewards(traces: list[Trace], config: FlowGRPOConfig) -> dict[int,
     rewards: dict[int, float] = {}
     for i, tr in enumerate(traces):
         if tr.status == "ok" and tr.reward is not None:
-            rewards[i] = tr.reward - config.parse_penalty * any(s.parse_error for s in tr.steps)
-        elif config.stragglers == "zero":
+            rewards[i] = tr.reward - config.credit.parse_penalty * any(s.parse_error for s in tr.steps)
+        elif config.batching.stragglers == "zero":
             rewards[i] = 0.0
     return rewards
 
@@ -163,73 +163,75 @@ def build_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOC
     trajectory's group (by query, or by query and node), where each trajectory counts once. With `advantage:
     step | episode+step` a call's anchor-state advantage (trainers/credit.py) replaces or joins it, and with
     `format_weight` the node's own format advantage joins it, and with `counterfactual` a decision's counterfactual
-    advantage (its reward against the alternatives it did not take; with `counterfactual_advantage: replace` in
+    advantage (its reward against the alternatives it did not take; with `counterfactual.advantage: replace` in
     place of the outcome and step terms); a row is kept when any term can push it (with
     `entropy_bonus`, every row: the bonus is per token, added in the update)."""
     rewards = trajectory_rewards(traces, config)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i in rewards:
         nodes = {s.node for s in traces[i].steps if s.node in trainable and s.llm}
-        keys = [(traces[i].item_id,)] if config.group_by == "query" else [(traces[i].item_id, n) for n in nodes]
+        keys = [(traces[i].item_id,)] if config.credit.group_by == "query" else [(traces[i].item_id, n) for n in nodes]
         for key in keys:
             groups[key].append(i)
     adv: dict[tuple[int, tuple], float] = {}
     for key, members in groups.items():
         r = torch.tensor([rewards[i] for i in members], dtype=torch.float64, device="cpu")  # host scalars
-        if config.zero_variance != "keep" and (len(members) < 2 or bool((r == r[0]).all())):
+        if config.batching.zero_variance != "keep" and (len(members) < 2 or bool((r == r[0]).all())):
             continue
-        for i, a in zip(members, group_advantages(r, config.adv_eps).tolist()):
+        for i, a in zip(members, group_advantages(r, config.credit.adv_eps).tolist()):
             adv[(i, key)] = a
-    fmt = step_format_advantages(traces, groups, trainable, config.adv_eps) if config.format_weight else {}
-    episode = config.advantage != "step"
-    step_adv = (step_advantages(traces, rewards, groups, trainable, config.step_gamma, config.adv_eps)
-                if config.advantage != "episode" else {})
-    w = 1.0 if config.advantage == "step" else config.step_weight
-    cf = counterfactual_advantages(traces, config.counterfactual) if config.counterfactual else {}
-    scales = counterfactual_scales(traces, cf) if config.counterfactual_norm else {}
+    credit = config.credit
+    fmt = step_format_advantages(traces, groups, trainable, credit.adv_eps) if credit.format_weight else {}
+    episode = config.credit.advantage != "step"
+    step_adv = (step_advantages(traces, rewards, groups, trainable, config.credit.step_gamma, config.credit.adv_eps)
+                if config.credit.advantage != "episode" else {})
+    w = 1.0 if config.credit.advantage == "step" else config.credit.step_weight
+    alternatives = config.counterfactual.alternatives
+    cf = counterfactual_advantages(traces, alternatives) if alternatives else {}
+    scales = counterfactual_scales(traces, cf) if config.counterfactual.norm else {}
     rows = []
     for i in rewards:
         tr = traces[i]
         for step in tr.steps:
             if step.node not in trainable:
                 continue
-            key = (tr.item_id,) if config.group_by == "query" else (tr.item_id, step.node)
+            key = (tr.item_id,) if config.credit.group_by == "query" else (tr.item_id, step.node)
             outcome = adv.get((i, key)) if episode else None
             for k, call in enumerate(step.llm):
                 at = (i, step.index, k)
-                alone = config.counterfactual_advantage == "replace" and at in cf
-                extra = (config.format_weight * fmt.get(at, 0.0) + (0.0 if alone else w * step_adv.get(at, 0.0))
-                         + config.counterfactual_weight * scales.get(step.node, 1.0) * cf.get(at, 0.0))
+                alone = config.counterfactual.advantage == "replace" and at in cf
+                extra = (config.credit.format_weight * fmt.get(at, 0.0) + (0.0 if alone else w * step_adv.get(at, 0.0))
+                         + config.counterfactual.weight * scales.get(step.node, 1.0) * cf.get(at, 0.0))
                 base = None if alone else outcome
-                if call.completion_ids and (base is not None or extra != 0.0 or config.entropy_bonus > 0):
+                if call.completion_ids and (base is not None or extra != 0.0 or config.credit.entropy_bonus > 0):
                     rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, call.completion_ids,
                                     call.logprobs, (base or 0.0) + extra, call.policy_version,
                                     logprob_temperature(call, config), step.index, k))
-    if config.counterfactual_rows and encode is not None:
+    if config.counterfactual.rows and encode is not None:
         rows += alternative_rows(traces, trainable, config, encode, scales)
     return rows
 
 
 def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: FlowGRPOConfig,
                      encode: Callable[[str], list[int]], scales: dict[str, float] | None = None) -> list[Row]:
-    """With `counterfactual_rows`: a row per alternative a `counterfactual` call did not write and that scored above
+    """With `counterfactual.rows`: a row per alternative a `counterfactual` call did not write and that scored above
     the mean of the call's scores, its tokens (`encode`, then the call's stop token) after the call's prompt, its
     advantage `counterfactual_weight` * (its score - that mean), times the node's `scales` entry (with
-    `counterfactual_norm`: the one its calls' counterfactual advantages get). Worse alternatives get no row:
+    `counterfactual.norm`: the one its calls' counterfactual advantages get). Worse alternatives get no row:
     pushing down a completion the policy did not sample, often already unlikely, has no bound (log p -> -inf:
     memory round 5b's KL to the reference reached 332 nats by step 4), and raising the better ones lowers the rest
     through the softmax. `old_logprobs` empty: the update computes them under the adapters the rollouts used."""
     rows = []
     for i, tr in enumerate(traces):
-        values = counterfactual_values(tr, config.counterfactual)
+        values = counterfactual_values(tr, config.counterfactual.alternatives)
         for step in tr.steps:
             for k, call in enumerate(step.llm):
                 if (step.index, k) not in values or step.node not in trainable or not call.prompt_ids:
                     continue
                 q = values[(step.index, k)]
                 stop = call.completion_ids[-1:] if call.finish_reason == "stop" else []
-                for alt, v in zip(config.counterfactual[step.node], q):
-                    adv = config.counterfactual_weight * (scales or {}).get(step.node, 1.0) * (v - sum(q) / len(q))
+                for alt, v in zip(config.counterfactual.alternatives[step.node], q):
+                    adv = config.counterfactual.weight * (scales or {}).get(step.node, 1.0) * (v - sum(q) / len(q))
                     if alt.strip() != call.text.strip() and adv > 0.0:
                         rows.append(Row(i, step.node, trainable[step.node], call.prompt_ids, encode(alt) + stop, [],
                                         adv, call.policy_version, logprob_temperature(call, config), step.index, k,
@@ -262,21 +264,20 @@ class FlowGRPO(TrainAlgorithm):
         self.learner, self.trainable, self.config = learner, trainable, config
         self._credit: dict[str, list[tuple[int, int, float]]] = {}
         self.seed, self.queries_per_step, self.group_size = seed, queries_per_step, config.group_size
-        self.counterfactual = config.counterfactual
-        self.shape = RolloutShape(config.branch_width, config.counterfactual, config.counterfactual_probes,
-                                  config.counterfactual_decisions)
+        cf = config.counterfactual
+        self.shape = RolloutShape(config.branch_width, cf.alternatives, cf.probes, cf.decisions)
         """How its rollouts are shaped (branching, counterfactual scoring: `masgraph.learn.rollouts`)."""
         self._encode: Callable[[str], list[int]] | None = None
         problems = node_knob_problems(config, trainable)
         if problems:
             raise SpecError(problems)
-        if config.counterfactual_rows:
+        if config.counterfactual.rows:
             tokenizer = getattr(getattr(learner, "weights", None), "tokenizer", None)
             if tokenizer is None:
-                raise SpecError([Problem("train.flow_grpo.counterfactual_rows", "needs a learner with a tokenizer "
+                raise SpecError([Problem("train.flow_grpo.counterfactual.rows", "needs a learner with a tokenizer "
                                          "(the HF learner) to force the alternatives' tokens")])
             self._encode = partial(tokenizer.encode, add_special_tokens=False)
-        self.max_extra_rounds = config.resample_rounds if config.zero_variance == "resample" else 0
+        self.max_extra_rounds = config.batching.resample_rounds if config.batching.zero_variance == "resample" else 0
         lrs = per_owner("node_lr", config.node_lr, config.lr, trainable, "adapter", "learning rates")
         missing = sorted(a for a in lrs if a not in learner.adapters())
         if missing:
@@ -316,8 +317,8 @@ class FlowGRPO(TrainAlgorithm):
     def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
         metrics = self.update(traces, seed=f"{self.seed}:{step}") | {
             "informative_groups": float(len(informative_queries(traces, self.config)))}
-        if self.counterfactual:  # how many decisions the counterfactuals scored, and how many of them mattered
-            cf = counterfactual_advantages(traces, self.counterfactual)
+        if self.config.counterfactual.alternatives:  # how many decisions were scored, and how many of them mattered
+            cf = counterfactual_advantages(traces, self.config.counterfactual.alternatives)
             metrics |= {"counterfactual/variants": float(sum(_alternatives_scored(t) for t in traces)),
                         "counterfactual/calls": float(len(cf)),
                         "counterfactual/mattered": sum(a != 0 for a in cf.values()) / max(1, len(cf))}
@@ -355,8 +356,8 @@ class FlowGRPO(TrainAlgorithm):
         try:
             self._alternatives_old_logprobs(rows)
             ref = self._reference_logprobs(rows)
-            for _ in range(cfg.ppo_epochs):
-                for batch in mini_batches(len(rows), cfg.num_mini_batches, rng):
+            for _ in range(cfg.ppo.epochs):
+                for batch in mini_batches(len(rows), cfg.ppo.num_mini_batches, rng):
                     losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
                                                        totals, norms))
         except Exception as exc:
@@ -370,7 +371,7 @@ class FlowGRPO(TrainAlgorithm):
         totals = {k: float(v) for k, v in totals.items()}  # the update's host syncs, after its last step
         grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
         losses = [float(x) for x in losses]
-        n_tok = cfg.ppo_epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
+        n_tok = cfg.ppo.epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
             "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
             "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok + 0.0,
@@ -405,7 +406,7 @@ class FlowGRPO(TrainAlgorithm):
         """One optimizer step per adapter on a mini-batch (its loss aggregated over the mini-batch alone);
         accumulates token statistics into `totals` and returns the mini-batch's loss."""
         cfg = self.config
-        weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.loss_agg)
+        weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.ppo.loss_agg)
         adapters = sorted({r.adapter for r in rows})
         for a in adapters:
             self.optimizers[a].zero_grad(set_to_none=True)
@@ -423,15 +424,16 @@ class FlowGRPO(TrainAlgorithm):
         finally:
             self.learner.train(False)
         for a in adapters:
-            grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.max_grad_norm))
+            grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.ppo.max_grad_norm))
             self.optimizers[a].step()
         return total
 
     def _passes(self, rows: list[Row], positions: list[int]) -> list[list[int]]:
         """`positions` (of `rows`, in order) cut into forward passes by `micro_batch` and `micro_batch_tokens`."""
         lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+        batching = self.config.batching
         return [[positions[j] for j in chunk]
-                for chunk in micro_batches(lengths, self.config.micro_batch, self.config.micro_batch_tokens)]
+                for chunk in micro_batches(lengths, batching.micro_batch, batching.micro_batch_tokens)]
 
     def _token_loss(self, row: Row, logp: torch.Tensor, ref: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
         """Per-token PPO-clip + beta * k3 KL of one row (its advantage plus, with `entropy_bonus`, each token's
@@ -439,21 +441,21 @@ class FlowGRPO(TrainAlgorithm):
         cfg = self.config
         old = torch.tensor(row.old_logprobs, device=logp.device)
         adv = torch.tensor(row.advantage, device=logp.device)
-        if cfg.entropy_bonus:
-            adv = adv + surprisal_bonus(old, cfg.entropy_bonus)
-        pg = ppo_clip_loss(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
+        if cfg.credit.entropy_bonus:
+            adv = adv + surprisal_bonus(old, cfg.credit.entropy_bonus)
+        pg = ppo_clip_loss(logp, old, adv, cfg.ppo.clip_eps_low, cfg.ppo.clip_eps_high, cfg.ppo.dual_clip)
         kl = kl_k3(logp, ref)
         log_ratio = logp.detach() - old
         ratio = torch.exp(log_ratio)
         # device tensors until the update ends: no host sync per row
         # (each row's sum in its own dtype, the running totals in float64, as Python floats summed them before)
-        totals["clip"] += ((ratio < 1 - cfg.clip_eps_low) | (ratio > 1 + cfg.clip_eps_high)).sum()
+        totals["clip"] += ((ratio < 1 - cfg.ppo.clip_eps_low) | (ratio > 1 + cfg.ppo.clip_eps_high)).sum()
         # k3 of KL(old || new), as CleanRL logs it: >= 0, so expm1 (exp(x) - 1 rounds to 0 for a tiny x, leaving -x)
         # and each token's rounding clamped at 0 (a run on-policy logged approx_kl -0.0 and tiny negatives)
         totals["approx_kl"] += (torch.expm1(log_ratio) - log_ratio).clamp_min(0).sum().double()
         totals["kl"] += kl.detach().sum().double()
         totals["pg"] += pg.detach().sum().double()
-        return pg + cfg.kl_coef * kl
+        return pg + cfg.ppo.kl_coef * kl
 
 
 def per_owner(knob: str, overrides: dict[str, float], default: float, owner_of: dict[str, str], owner: str,
@@ -479,14 +481,15 @@ def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> 
     """The update ran out of device memory: say which knobs shrink a forward pass (nothing is checkpointed
     from the half-done update; the run's last checkpoint stays as it was)."""
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    budget = cfg.micro_batch_tokens or cfg.micro_batch * longest
+    budget = cfg.batching.micro_batch_tokens or cfg.batching.micro_batch * longest
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return MasgraphError(
         f"out of device memory in the Flow-GRPO update ({type(exc).__name__}; {len(rows)} rows, longest "
-        f"{longest} tokens, micro_batch {cfg.micro_batch}); fix: set `train.flow_grpo.micro_batch_tokens` below "
-        f"{budget} (tokens per forward pass) or lower `micro_batch`, and/or `train.gradient_checkpointing: true`; "
-        "then resume (--resume RUN): the last checkpoint is intact")
+        f"{longest} tokens, micro_batch {cfg.batching.micro_batch}); fix: set "
+        f"`train.flow_grpo.batching.micro_batch_tokens` below {budget} (tokens per forward pass) or lower "
+        "`batching.micro_batch`, and/or `train.gradient_checkpointing: true`; then resume (--resume RUN): the last "
+        "checkpoint is intact")
 
 
 def _mean(xs: list[float]) -> float:

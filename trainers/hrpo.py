@@ -5,8 +5,8 @@ Per query, G topologies are sampled and run (a group). Each episode's outcome re
 own normalised action-wise reward: minus the token cost of the nodes that decision switched on, minus a penalty
 per step of those nodes that failed to parse or whose output nothing used (component rationality). The loss is
 a PPO-clip surrogate on the decisions' log-probabilities plus an entropy bonus, on the policy's own Adam
-optimizer. `baseline: moving_average` swaps in the GPTSwarm-style estimator (REINFORCE with a moving-average
-baseline) so the two can be compared in one code base. The formulas are in `hrpo_math.py`.
+optimizer. GPTSwarm's estimator (REINFORCE against a moving-average baseline) is its own algorithm,
+`trainers/reinforce.py`. The formulas are in `hrpo_math.py`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from masgraph.trainers.hrpo_math import (
     group_advantages,
     has_signal,
     hrpo_loss,
-    moving_average_advantages,
-    reinforce_loss,
 )
 
 __all__ = ["HRPO", "action_reward", "outcome_reward"]
@@ -67,7 +65,6 @@ class HRPO(TrainAlgorithm):
         self.policy, self.config = policy, config
         self.group_size = group_size or config.group_size
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=config.lr)
-        self.baseline: float | None = None
 
     @classmethod
     def build(cls, ctx: TrainContext) -> HRPO:
@@ -94,10 +91,6 @@ class HRPO(TrainAlgorithm):
                 continue
             rewards = [outcome_reward(t, cfg.cost_lambda) for t in group]
             rewards_seen += rewards
-            if cfg.baseline == "moving_average":
-                adv, self.baseline = moving_average_advantages(rewards, self.baseline, cfg.momentum)
-                rows += [(t, {"*": a}) for t, a in zip(group, adv)]
-                continue
             rows += [(t, adv) for t, adv in zip(group, self._advantages(group, rewards))]
         if not rows:
             return {"topology/episodes": 0.0, "topology/skipped_groups": float(skipped)}
@@ -129,17 +122,6 @@ class HRPO(TrainAlgorithm):
 
     def _loss(self, rows: list[tuple[Trace, dict[str, float]]]) -> tuple[torch.Tensor | None, dict[str, float]]:
         cfg = self.config
-        if cfg.baseline == "moving_average":
-            logps, advs = [], []
-            for t, adv in rows:
-                names, lp, _ = self.policy.log_probs(t.query, t.topology)  # type: ignore[arg-type]
-                if names:
-                    logps.append(lp.sum())
-                    advs.append(adv["*"])
-            if not logps:
-                return None, {}
-            loss = reinforce_loss(torch.stack(logps), torch.tensor(advs, device=self.policy.device))
-            return loss, {"loss": float(loss.detach()), "baseline": float(self.baseline or 0.0)}
         new, old, adv, ent = [], [], [], []
         for t, a in rows:
             names, lp, h = self.policy.log_probs(t.query, t.topology)  # type: ignore[arg-type]
@@ -155,12 +137,12 @@ class HRPO(TrainAlgorithm):
                          torch.stack(ent), cfg.clip, cfg.entropy_coef)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs for an exact resume: parameters, optimizer moments, baseline, version."""
+        """Everything a checkpoint needs for an exact resume: parameters, optimizer moments, version."""
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "baseline": self.baseline, "version": self.policy.version, "decisions": self.policy.signature()}
+                "version": self.policy.version, "decisions": self.policy.signature()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_signature(state, self.policy, "the checkpoint's topology state")
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.baseline, self.policy.version = state["baseline"], state["version"]
+        self.policy.version = state["version"]  # an older checkpoint's "baseline" (always None here) is ignored

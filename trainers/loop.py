@@ -33,7 +33,7 @@ from masgraph.trace import Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.checkpoints import Checkpoints, TrainState, truncate_metrics
 from masgraph.trainers.checks import LEARNABLE_BACKENDS
-from masgraph.trainers.config import TrainSpec
+from masgraph.trainers.config import LoraTrainBase, TrainSpec
 from masgraph.trainers.diagnostics import step_diagnostics
 
 
@@ -122,12 +122,14 @@ class TrainLoop:
         self.learner: Learner = learner or local_learner(model, dtype=dtype, device=base_device(spec))
         if self.cfg.deterministic and getattr(self.learner, "device", None) is not None:
             deterministic_kernels(self.learner.device)  # a GPU's repeatable kernels: exact runs and resumes
-        if self.cfg.gradient_checkpointing:
+        trains_lora = isinstance(self.cfg, LoraTrainBase)  # else: the adapters stay as attached (zero-effect)
+        if trains_lora and self.cfg.gradient_checkpointing:
             if not hasattr(self.learner, "gradient_checkpointing"):
                 raise MasgraphError(f"train.gradient_checkpointing: the learner {type(self.learner).__name__} "
                                     "cannot recompute activations; drop the setting")
             self.learner.gradient_checkpointing(True)
-        lora = LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets))
+        lora = (LoraConfigSpec(self.cfg.lora_rank, self.cfg.lora_alpha, tuple(self.cfg.lora_targets)) if trains_lora
+                else LoraConfigSpec())
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.learner.adapters():
                 self.learner.add_adapter(pol.adapter, lora)
@@ -143,7 +145,7 @@ class TrainLoop:
         train_graph = graph if rollout_spec is spec else compile_spec(rollout_spec)
         self.serving = serve_learner(spec, self.learner, train_graph, seed=self.cfg.seed,
                                      deterministic=self.cfg.deterministic, run_dir=self.run_dir,
-                                     max_lora_rank=self.cfg.lora_rank, ray=ray, rollouts=backend,
+                                     max_lora_rank=lora.rank, ray=ray, rollouts=backend,
                                      evaluation=eval_backend)
         self.backend, self.eval_backend = self.serving.rollouts, self.serving.evaluation
         self.sync = WeightSync(self.learner, [self.backend, self.eval_backend])

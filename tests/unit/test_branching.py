@@ -4,6 +4,7 @@ roots and siblings on the scripted backend, and siblings meeting in one anchor-s
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,6 +136,6 @@ def test_branching_on_ray_rollout_workers_is_refused_with_the_fix(root, scripted
 
     runner = shaped(runner_for, compile_spec(load_spec(root / "graphs" / "agentflow.yaml")), scripted(), n=1,
                     samples=4, branch_width=1)
-    runner.runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    runner.runner.engine = SimpleNamespace(in_process=False)  # what Ray rollouts put there: not the driver's engine
     with pytest.raises(MasgraphError, match=r"branching rollouts .* Ray rollouts yet; set branch_width: 0"):
         run(runner.run_items(Sums(), Sums().items("train", 1)))

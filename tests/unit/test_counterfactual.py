@@ -6,6 +6,8 @@ scores of a decision about a person the item does not ask about."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from masgraph.errors import SpecError
@@ -160,14 +162,14 @@ def test_counterfactual_on_ray_rollout_workers_is_refused_with_the_fix(root, scr
 
     runner = shaped(runner_for, memory_graph(root), scripted({"memory": replies, "generator": replies}), n=1,
                     samples=2, counterfactual={"memory": OPS})
-    runner.runner.engine = object()  # what Ray rollouts put there: an engine with no driver-side policies
+    runner.runner.engine = SimpleNamespace(in_process=False)  # what Ray rollouts put there: not the driver's engine
     with pytest.raises(MasgraphError, match=r"counterfactual calls .* Ray rollouts yet; leave `counterfactual` empty"):
         run(runner.run_items(MoveThenVisit(), MoveThenVisit().items("train", 1)))
 
 
 @pytest.mark.parametrize(("knob", "match"), [
-    ({"planner": OPS}, r"counterfactual\.planner.*not a trainable node"),
-    ({"memory": ["Operation: ADD"]}, r"counterfactual\.memory.*two or more distinct"),
+    ({"planner": OPS}, r"counterfactual\.alternatives\.planner.*not a trainable node"),
+    ({"memory": ["Operation: ADD"]}, r"counterfactual\.alternatives\.memory.*two or more distinct"),
     ({"memory": ["ADD", " ADD "]}, r"two or more distinct"),
     ({"memory": ["ADD", ""]}, r"non-empty"),
 ])
@@ -342,7 +344,7 @@ def test_alternative_rows_need_the_alternatives_and_a_tokenizer(tiny):
 
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
-    with pytest.raises(SpecError, match=r"counterfactual_rows.*needs `counterfactual`"):
+    with pytest.raises(SpecError, match=r"counterfactual.rows.*needs `counterfactual\.alternatives`"):
         FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_rows=True))
     algo = FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS},
                                                                     counterfactual_rows=True))
@@ -458,7 +460,7 @@ def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, on
 
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
-    with pytest.raises(SpecError, match=rf"{knob}.*needs `counterfactual`"):
+    with pytest.raises(SpecError, match=rf"{knob.replace('_', '.')}.*needs `counterfactual\.alternatives`"):
         FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(**{knob: value}))
     graph = one_node_graph(f'group_size: 2, counterfactual: {{answer: ["Answer: 1", "Answer: 2"]}}, {knob}: {written}')
     loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")

@@ -99,14 +99,17 @@ def test_an_override_for_some_nodes_of_a_shared_policy_is_an_error_not_applied_t
 @pytest.mark.parametrize("knobs,where,what", [
     ("node_lr: {verifer: 0.001}", "train.flow_grpo.node_lr.verifer", "not a trainable node"),
     ("node_temperature: {verifier: 0.0}", "train.flow_grpo.node_temperature.verifier", "must be above 0"),
-    ("counterfactual: {answer: [a, b]}", "train.flow_grpo.counterfactual.answer", "not a trainable node"),
-    ("counterfactual: {verifier: [a, ' a']}", "train.flow_grpo.counterfactual.verifier", "two or more distinct"),
-    ("counterfactual_rows: true", "train.flow_grpo.counterfactual_rows", "needs `counterfactual`"),
-    ("counterfactual_norm: true", "train.flow_grpo.counterfactual_norm", "needs `counterfactual`"),
+    ("counterfactual: {alternatives: {answer: [a, b]}}", "train.flow_grpo.counterfactual.alternatives.answer",
+     "not a trainable node"),
+    ("counterfactual: {alternatives: {verifier: [a, ' a']}}", "train.flow_grpo.counterfactual.alternatives.verifier",
+     "two or more distinct"),
+    ("counterfactual: {rows: true}", "train.flow_grpo.counterfactual.rows", "needs `counterfactual.alternatives`"),
+    ("counterfactual: {norm: true}", "train.flow_grpo.counterfactual.norm", "needs `counterfactual.alternatives`"),
     ("node_lr: {planner: 0.001}", "train.flow_grpo.node_lr.replanner", "nodes sharing adapter 'plan'"),
     ("node_temperature: {planner: 1.0, replanner: 0.5}", "train.flow_grpo.node_temperature.replanner",
      "different temperatures (1.0 and 0.5)"),
-    ("counterfactual_advantage: replace", "train.flow_grpo.counterfactual_advantage", "needs `counterfactual`"),
+    ("counterfactual: {advantage: replace}", "train.flow_grpo.counterfactual.advantage",
+     "needs `counterfactual.alternatives`"),
 ])
 def test_masgraph_validate_finds_a_wrong_per_node_knob_on_its_line(tmp_path, knobs, where, what):
     """The same checks run when the graph compiles (`masgraph validate`, `masgraph train` before any run dir), located

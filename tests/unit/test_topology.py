@@ -271,7 +271,11 @@ def _train_two_arm(baseline: str, steps: int, seed: int = 0) -> tuple[list[float
     graph = _two_arm()
     engine = Engine(graph)
     policy = TopologyPolicy(DecisionSpace(graph))
-    hrpo = HRPO(policy, HRPOConfig(group_size=8, baseline=baseline, lr=0.1))
+    from masgraph.trainers.config import ReinforceConfig
+    from masgraph.trainers.reinforce import Reinforce
+
+    hrpo = (HRPO(policy, HRPOConfig(group_size=8, lr=0.1)) if baseline == "group"
+            else Reinforce(policy, ReinforceConfig(group_size=8, lr=0.1)))
     history, last = [], None
 
     async def step(k: int) -> list[list[Trace]]:
@@ -305,7 +309,7 @@ def test_hrpo_learns_the_rewarded_arm():
     assert _train_two_arm("group", steps=25)[0] == history  # deterministic
 
 
-def test_gptswarm_baseline_learns_the_rewarded_arm_too():
+def test_gptswarm_reinforce_learns_the_rewarded_arm_too():
     history, _ = _train_two_arm("moving_average", steps=40)
     assert history[-1] > 0.9, history
 
@@ -315,10 +319,28 @@ def test_hrpo_state_dict_round_trips():
     a = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
     with torch.no_grad():
         a.policy.logits[0].add_(torch.tensor([0.3, -0.1]))
-    a.policy.version, a.baseline = 7, 0.25
+    a.policy.version = 7
     b = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
     b.load_state_dict(a.state_dict())
+    assert torch.equal(b.policy.logits[0], a.policy.logits[0]) and b.policy.version == 7
+
+
+def test_a_moving_average_hrpo_checkpoint_resumes_as_reinforce():
+    """A checkpoint written by HRPO with the former `baseline: moving_average` (HRPO's state with the baseline in
+    it) loads into `algorithm: reinforce`, which writes the same layout, baseline included."""
+    from masgraph.trainers.config import ReinforceConfig
+    from masgraph.trainers.reinforce import Reinforce
+
+    graph = _two_arm()
+    a = HRPO(TopologyPolicy(DecisionSpace(graph)), HRPOConfig())
+    with torch.no_grad():
+        a.policy.logits[0].add_(torch.tensor([0.3, -0.1]))
+    a.policy.version = 7
+    old = a.state_dict() | {"baseline": 0.25}
+    b = Reinforce(TopologyPolicy(DecisionSpace(graph)), ReinforceConfig())
+    b.load_state_dict(old)
     assert torch.equal(b.policy.logits[0], a.policy.logits[0]) and b.policy.version == 7 and b.baseline == 0.25
+    assert set(b.state_dict()) == set(old) and b.state_file == a.state_file
 
 
 def test_a_supergraph_never_runs_whole(scripted, runner_for, run):
@@ -428,7 +450,7 @@ def test_progress_line_shows_the_most_likely_option_of_each_decision():
     from masgraph.events import TrainStep
 
     out = io.StringIO()
-    TrainProgress(3, out).emit(TrainStep(step=1, metrics={
+    TrainProgress(3, out, algorithm="hrpo").emit(TrainStep(step=1, metrics={
         "topology/reward": 0.75, "topology/loss": 0.1, "topology/p/choice:start/solve": 0.7,
         "topology/p/choice:start/harm": 0.3, "tokens_per_s": 3.0, "time/train_s": 60.0}))
     line = out.getvalue()
