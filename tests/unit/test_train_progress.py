@@ -71,6 +71,23 @@ def test_a_terminal_gets_one_status_line_redrawn_then_cleared_for_the_step_line(
                          "10.0 tok/s  1.0 min\n"), repr(text)  # the status cleared, then the step's line
 
 
+
+@pytest.mark.parametrize("algorithm, line", [
+    ("hrpo", "step 1/2  reward 0.750  acc(train) 0.000  topology start=solve 0.70  10.0 tok/s  1.0 min"),
+    ("reinforce", "step 1/2  reward 0.750  acc(train) 0.000  topology start=solve 0.70  10.0 tok/s  1.0 min"),
+    ("joint", "step 1/2  reward 0.500  acc(train) 0.000  kl 0.0100  loss +0.2000  rows 8  topology start=solve 0.70  "
+              "10.0 tok/s  1.0 min")])
+def test_the_step_line_shows_what_the_runs_algorithm_trains(algorithm, line):
+    """The algorithm comes from the run's train config, not from which metric keys a step happens to carry."""
+    out = io.StringIO()
+    metrics = STEP | {"topology/reward": 0.75, "topology/p/choice:start/solve": 0.7,
+                      "topology/p/choice:start/harm": 0.3}
+    if algorithm == "joint":
+        metrics |= {"kl": 0.01, "loss/total": 0.2, "rows": 8.0}
+    TrainProgress(2, out=out, algorithm=algorithm).emit(TrainStep(step=1, metrics=metrics))
+    assert out.getvalue().splitlines() == [line]
+
+
 TASK = """
 import time
 from masgraph.tasks import Item, Task

@@ -1,0 +1,55 @@
+"""The `masgraph` command: its parser (one module per subcommand) and the entry point that turns user errors into
+one `error:` line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from masgraph.cli import export, interrupt, plot, run, schema, serve, topology, train, validate, watch
+from masgraph.cli.common import warnings_as_lines
+from masgraph.errors import MasgraphError
+
+COMMANDS = {"run": run, "train": train, "watch": watch, "plot": plot, "topology": topology, "export": export,
+            "serve": serve, "validate": validate, "schema": schema}
+"""Subcommand -> its module (HELP, add_arguments(parser), which sets `fn`), in the order `--help` lists them."""
+
+
+def build_parser(only: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or, with `only`, of those alone (the others are listed without their flags,
+    so a command does not import the config models of the others)."""
+    p = argparse.ArgumentParser(prog="masgraph", description="Multi-agent LLM graphs: run, validate, train.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        parser = sub.add_parser(name, help=module.HELP)
+        if only is None or name in only:
+            module.add_arguments(parser)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `masgraph` command. User errors print one `error:` message (exit 2) and Ctrl-C exits 130, never with a
+    traceback; a traceback means a bug in masgraph."""
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(only=words[:1]).parse_args(argv)
+    warnings_as_lines()
+    try:
+        code = args.fn(args)
+        if interrupt.interrupted and argv is None:  # the `masgraph` command (not a call from Python): exit now
+            interrupt.exit_now(code)
+        return code
+    except MasgraphError as exc:  # user errors: a located message, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`masgraph ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave
+            raise
+        print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+    except KeyboardInterrupt:  # before or after a run (during one, the run handles it and reports)
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 2
