@@ -42,7 +42,7 @@ def test_schema_command_prints_json_schema(capsys):
     assert section["properties"]["algorithm"]["const"] == "flow_grpo"
     algorithms = [schema["$defs"][m["$ref"].rsplit("/", 1)[1]]["properties"]["algorithm"]["const"]
                   for m in schema["properties"]["train"]["anyOf"] if "$ref" in m]
-    assert algorithms == ["flow_grpo", "hrpo", "joint"]
+    assert algorithms == ["flow_grpo", "hrpo", "reinforce", "joint"]
     assert "omega" in schema["$defs"]["HRPOConfig"]["properties"] and "TopologySpec" in schema["$defs"]
     assert "group_size" in schema["$defs"]["FlowGRPOConfig"]["properties"]
     assert schema["$defs"]["PolicySpec"]["properties"]["backend"]["enum"] == ["hf", "litellm", "scripted", "vllm"]
