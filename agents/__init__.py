@@ -11,11 +11,14 @@ __all__ = ["register", "register_agent", "register_tool"]
 
 def register(registry) -> None:
     """Entry point: the built-in role agents and tool kinds."""
+    # importing a built-in module registers it (the registries never import the modules that import them)
+    from masgraph.agents import executor, generator, memory, planner, verifier  # noqa: F401
     from masgraph.agents.prompting import judge_messages, prompt_names
-    from masgraph.agents.registry import load_builtin_agents
-    from masgraph.agents.tools.registry import load_builtin_tools
+    from masgraph.agents.registry import BUILTIN_AGENTS
+    from masgraph.agents.tools import calculator, python, search, web_search  # noqa: F401
+    from masgraph.agents.tools.registry import BUILTIN_TOOLS
 
-    registry.agents.update(load_builtin_agents())
-    registry.tools.update(load_builtin_tools())
+    registry.agents.update(BUILTIN_AGENTS)
+    registry.tools.update(BUILTIN_TOOLS)
     registry.prompts.update(prompt_names() - {"judge"})  # the judge's prompt is not a node's
     registry.judge_prompts["judge"] = judge_messages

@@ -47,12 +47,6 @@ def register_agent(name: str, registry: Registry | None = None,
     return deco
 
 
-def load_builtin_agents() -> dict[str, Agent]:
-    from masgraph.agents import executor, generator, memory, planner, verifier  # noqa: F401 (they register)
-
-    return BUILTIN_AGENTS
-
-
 def resolve_agents(spec: GraphSpec, registry: Registry | None = None) -> dict[str, Agent]:
     """The body of every node: its `agent:` if set, else its role's built-in agent (checked at compile)."""
     registry = registry or default_registry()

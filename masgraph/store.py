@@ -247,7 +247,7 @@ def follow(path: str | Path, poll_s: float = 0.1, stop: threading.Event | None =
                             "(runs/<graph>-<date>-<time>, which holds events.jsonl)")
     events, summary = run_dir / "events.jsonl", run_dir / "summary.json"
     stop = stop or threading.Event()
-    parse = _Parser()
+    parse = Parser()
     file = None
     partial, number = b"", 0
     try:
@@ -285,7 +285,7 @@ def read_traces(path: str | Path, bad_lines: list[int] | None = None) -> Iterato
         path = path / "events.jsonl"
         if not path.exists():
             return
-    parse = _Parser()
+    parse = Parser()
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
@@ -332,7 +332,7 @@ class _SentSteps:
         return None
 
 
-class _Parser:
+class Parser:
     """Turns lines back into events (any schema version), giving each finished trace its steps back."""
 
     def __init__(self) -> None:

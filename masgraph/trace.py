@@ -189,3 +189,9 @@ class Trace(Record):
     def turns(self) -> int:
         """Most runs of any node (the number of loop turns taken)."""
         return max((s.turn for s in self.steps), default=0)
+
+
+def full_reward(reward: float | None) -> bool:
+    """The default correctness rule: the reward is the maximum (1.0). A trace's reader (the TUI on a run stored
+    before verdicts were) applies it where the episode recorded no verdict of its own."""
+    return reward is not None and reward >= 1.0

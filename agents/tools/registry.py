@@ -111,12 +111,6 @@ def _parse_args(raw: str, params: list[inspect.Parameter], hints: dict[str, Any]
         raise ToolError(f"expected {typ.__name__} for {first.name!r}, got {text!r}") from None
 
 
-def load_builtin_tools() -> dict[str, ToolKind]:
-    from masgraph.agents.tools import calculator, python, search, web_search  # noqa: F401  (they register)
-
-    return BUILTIN_TOOLS
-
-
 def build_tools(specs: dict[str, ToolSpec], registry: Registry | None = None) -> dict[str, ToolFn]:
     """A graph's tools from the registry's kinds (default: the process's), each bound to its time limit."""
     return _build((registry or default_registry()).tools, specs)

@@ -10,7 +10,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from masgraph.errors import MasgraphError
-from masgraph.trace import Trace
+from masgraph.trace import Trace, full_reward
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,6 @@ def _report_dropped(task: Task, n: int, seed: int, kept: list[int], looked: int,
             f"the {n} test items used are generate('test', ...)'s #{kept[0]}..#{kept[-1]}, not its first {n}")
     warnings.warn(f"task {name!r} (seed {seed}): {why}; those were left out, and {what}. To use the items as "
                   f"generate() returns them: {fix}", TaskSplitWarning, stacklevel=3)
-
-
-def full_reward(reward: float | None) -> bool:
-    """The default correctness rule: the reward is the maximum (1.0)."""
-    return reward is not None and reward >= 1.0
 
 
 CORRECT = "correct"

@@ -28,9 +28,8 @@ from typing import Any, BinaryIO
 from masgraph.checkpoint import read_state
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.loader import read_yaml
-from masgraph.store import INDEX, _Parser, step_flag
-from masgraph.tasks import full_reward
-from masgraph.trace import Trace
+from masgraph.store import INDEX, Parser, step_flag
+from masgraph.trace import Trace, full_reward
 
 RUN_FILES = ("events.jsonl", INDEX, "metrics.jsonl", "config.json", "spec.yaml", "summary.json")
 """The files of a run directory a watcher reads (each must be a regular file when it exists)."""
@@ -581,7 +580,7 @@ def _lines_in(f: BinaryIO, start: int, end: int, tag: bytes | None = None) -> It
 
 def _trace_in(lines: Iterator[bytes], episode_id: str) -> Trace | None:
     """The last trace of `episode_id` that these lines rebuild."""
-    parse, found = _Parser(), None
+    parse, found = Parser(), None
     for raw in lines:
         trace = getattr(parse(raw), "trace", None)
         if trace is not None and trace.episode_id == episode_id:

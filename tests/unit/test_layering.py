@@ -14,23 +14,26 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("masgraph.agents", "masgraph.trainers")
 
 
-def core_imports(root: Path = ROOT / "masgraph") -> list[tuple[str, int, str]]:
-    """(file, line, module) of every import in a package (also inside functions and TYPE_CHECKING blocks, and
+def imports_in(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in one file (also inside functions and TYPE_CHECKING blocks, and
     importlib.import_module / __import__ calls with a literal name)."""
     out = []
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        name = str(path.relative_to(root.parent))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                out += [(name, node.lineno, a.name) for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                out.append((name, node.lineno, node.module))
-                out += [(name, node.lineno, f"{node.module}.{a.name}") for a in node.names]
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-                out.append((name, node.lineno, str(node.args[0].value)))
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            out.append((node.lineno, str(node.args[0].value)))
     return out
+
+
+def core_imports(root: Path = ROOT / "masgraph") -> list[tuple[str, int, str]]:
+    """(file, line, module) of every import in a package."""
+    return [(str(path.relative_to(root.parent)), line, module)
+            for path in sorted(root.rglob("*.py")) for line, module in imports_in(path)]
 
 
 def forbidden(imports: list[tuple[str, int, str]]) -> list[str]:
@@ -90,3 +93,81 @@ def test_plugins_are_found_through_entry_points():
     reg = default_registry()
     assert {"planner", "executor", "verifier", "generator", "memory"} <= set(reg.agents)
     assert {"calculator", "python", "search"} <= set(reg.tools) and "flow_grpo" in reg.algorithms
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of this code base it imports (lazy and TYPE_CHECKING imports included); agents/ and
+    trainers/ under the names they install as. A package's own face is not an arrow from inside it."""
+    files = {}
+    for base in ("masgraph", "agents", "trainers"):
+        for path in sorted((root / base).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            parts = (["masgraph"] + parts if parts[0] != "masgraph" else parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for _, name in imports_in(path):
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                graph[module].add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in graph.items() for b in bs])
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
+
+
+def test_the_module_import_graph_has_no_cycle():
+    graph = module_graph()
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the walk sees the code base
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path):
+    (tmp_path / "masgraph").mkdir()
+    (tmp_path / "masgraph" / "a.py").write_text("from masgraph.b import f\n")
+    (tmp_path / "masgraph" / "b.py").write_text("def f():\n    from masgraph import a\n")
+    (tmp_path / "masgraph" / "c.py").write_text("import masgraph.a\n")
+    assert cycles(module_graph(tmp_path)) == [["masgraph.a", "masgraph.b"]]
+
+
+CORE = ("registry", "spec", "loader", "node", "tools", "trace", "events", "errors", "graph", "tasks", "runtime",
+        "memory", "streaming")
+"""What says what a graph is and runs it: none of it may name a concrete backend (they register through the
+`masgraph.plugins` entry point `backends`)."""
+BACKEND_CONTRACT = ("masgraph.backends", "masgraph.backends.base")
+
+
+def layer_breaks(root: Path = ROOT) -> list[str]:
+    out = []
+    for module, deps in module_graph(root).items():
+        part = module.split(".")[1] if module.count(".") else ""
+        for dep in deps:
+            if part in CORE and dep.startswith("masgraph.backends") and dep not in BACKEND_CONTRACT:
+                out.append(f"{module} -> {dep} (the core names a concrete backend)")
+            if part == "watch" and dep.split(".")[1] in ("runtime", "learn", "trainers", "tasks", "backends", "serve"):
+                out.append(f"{module} -> {dep} (the TUI reads the run dir, nothing that runs or trains)")
+    return sorted(out)
+
+
+def test_the_core_names_no_concrete_backend_and_the_tui_reads_only_the_run_dir():
+    assert layer_breaks() == []
+
+
+def test_the_layer_check_sees_each_break(tmp_path):
+    (tmp_path / "masgraph" / "backends" / "hf").mkdir(parents=True)
+    (tmp_path / "masgraph" / "watch").mkdir()
+    (tmp_path / "masgraph" / "tasks").mkdir()
+    (tmp_path / "masgraph" / "backends" / "base.py").write_text("")
+    (tmp_path / "masgraph" / "backends" / "hf" / "backend.py").write_text("")
+    (tmp_path / "masgraph" / "tasks" / "base.py").write_text("")
+    (tmp_path / "masgraph" / "registry.py").write_text(
+        "from masgraph.backends.base import x\ndef f():\n    from masgraph.backends.hf.backend import HFBackend\n")
+    (tmp_path / "masgraph" / "watch" / "index.py").write_text("from masgraph.tasks.base import full_reward\n")
+    assert layer_breaks(tmp_path) == [
+        "masgraph.registry -> masgraph.backends.hf.backend (the core names a concrete backend)",
+        "masgraph.watch.index -> masgraph.tasks.base (the TUI reads the run dir, nothing that runs or trains)"]
