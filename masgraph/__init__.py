@@ -18,6 +18,27 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
 
 from masgraph._version import __version__ as __version__
 
+_PUBLIC = {
+    "GraphBuilder": "masgraph.graph", "Graph": "masgraph.graph", "compile_spec": "masgraph.graph",
+    "load_spec": "masgraph.loader", "GraphSpec": "masgraph.spec",
+    "Engine": "masgraph.runtime.engine", "EngineLike": "masgraph.runtime.engine",
+    "Runner": "masgraph.runtime.runner", "RunConfig": "masgraph.runtime.runner",
+    "Task": "masgraph.tasks", "Item": "masgraph.tasks", "get_task": "masgraph.tasks", "register_task": "masgraph.tasks",
+    "Trace": "masgraph.trace", "Step": "masgraph.trace",
+}
+"""The public face: `from masgraph import Runner, RunConfig, Engine, GraphBuilder, ...`, each imported on first use
+(importing masgraph loads neither torch nor a task library)."""
+
+__all__ = [*_PUBLIC, "load_agent", "__version__"]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'masgraph' has no attribute {name!r}")
+
 
 def load_agent(source, checkpoint=None, topology=None, deterministic=False):  # noqa: ANN001, ANN201
     """A deployable agent from a graph YAML file (and a training run's checkpoint): `agent.ask(question)` →
