@@ -78,7 +78,7 @@ class Progress:
                 self.run.cancel()  # a sink cannot raise into the loop; it stops the run before the first step
         else:
             print(f"{tag} step {m['step']}  reward {m.get('reward/mean', 0):.3f}  informative "
-                  f"{m['informative_groups']:.0f}  kl {m.get('kl', 0):.4f}  {m['time/train_s'] / 60:.1f} min"
+                  f"{m['groups/informative']:.0f}  kl {m.get('kl/ref_k3', 0):.4f}  {m['time/train_s'] / 60:.1f} min"
                   + (f"  acc(test) {m['accuracy/test']:.3f}" if "accuracy/test" in m else ""), flush=True)
 
 

@@ -36,7 +36,7 @@ from masgraph.tasks import get_task
 from masgraph.trainers.config import with_overrides
 from masgraph.trainers.loop import TrainLoop
 
-SHOWN = ("rows", "approx_kl", "clip_frac", "kl", "grad_norm", "loss/total", "informative_groups")
+SHOWN = ("rows/trained", "kl/old_k3", "loss/clip_frac", "kl/ref_k3", "grad_norm", "loss/total", "groups/informative")
 
 
 def replay(run: Path, step: int, overrides: dict) -> dict[str, float]:

@@ -41,8 +41,8 @@ def main() -> int:
         for m in steps:
             roll, total = m["time/rollout_s"], m["time/step_s"]
             print(f"  {backend:5s} step {m['step']}: rollouts {roll:5.1f} s  rest {total - roll:5.1f} s  "
-                  f"{'update' if m.get('optimizer_steps') else 'no update'}  tokens {m['tokens']}")
-        updated = [m for m in steps if m.get("optimizer_steps")]
+                  f"{'update' if m.get('loss/optimizer_steps') else 'no update'}  tokens {m['tokens']}")
+        updated = [m for m in steps if m.get("loss/optimizer_steps")]
         roll = sum(m["time/rollout_s"] for m in steps) / len(steps)
         rest = sum(m["time/step_s"] - m["time/rollout_s"] for m in updated) / max(len(updated), 1)
         tokens = sum(m["tokens"] for m in steps) / len(steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from masgraph.metric_keys import ACCURACY_TEST, REWARD, canonical, topology_key
 from masgraph.store import read_jsonl
 
 
@@ -16,16 +17,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.ticker
 
     run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")  # a cut last line (killed run) is left out
+    rows = [canonical(r) for r in read_jsonl(run_dir / "metrics.jsonl")]  # a cut last line (killed run) left out
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    train = [r for r in rows if "reward/mean" in r]
-    steps, rewards = [r["step"] for r in train], [r["reward/mean"] for r in train]
+    train = [r for r in rows if REWARD in r]
+    steps, rewards = [r["step"] for r in train], [r[REWARD] for r in train]
     ax.plot(steps, rewards, label="train reward (mean per step)", color="tab:blue", alpha=0.35)
     if len(rewards) >= 5:  # per-step rewards of a few queries are noisy: show a 5-step moving average too
         avg = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
         ax.plot(steps, avg, label="train reward (5-step average)", color="tab:blue")
-    evals = [r for r in rows if "accuracy/test" in r]
-    ax.plot([r["step"] for r in evals], [r["accuracy/test"] for r in evals], "o-", label="held-out accuracy (greedy)",
+    evals = [r for r in rows if ACCURACY_TEST in r]
+    ax.plot([r["step"] for r in evals], [r[ACCURACY_TEST] for r in evals], "o-", label="held-out accuracy (greedy)",
             color="tab:red")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -49,17 +50,16 @@ def plot_topology(run_dir: str | Path, out: str | Path | None = None) -> Path | 
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")
-            if isinstance(r.get("step"), int) and any(k.startswith("topology/p/") for k in r)]
-    keys = sorted({k for r in rows for k in r if k.startswith("topology/p/") and k.count("/") >= 3})
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    keys = {k: parsed for r in rows for k in r if (parsed := topology_key(k)) is not None and parsed.kind is None}
     if not keys:
         return None
-    decisions = sorted({k.split("/")[2] for k in keys})
+    decisions = sorted({p.decision for p in keys.values()})
     fig, axes = plt.subplots(len(decisions), 1, figsize=(7, 2.2 * len(decisions)), dpi=120, squeeze=False)
     for ax, d in zip(axes[:, 0], decisions):
-        for k in (k for k in keys if k.split("/")[2] == d):
+        for k in sorted(k for k, p in keys.items() if p.decision == d):
             pts = [(r["step"], r[k]) for r in rows if k in r]
-            ax.plot([s for s, _ in pts], [p for _, p in pts], label=k.split("/", 3)[3])
+            ax.plot([s for s, _ in pts], [p for _, p in pts], label=keys[k].option)
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(d, fontsize=9)
         ax.grid(alpha=0.3)

@@ -440,8 +440,7 @@ class StagesConfig(BaseModel):
     node_topology: Literal["sample", "greedy"] = "greedy"
     """How the node stage rolls out the topology it holds: `greedy` (each query its most likely route, as deployed:
     a query's group then differs by its nodes' samples alone, so a node's advantage is not the luck of the route its
-    episode drew; measured better on both mixed tasks, benchmarks/RESULTS.md) or `sample` (each episode draws its
-    route from it, the mix it chose)."""
+    episode drew) or `sample` (each episode draws its route from it, the mix it chose)."""
 
 
 class JointTrainSpec(TrainSpec):

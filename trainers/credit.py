@@ -26,11 +26,10 @@ the push lands on the node that broke its format and on no other. A call failed 
 (`LLMCall.parse_error`, set by a node that calls its model several times a step: a memory manager, once per
 fact); in a step where no call says so, every call takes the step's `parse_error`. Per call because a step-level
 flag cannot move a many-call node: a memory step fails if any of its ~9 calls does, so at a sampling temperature
-where one call in ten slips, nearly every step fails alike and the format advantage has no variance (measured:
-`parse/memory` 1.00 on every step of memory round 2, RESULTS.md).
+where one call in ten slips, nearly every step fails alike and the format advantage has no variance.
 
 A call that chose among a closed set of completions can be credited against the alternatives it did not take
-(`counterfactual`, masgraph/counterfactual.py): A^C = R - mean over alternatives a' of R(a'), each R(a') the score
+(`counterfactual`, masgraph.learn.counterfactual): A^C = R - mean over alternatives a' of R(a'), each R(a') the score
 of the episode re-run with a' in the call's place (COMA's counterfactual baseline). With `counterfactual_norm` a
 node's A^C are divided by their root mean square over the step's scored calls (Dr.MAS's per-agent normalisation
 on this term alone), so its scale no longer depends on how much one decision moves the score.

@@ -1,5 +1,5 @@
 """What a training step's metrics show about the health of learning, whatever the algorithm: signals that warn
-before held-out accuracy falls (the policy-only run that lost 9 points between 7 and 15 minutes gave no warning).
+before held-out accuracy falls.
 
     groups/no_signal      share of queries whose episodes all scored alike: a group-relative advantage has
                           nothing to push with (a collapsed policy, or a task solved or hopeless at this stage)
@@ -8,17 +8,12 @@ before held-out accuracy falls (the policy-only run that lost 9 points between 7
                           entropy per token; falling towards 0 is entropy collapse (DAPO's warning sign)
     reward/type/<type>    mean reward per item type, for tasks whose items are typed (`meta["type"]`): one
                           type gaining while another loses (reward hacking one route) shows here first
-    agree/<node>          how alike a query's samples decided at a trainable node: per query and call (same turn,
-                          same call of the step), the share of sampled calls whose decision is the most common
-                          one, averaged — the decision being what the runtime applied where it records it (a
-                          memory manager's operation), else the output's first line; 1.0 is a decision that no
-                          longer explores. Round 1's memory manager (seed 1) went 0.44 -> 0.95 in 4 steps (every applied
-                          operation ADD, half of them fallbacks from unparseable outputs) while `entropy/memory`
-                          rose 0.75 -> 1.2: the spread was in text the runtime ignored
+    agree/<node>          how alike a query's samples decided at a trainable node: per query and call, the share of
+                          sampled calls whose decision (what the runtime applied where it records it, else the
+                          output's first line) is the most common one, averaged; 1.0 is a decision that no longer
+                          explores, even while the text around it still varies
     parse/<node>          share of a trainable node's steps whose output failed to parse: a node drifting off
-                          its format where the outcome does not punish it (round 3's staged seed 0: the verifier
-                          went from 0 to every held-out step while its reward held) shows here steps before
-                          held-out accuracy falls
+                          its format where the outcome does not punish it shows here before held-out accuracy falls
 
 Pure functions of the step's traces, tested against hand-computed values.
 """

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from masgraph import metric_keys as keys
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import Sink
@@ -218,8 +219,8 @@ def alternative_rows(traces: list[Trace], trainable: dict[str, str], config: Flo
     the mean of the call's scores, its tokens (`encode`, then the call's stop token) after the call's prompt, its
     advantage `counterfactual_weight` * (its score - that mean), times the node's `scales` entry (with
     `counterfactual.norm`: the one its calls' counterfactual advantages get). Worse alternatives get no row:
-    pushing down a completion the policy did not sample, often already unlikely, has no bound (log p -> -inf:
-    memory round 5b's KL to the reference reached 332 nats by step 4), and raising the better ones lowers the rest
+    pushing down a completion the policy did not sample, often already unlikely, has no bound (log p -> -inf, and
+    the KL to the reference with it), and raising the better ones lowers the rest
     through the softmax. `old_logprobs` empty: the update computes them under the adapters the rollouts used."""
     rows = []
     for i, tr in enumerate(traces):
@@ -316,7 +317,7 @@ class FlowGRPO(TrainAlgorithm):
 
     def train_step(self, traces: list[Trace], step: int) -> dict[str, float]:
         metrics = self.update(traces, seed=f"{self.seed}:{step}") | {
-            "informative_groups": float(len(informative_queries(traces, self.config)))}
+            keys.INFORMATIVE_GROUPS: float(len(informative_queries(traces, self.config)))}
         if self.config.counterfactual.alternatives:  # how many decisions were scored, and how many of them mattered
             cf = counterfactual_advantages(traces, self.config.counterfactual.alternatives)
             metrics |= {"counterfactual/variants": float(sum(_alternatives_scored(t) for t in traces)),
@@ -346,9 +347,9 @@ class FlowGRPO(TrainAlgorithm):
             if r.alternative is None:  # the calls as made (an alternative's score is in the Credited event)
                 credit[traces[r.traj].episode_id].append((r.step, r.call, r.advantage))
         self._credit = dict(credit)
-        metrics = {"rows": float(len(rows)), "reward/mean": _mean([t.reward or 0.0 for t in traces])}
+        metrics = {keys.ROWS: float(len(rows)), keys.REWARD: _mean([t.reward or 0.0 for t in traces])}
         if not rows:
-            return metrics | {"loss/total": 0.0}
+            return metrics | {keys.LOSS_TOTAL: 0.0}
         rng = random.Random(seed)
         totals: dict[str, Any] = defaultdict(float)
         norms: dict[str, list[Any]] = defaultdict(list)
@@ -372,10 +373,10 @@ class FlowGRPO(TrainAlgorithm):
         grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
         losses = [float(x) for x in losses]
         n_tok = cfg.ppo.epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
-        return metrics | {f"grad_norm/{a}": _mean(g) for a, g in grad_norms.items()} | {
-            "loss/total": _mean(losses), "loss/policy": totals["pg"] / n_tok, "kl": totals["kl"] / n_tok,
-            "clip_frac": totals["clip"] / n_tok, "approx_kl": totals["approx_kl"] / n_tok + 0.0,
-            "optimizer_steps": float(len(losses)), "trajectories": float(len({r.traj for r in rows}))}
+        return metrics | {f"{keys.GRAD_NORM}{a}": _mean(g) for a, g in grad_norms.items()} | {
+            keys.LOSS_TOTAL: _mean(losses), keys.LOSS_POLICY: totals["pg"] / n_tok, keys.KL_REF: totals["kl"] / n_tok,
+            keys.CLIP_FRAC: totals["clip"] / n_tok, keys.KL_OLD: totals["approx_kl"] / n_tok + 0.0,
+            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))}
 
     def _alternatives_old_logprobs(self, rows: list[Row]) -> None:
         """Fill the `old_logprobs` of alternative rows (never sampled) under the adapters as the rollouts used them

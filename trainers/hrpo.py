@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from masgraph import metric_keys as keys
 from masgraph.checkpoint import TOPOLOGY_FILE
 from masgraph.errors import MasgraphError
 from masgraph.topology.policy import TopologyPolicy, check_signature
@@ -103,7 +104,7 @@ class HRPO(TrainAlgorithm):
             loss.backward()
             self.optimizer.step()
         self.policy.version += 1
-        out = {f"topology/{k}": v for k, v in stats.items()}
+        out = {keys.TOPOLOGY_KL_OLD if k == "approx_kl" else f"{keys.TOPOLOGY}{k}": v for k, v in stats.items()}
         out["topology/episodes"] = float(len(rows))
         out["topology/skipped_groups"] = float(skipped)
         out["topology/reward"] = sum(rewards_seen) / len(rewards_seen)

@@ -1,49 +1,10 @@
-"""Joint training: the same rollouts train the topology policy (HRPO) and every trainable node's LoRA
-(Flow-GRPO), composed from the two algorithms (each keeps its own state file in a checkpoint).
+"""Joint training: the same rollouts train the topology policy (HRPO) and every trainable node's LoRA (Flow-GRPO),
+composed from the two algorithms, because a route's reward depends on nodes that are still learning.
 
-`schedule: simultaneous` updates both after every step; `alternate` updates the node policies on even steps and
-the topology on odd ones, so each learns against the other held fixed. Both see the step's groups of
-`flow_grpo.group_size` episodes per query.
-
-The credit-assignment problem of doing both at once. A route's reward depends on how well its nodes do now, and
-they are still learning: early on, the route that will work best (planner -> search -> generator on a lookup
-question) may fail every time only because the planner's sampled search queries miss. In such a group every
-route scores 0, so the group-relative outcome advantage is 0 and HRPO's cost terms (λ·tokens in the outcome, the
-action-wise token and rationality terms) are the only signal left: they push the cheapest route, and the topology
-forgets the route that works before its node has learned (measured: −15 and −16 points against topology-only,
-every city question routed straight to the generator on one seed of each round; RESULTS.md).
-
-What follows from that, in the order it is built:
-- `hrpo.no_signal: skip` (landed): a group with no task-reward signal teaches the topology nothing, as Flow-GRPO
-  already skips zero-variance groups (DAPO's dynamic sampling). A route then keeps its prior probability until
-  some group shows it working or failing against another route. Unit test: tests/unit/test_hrpo_no_signal.py
-  (a route that pays only once its node has learned collapses with `learn` and is learned at once with `skip`).
-  The default stays `learn` until the joint benchmark (≥ 3 seeds, both tasks) is re-run with it.
-- `schedule: staged` (MetaAgent-X's stagewise co-training, with the stages chosen from the problem above): the
-  topology first, for `stages.topology_steps` steps, on rollouts whose nodes decode as the graph writes them
-  (greedy), exactly as topology-only training; then the nodes, for `stages.node_steps`, with Flow-GRPO on sampled
-  nodes and the topology held (not updated; its routes sampled, or with `node_topology: greedy` each query's most
-  likely one); then both. Why this removes the failure rather than damping it: the two learners never chase each
-  other. While the topology learns, a route's reward is what its nodes do when deployed (the greedy planner finds
-  the person 75 % of the time on city questions, the sampled one rarely), so the accuracy signal decides routes,
-  not node exploration noise; while the nodes learn, their rewards are not shifted by a routing that moves under them.
-  Each stage is the setting in which its algorithm was shown to work alone (topology-only: 89 % of the oracle's
-  headroom; Flow-GRPO on a fixed route: +24 to +27 points), so the composition starts from topology-only's result
-  and can only add what node training adds on the chosen routes. In the last stage both move; `no_signal: skip`
-  keeps a route that its sampled nodes fail on from being pushed out by cost alone.
-- `stages.node_topology: greedy` (round 5). Round 4's staged seed 0 lost 39 points of arithmetic to its node
-  stage (its checkpoint with the LoRA B matrices zeroed, same topology: 79 % vs 40 %; RESULTS.md): its trained
-  planner wrote the few-shot example's city ("Sub-goal: Rafeport") on arithmetic. Its training episodes show the
-  credit error behind it: with the topology still sampled in the node stage, a query's group mixes routes (some
-  straight to the generator, reward 0, which lowers the baseline), so a planner sample's advantage is mostly the
-  luck of the route its episode drew, not what the planner wrote. Holding the topology as deployed (each query its
-  most likely route) makes the group differ by the nodes' samples alone: the Flow-GRPO-on-a-fixed-route setting
-  that was shown to work, on the routes the topology chose. Measured (round 5, 3 seeds, 15 CPU-min each): 81.0 %
-  (81.0 / 81.4 / 80.5) against topology-only's 76.8 %, arithmetic 76–79 % on every seed; on the second task,
-  `mixed_skills`, 82.1 % (83.8 / 83.8 / 78.6) against topology-only's 64.4 % and policy-only's 33.3 %. The default
-  since then (`sample` stays a knob).
-- Measured before being made defaults; not built yet: separate temperatures for what each part explores in the
-  simultaneous schedule, and a probability floor per decision option.
+`schedule: simultaneous` updates both every step; `alternate` updates the nodes on even steps and the topology on
+odd ones; `staged` learns the topology first on greedy-node rollouts, then the nodes with the topology held (each
+query on its most likely route with `stages.node_topology: greedy`), then both, so the two learners never chase
+each other. `hrpo.no_signal: skip` keeps a route from being pushed out by cost alone while its nodes still fail.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from masgraph.graph import Graph, compile_spec
 from masgraph.learn.counterfactual import META
 from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
+from masgraph.metric_keys import topology_p
 from masgraph.metrics import MetricsSink
 from masgraph.registry import default_registry
 from masgraph.runtime.ray_engine import RayConfig
@@ -354,7 +355,7 @@ def topology_metrics(policy: TopologyPolicy, traces: list[Trace]) -> dict[str, f
     mean over the step's queries, and per query type (`topology/type/<type>/<decision>/<option>`) when the task's
     items have one."""
     if not policy.conditioned or not traces:
-        return {f"topology/p/{d}/{o}": p for d, opts in policy.probabilities().items() for o, p in opts.items()}
+        return {topology_p(d, o): p for d, opts in policy.probabilities().items() for o, p in opts.items()}
     out: dict[str, float] = {}
     groups: dict[str, list[Trace]] = {"": traces}
     for t in traces:
@@ -362,7 +363,6 @@ def topology_metrics(policy: TopologyPolicy, traces: list[Trace]) -> dict[str, f
             groups.setdefault(str(t.meta["type"]), []).append(t)
     for kind, members in groups.items():
         probs = [policy.probabilities(t.query) for t in members]
-        prefix = f"topology/type/{kind}" if kind else "topology/p"
-        out |= {f"{prefix}/{d}/{o}": sum(p[d][o] for p in probs) / len(probs)
+        out |= {topology_p(d, o, kind or None): sum(p[d][o] for p in probs) / len(probs)
                 for d, opts in probs[0].items() for o in opts}
     return out

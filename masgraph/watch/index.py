@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from masgraph.checkpoint import read_state
 from masgraph.errors import MasgraphError, SpecError
 from masgraph.loader import read_yaml
+from masgraph.metric_keys import canonical, topology_key
 from masgraph.store import INDEX, Parser, step_flag
 from masgraph.trace import Trace, full_reward
 
@@ -336,7 +337,7 @@ class RunIndex:
             if rec is None:
                 self.bad_lines["metrics.jsonl"] += 1
             else:
-                self.metrics.append(rec)
+                self.metrics.append(canonical(rec))  # a run written under the former metric names too
 
     def _event(self, rec: dict[str, Any], off: int, end: int) -> None:
         kind = rec.get("kind")
@@ -489,9 +490,9 @@ class RunIndex:
         for rec in reversed(self.metrics):
             probs: dict[str, dict[str, float]] = {}
             for key, value in rec.items():
-                if key.startswith("topology/p/"):
-                    decision, _, option = key[len("topology/p/"):].rpartition("/")
-                    probs.setdefault(decision, {})[option] = float(value)
+                parsed = topology_key(key)
+                if parsed is not None and parsed.kind is None:
+                    probs.setdefault(parsed.decision, {})[parsed.option] = float(value)
             if probs:
                 return probs
         return {}

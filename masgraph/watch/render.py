@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.text import Text
 
+from masgraph import metric_keys as mk
 from masgraph.graph.space import node_places
 from masgraph.trace import Step, Trace
 from masgraph.watch.index import NodeStats, Row, RunIndex
@@ -337,7 +338,8 @@ def _logprob_style(lp: float) -> str:
 
 # -- training -------------------------------------------------------------------------------------------------
 
-TRAIN_PLOTS = ("reward/mean", "accuracy/train", "accuracy/test", "kl", "loss/total", "clip_frac", "tokens_per_s")
+TRAIN_PLOTS = (mk.REWARD, mk.ACCURACY_TRAIN, mk.ACCURACY_TEST, mk.KL_REF, mk.LOSS_TOTAL, mk.CLIP_FRAC, mk.TOKENS_PER_S)
+"""The standard series of the training view (`masgraph.metric_keys`; older runs' names are read as these)."""
 
 
 def plot_keys(metrics: Sequence[dict[str, Any]]) -> list[str]:
@@ -348,10 +350,10 @@ def plot_keys(metrics: Sequence[dict[str, Any]]) -> list[str]:
     for rec in metrics:
         present.update(dict.fromkeys(k for k, v in rec.items() if isinstance(v, int | float)))
     keys = [k for k in TRAIN_PLOTS if k in present]
-    keys += sorted(k for k in present if k.startswith("grad_norm/"))
+    keys += sorted(k for k in present if k.startswith(mk.GRAD_NORM))
     keys += [k for k in ("groups/no_signal",) if k in present]
     keys += sorted(k for k in present if k.startswith(("entropy/", "agree/", "parse/", "reward/type/")))
-    keys += [k for k in ("topology/entropy", "topology/loss") if k in present]
+    keys += [k for k in (mk.TOPOLOGY_ENTROPY, mk.TOPOLOGY_LOSS) if k in present]
     return keys
 
 

@@ -100,7 +100,7 @@ def test_one_flow_grpo_step_trains_checkpoints_resumes_and_serves(arch, tiny_mod
     before = _lora(loop.learner.weights.model)
     assert before and all(not p.any() for n, p in before.items() if "lora_B" in n)  # zero-effect at init
     last = asyncio.run(loop.run())
-    assert last["rows"] > 0 and loop.step == 1
+    assert last["rows/trained"] > 0 and loop.step == 1
     after = _lora(loop.learner.weights.model)
     assert after.keys() == before.keys()
     assert any(after[n].any() for n in after if "lora_B" in n), "the step did not move the adapter"

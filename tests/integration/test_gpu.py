@@ -58,7 +58,7 @@ def test_a_training_step_keeps_everything_on_the_gpu(tmp_path):
     assert loop.learner.device.type == "cuda"
     assert all(p.is_cuda for p in loop.learner.weights.model.parameters())
     last = asyncio.run(loop.run())
-    assert last["rows"] > 0 and last["step"] == 2 and last["memory/peak_gib"] > 0
+    assert last["rows/trained"] > 0 and last["step"] == 2 and last["memory/peak_gib"] > 0
     states = [s for opt in loop.algo.optimizers.values() for st in opt.state.values() for s in st.values()
               if torch.is_tensor(s) and s.dim() > 0]
     assert states and all(s.is_cuda for s in states)  # Adam moments next to their parameters

@@ -134,7 +134,7 @@ def test_a_local_trained_planner_with_api_served_fixed_nodes_trains_exports_and_
     assert main(["train", str(graph), "--runs-dir", str(runs)]) == 0
     [run_dir] = [p for p in runs.iterdir() if p.is_dir()]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and any(r.get("rows", 0) > 0 for r in rows), rows
+    assert [r["step"] for r in rows] == [1, 2] and any(r.get("rows/trained", 0) > 0 for r in rows), rows
     trained = load_file(run_dir / "checkpoints" / "step-2" / "adapters" / "planner" / "adapter_model.safetensors")
     lora_b = [v for k, v in trained.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # LoRA's B starts at zero: the updates moved it

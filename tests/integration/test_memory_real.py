@@ -78,7 +78,7 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
     algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=8, advantage="episode+step"))
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
-    assert metrics["rows"] == len(rows) > 0 and metrics["grad_norm/memory"] > 0
+    assert metrics["rows/trained"] == len(rows) > 0 and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
     assert learner.version("memory") == 1 and learner.adapters() == ["memory"]
 
@@ -114,7 +114,7 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     assert stopped and all(r.completion_ids[-1] == 2 for r in stopped)  # the call's own <|im_end|> ends them
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
-    assert metrics["rows"] == len(rows) and metrics["grad_norm/memory"] > 0
+    assert metrics["rows/trained"] == len(rows) and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))
 
 
@@ -186,5 +186,5 @@ def test_counterfactual_probes_score_every_decision_on_every_persons_question(ro
     algo = FlowGRPO(learner, {"memory": "memory"}, config)
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
-    assert metrics["rows"] > 0 and metrics["grad_norm/memory"] > 0
+    assert metrics["rows/trained"] > 0 and metrics["grad_norm/memory"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["memory"], before))

@@ -68,7 +68,7 @@ def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runne
     algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=4, advantage="episode+step"))
     before = [p.detach().clone() for p in algo.params["planner"]]
     metrics = algo.update(traces)
-    assert metrics["rows"] == len(both) > 0 and metrics["grad_norm/planner"] > 0
+    assert metrics["rows/trained"] == len(both) > 0 and metrics["grad_norm/planner"] > 0
     assert any(not p.detach().equal(q) for p, q in zip(algo.params["planner"], before))
     assert learner.version("planner") == 1
 
@@ -106,6 +106,6 @@ def test_branched_siblings_share_the_roots_prefix_and_meet_it_at_the_fork(root, 
     algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=4, advantage="episode+step"))
     before = {a: [p.detach().clone() for p in ps] for a, ps in algo.params.items()}
     metrics = algo.update(traces)
-    assert metrics["rows"] > 0
+    assert metrics["rows/trained"] > 0
     moved = {a for a, ps in algo.params.items() if any(not p.detach().equal(q) for p, q in zip(ps, before[a]))}
     assert moved and moved <= {"planner", "verifier"}

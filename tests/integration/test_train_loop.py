@@ -48,8 +48,8 @@ def test_resample_replaces_zero_variance_groups_and_budget_stops(tmp_path):
     loop = TrainLoop(graph, FirstQueriesFlat(), tmp_path / "run")
     last = asyncio.run(loop.run())
     # both first queries were flat: one extra round of 2 fresh queries, both informative
-    assert last["resample_rounds"] == 1 and last["informative_groups"] == 2 and loop.cursor == 4
-    assert last["rows"] == 4  # only the informative groups' samples are trained on
+    assert last["resample_rounds"] == 1 and last["groups/informative"] == 2 and loop.cursor == 4
+    assert last["rows/trained"] == 4  # only the informative groups' samples are trained on
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-1" / "state.json").read_text())
     assert state["cursor"] == 4
 

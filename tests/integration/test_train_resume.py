@@ -99,10 +99,10 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, busy):
     run_a = _only_run(tmp_path / "a")
     ref = _metrics(run_a)
     assert sorted(ref) == [1, 2, 3] and all(math.isfinite(ref[s]["loss/total"]) for s in ref)
-    assert all(ref[s]["rows"] > 0 and ref[s]["grad_norm/answer"] > 0 for s in ref)  # it really trains
+    assert all(ref[s]["rows/trained"] > 0 and ref[s]["grad_norm/answer"] > 0 for s in ref)  # it really trains
     # every step scored alternatives, some of which changed the reward, and trained on more rows than the 8 episodes
-    assert all(ref[s]["counterfactual/variants"] > 0 and ref[s]["counterfactual/mattered"] > 0 and ref[s]["rows"] > 8
-               for s in ref), ref
+    assert all(ref[s]["counterfactual/variants"] > 0 and ref[s]["counterfactual/mattered"] > 0
+               and ref[s]["rows/trained"] > 8 for s in ref), ref
     w1, w3 = _weights(run_a, 1), _weights(run_a, 3)
     assert max(float((w1[k] - w3[k]).abs().max()) for k in w1) > 1e-4
 
@@ -115,7 +115,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, busy):
     def check(run: Path, steps: list[int]) -> None:
         got = _metrics(run)
         for s in steps:
-            for key in ("loss/total", "rows", "counterfactual/variants", "counterfactual/mattered"):
+            for key in ("loss/total", "rows/trained", "counterfactual/variants", "counterfactual/mattered"):
                 assert abs(got[s][key] - ref[s][key]) <= LOSS_TOL, (s, key, got[s], ref[s])
             wa, wb = _weights(run_a, s), _weights(run, s)
             assert wa.keys() == wb.keys()

@@ -318,7 +318,7 @@ def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categ
     sampled = learner()
     before = sampled.probs()
     cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, counterfactual={"memory": alts})
-    assert FlowGRPO(sampled, {"memory": "m"}, cfg).update(traces(sampled))["rows"] == 8
+    assert FlowGRPO(sampled, {"memory": "m"}, cfg).update(traces(sampled))["rows/trained"] == 8
     after = sampled.probs()
     assert after[0] < before[0] and after[1] == pytest.approx(after[2]) == pytest.approx(after[3])
 
@@ -332,7 +332,7 @@ def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categ
     metrics = algo.update(traces(every))
     got = every.probs()
     # (Adam's first step moves each logit by about lr, whatever the gradient's size: the order is what shows)
-    assert metrics["rows"] == 8 * 2 and got[2] > after[2] and got[2] > 1.15 * max(got[1], got[3])
+    assert metrics["rows/trained"] == 8 * 2 and got[2] > after[2] and got[2] > 1.15 * max(got[1], got[3])
     assert got[1] == pytest.approx(got[3]) and got[1] < after[1]
     assert algo.credit() and all(len(c) == 1 for c in algo.credit().values())  # the calls as made, one each
 

@@ -26,7 +26,7 @@ def test_a_training_step_records_each_calls_advantage_and_the_episode_view_shows
     loop = TrainLoop(graph, OddSamplesWin(), tmp_path / "run", dtype="float32")
     last = asyncio.run(loop.run())
     credits = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("kind") == "credit"]
-    assert len(credits) == 8 == last["rows"]  # 2 queries x 4 samples, one call each: every call was a row
+    assert len(credits) == 8 == last["rows/trained"]  # 2 queries x 4 samples, one call each: every call was a row
     # rewards 0,1,0,1 in each group: episode advantage -+0.866, the shared first state doubles it (w = 1)
     assert sorted({round(a, 3) for e in credits for _, _, a in e["calls"]}) == [-1.732, 1.732]
     assert all(e["step"] == 1 and [c[:2] for c in e["calls"]] == [[0, 0]] for e in credits)

@@ -135,7 +135,7 @@ def whole_path(model: str, tmp_path: Path) -> DeviceRecorder:
                      tmp_path / "flow", dtype="float32")
     before = [p.detach().clone() for p in loop.learner.parameters("answer")]
     last = asyncio.run(loop.run())
-    assert last["rows"] > 0
+    assert last["rows/trained"] > 0
     assert any(not torch.equal(b, p) for b, p in zip(before, loop.learner.parameters("answer")))
 
     router = (ROOT / "graphs" / "router.yaml").read_text().replace("smollm2-135m", model).replace(

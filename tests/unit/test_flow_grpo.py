@@ -224,12 +224,12 @@ def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome
     plain = categorical()
     before = plain.probs()
     metrics = FlowGRPO(plain, {"memory": "m"}, FlowGRPOConfig(lr=0.1, kl_coef=0.0)).update(traces(plain))
-    assert metrics["rows"] == 0 and plain.probs() == before
+    assert metrics["rows/trained"] == 0 and plain.probs() == before
     bonus = categorical()
     cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, entropy_bonus=0.5)
     metrics = FlowGRPO(bonus, {"memory": "m"}, cfg).update(traces(bonus))
     after = bonus.probs()
-    assert metrics["rows"] == 8 and bonus.versions["m"] == 1
+    assert metrics["rows/trained"] == 8 and bonus.versions["m"] == 1
     assert after[2] > 1.15 * before[2] and after[0] < before[0] - 0.005
     assert after[1] == pytest.approx(after[3])  # the unsampled tokens move together
 

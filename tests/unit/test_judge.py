@@ -215,5 +215,5 @@ train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 2, seed: 3, flow_
     for t in rollouts:  # an empty answer is 0 without a call
         assert t.reward == t.meta["judge"]["score"] and len(t.judge_calls) == int(bool((t.answer or "").strip()))
     assert {t.reward for t in rollouts} == {0.0, 1.0}
-    assert last["rows"] > 0 and last["grad_norm/answer"] > 0
+    assert last["rows/trained"] > 0 and last["grad_norm/answer"] > 0
     assert last["reward/mean"] == pytest.approx(sum(t.reward for t in rollouts) / len(rollouts))

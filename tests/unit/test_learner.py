@@ -181,7 +181,7 @@ def test_the_train_loop_needs_only_complete_aclose_and_publish_of_its_backend(ti
     steps = {e.step: e.metrics for e in events.events if isinstance(e, TrainStep)}
     assert sorted(steps) == [0, 1, 2]
     # step 2 rolled out on the published v1 weights: its recorded logprobs are the learner's (ratio 1, on-policy)
-    assert steps[2]["rows"] > 0 and steps[2]["approx_kl"] < 1e-6 and steps[2]["clip_frac"] == 0
+    assert steps[2]["rows/trained"] > 0 and steps[2]["kl/old_k3"] < 1e-6 and steps[2]["loss/clip_frac"] == 0
     theirs = {n: p for n, p in remote._server.model.named_parameters() if ".answer." in n}
     assert [torch.equal(a, b) for a, b in zip(learner.parameters("answer"), theirs.values())] == [True] * len(theirs)
 

@@ -147,11 +147,12 @@ def _rollouts(tiny: Path, temperature: float, samples: int = 4):
 def test_ppo_epochs_and_mini_batches_make_the_clip_act(tiny):
     learner, _, traces = _rollouts(tiny, 1.0)
     one = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
-    assert one["optimizer_steps"] == 1 and one["clip_frac"] == 0 and one["approx_kl"] < 1e-6  # ratio 1: on-policy
+    # ratio 1: on-policy
+    assert one["loss/optimizer_steps"] == 1 and one["loss/clip_frac"] == 0 and one["kl/old_k3"] < 1e-6
     learner, backend, traces = _rollouts(tiny, 1.0)
-    many = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05, ppo_epochs=4, num_mini_batches=2))
+    many = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05, ppo={"epochs": 4, "num_mini_batches": 2}))
     metrics = many.update(traces, seed=7)
-    assert metrics["optimizer_steps"] == 8 and metrics["clip_frac"] > 0 and metrics["approx_kl"] > 1e-4
+    assert metrics["loss/optimizer_steps"] == 8 and metrics["loss/clip_frac"] > 0 and metrics["kl/old_k3"] > 1e-4
     assert learner.version("answer") == 1  # one new policy version per update, however many steps
     assert backend.versions["answer"] == 0  # served only once published (the loop's WeightSync)
 
@@ -173,7 +174,7 @@ def test_rows_are_recomputed_at_the_temperature_they_were_sampled_at(tiny):
 def test_update_uses_each_calls_recorded_temperature_not_the_config(tiny):
     learner, _, traces = _rollouts(tiny, 0.5)
     metrics = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(temperature=1.0)).update(traces)
-    assert metrics["approx_kl"] < 1e-6 and metrics["clip_frac"] == 0
+    assert metrics["kl/old_k3"] < 1e-6 and metrics["loss/clip_frac"] == 0
 
 
 def test_evaluation_runs_in_deterministic_mode_and_leaves_the_rng_alone(tiny, tmp_path):
@@ -203,7 +204,7 @@ def test_a_train_run_emits_steps_evaluations_and_checkpoints_and_writes_metrics_
     steps = [e for e in events.events if isinstance(e, TrainStep)]
     for e in steps[1:]:  # each step's rows, one advantage per call, before its metrics
         credited = [c for c in events.events if isinstance(c, Credited) and c.step == e.step]
-        assert sum(len(c.calls) for c in credited) == e.metrics["rows"]
+        assert sum(len(c.calls) for c in credited) == e.metrics["rows/trained"]
     assert lines == [{"step": e.step, **e.metrics} for e in steps]  # metrics.jsonl is the TrainStep stream
     assert next(iter(lines[1])) == "step" and "accuracy/test" in lines[0] and "loss/total" in lines[1]
     assert loop.sink_errors == 0

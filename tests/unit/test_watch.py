@@ -289,7 +289,7 @@ async def test_training_view_shows_curves_progress_nodes_checkpoints(train_dir):
         text = screen_text(app)  # a training run opens on the training view
         assert "router-train train ended 24 done" in text
         assert "step 3/3" in text and "100%" in text
-        for key in ("reward/mean", "accuracy/train", "accuracy/test", "kl", "loss/total", "clip_frac",
+        for key in ("reward/mean", "accuracy/train", "accuracy/test", "kl/ref_k3", "loss/total", "loss/clip_frac",
                     "tokens_per_s", "grad_norm/planner", "grad_norm/verifier", "topology/entropy"):
             assert key in text
         assert "accuracy/test 0.5" in text
