@@ -35,13 +35,13 @@ from models import resolve
 from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
-from masgraph.checkpoint import checkpoint_dtype, resolve_checkpoint
 from masgraph.events import Event, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
+from masgraph.rundir.checkpoint import checkpoint_dtype, resolve_checkpoint
+from masgraph.rundir.store import read_jsonl
 from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
-from masgraph.store import read_jsonl
 from masgraph.tasks import get_task, is_correct
 from masgraph.trainers.config import with_overrides
 from masgraph.trainers.flow_grpo import sampling_spec

@@ -42,10 +42,10 @@ from learns import knob_overrides, train
 from results_file import results_file
 
 from masgraph.backends.hf import HFBackend
-from masgraph.checkpoint import resolve_checkpoint
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
+from masgraph.rundir.checkpoint import resolve_checkpoint
 from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task, get_task

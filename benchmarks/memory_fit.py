@@ -25,7 +25,7 @@ import torch
 
 from masgraph.backends.hf.learner import HFLearner
 from masgraph.learn.learner import LoraConfigSpec
-from masgraph.store import read_traces
+from masgraph.rundir.store import read_traces
 from masgraph.trainers.credit import counterfactual_scores
 
 sys.path.insert(0, str(Path(__file__).parent))

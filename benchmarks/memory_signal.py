@@ -34,7 +34,7 @@ from learns import knob_overrides
 from pydantic import ValidationError
 
 from masgraph.learn.counterfactual import META
-from masgraph.store import read_jsonl, read_traces
+from masgraph.rundir.store import read_jsonl, read_traces
 from masgraph.trace import MemoryOp, Trace
 from masgraph.trainers.config import FlowGRPOConfig, with_overrides
 from masgraph.trainers.flow_grpo import build_rows

@@ -27,11 +27,11 @@ from learns import knob_overrides
 from memory_signal import step_batches
 from pydantic import ValidationError
 
-from masgraph.checkpoint import checkpoint_dtype, resolve_checkpoint
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
-from masgraph.store import read_jsonl
+from masgraph.rundir.checkpoint import checkpoint_dtype, resolve_checkpoint
+from masgraph.rundir.store import read_jsonl
 from masgraph.tasks import get_task
 from masgraph.trainers.config import with_overrides
 from masgraph.trainers.loop import TrainLoop

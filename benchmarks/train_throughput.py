@@ -45,7 +45,7 @@ from masgraph.events import Event, ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.model import resolve_model
-from masgraph.store import read_traces
+from masgraph.rundir.store import read_traces
 from masgraph.tasks import get_task
 from masgraph.trainers.config import with_overrides
 from masgraph.trainers.loop import TrainLoop

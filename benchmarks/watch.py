@@ -73,8 +73,8 @@ def write_run(path: Path, episodes: int) -> Path:
     """A finished run dir of `episodes` episodes (reused when it already holds them)."""
     import yaml
 
+    from masgraph.rundir.store import RunStore
     from masgraph.spec import GraphSpec
-    from masgraph.store import RunStore
 
     if (path / "summary.json").exists() and json.loads((path / "summary.json").read_text()).get("episodes") == episodes:
         return path
@@ -110,7 +110,7 @@ asyncio.run(main())
 OPEN_PEER = r'''
 import time; t0 = time.perf_counter()
 import json, resource, sys
-from masgraph.store import read_traces
+from masgraph.rundir.store import read_traces
 n = sum(1 for _ in read_traces(sys.argv[1]))
 print(json.dumps({"s": time.perf_counter() - t0, "rows": n,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -143,7 +143,7 @@ WRITER = r'''
 import asyncio, sys, time
 sys.path.insert(0, sys.argv[4])
 from watch import episode_events
-from masgraph.store import RunStore
+from masgraph.rundir.store import RunStore
 async def main(path, rate, seconds):
     store = RunStore(path, None, {"benchmark": "watch-follow"})
     (__import__("pathlib").Path(path) / "spec.yaml").write_text(open(sys.argv[5]).read())
@@ -214,7 +214,7 @@ from masgraph.backends.scripted import ScriptedBackend
 from masgraph.graph import GraphBuilder
 from masgraph.node import NodeOutput
 from masgraph.runtime.runner import RunConfig, Runner
-from masgraph.store import new_run_dir
+from masgraph.rundir.store import new_run_dir
 from masgraph.tasks import Item, Task
 
 @register_agent("llm_step")

@@ -24,17 +24,17 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from masgraph.checkpoint import Dtype, checkpoint_adapters, read_state
 from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
+from masgraph.rundir.checkpoint import Dtype, checkpoint_adapters, read_state
+from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, step_dir
 from masgraph.trainers.algorithm import TrainAlgorithm
 
 __all__ = ["Checkpoints", "TrainState", "check_lora_shapes", "read_train_state", "truncate_metrics"]
 
 PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
 """Fault injection for the crash tests: seconds to sleep in the middle of writing a checkpoint."""
-RNG_FILE = "rng.pt"
 EARLIER = "resume from an earlier checkpoint (RUN/checkpoints/step-N) or delete this one"
 
 
@@ -61,10 +61,10 @@ class Checkpoints:
     """RUN/checkpoints: save the last completed step, load one back."""
 
     def __init__(self, run_dir: Path):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / CHECKPOINTS
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step-{step}"
+        return step_dir(self.root.parent, step)
 
     def save(self, state: TrainState, learner: Learner, algorithm: TrainAlgorithm, rng: dict[str, Any]) -> Path:
         """Write step `state.step` (adapters, RNG, every algorithm part's state, then state.json) and point
@@ -73,16 +73,16 @@ class Checkpoints:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        learner.save(str(tmp / "adapters"), state.adapters)
+        learner.save(str(tmp / ADAPTERS), state.adapters)
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))
         torch.save(rng, tmp / RNG_FILE)
         for part in algorithm.parts():
             torch.save(part.state_dict(), tmp / part.state_file)
-        atomic_write(tmp / "state.json", state.model_dump_json())
+        atomic_write(tmp / STATE, state.model_dump_json())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        atomic_write(self.root / "latest", final.name)
+        atomic_write(self.root / LATEST, final.name)
         return final
 
     def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str],

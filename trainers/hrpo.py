@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from masgraph import metric_keys as keys
-from masgraph.checkpoint import TOPOLOGY_FILE
 from masgraph.errors import MasgraphError
+from masgraph.rundir.checkpoint import TOPOLOGY_FILE
 from masgraph.topology.policy import TopologyPolicy, check_signature
 from masgraph.trace import Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext, query_groups

@@ -21,12 +21,13 @@ from masgraph.learn.counterfactual import META
 from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
 from masgraph.metric_keys import topology_p
-from masgraph.metrics import MetricsSink
 from masgraph.registry import default_registry
+from masgraph.rundir.layout import METRICS
+from masgraph.rundir.metrics import MetricsSink
+from masgraph.rundir.store import RunStore
 from masgraph.runtime.ray_engine import RayConfig
 from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
-from masgraph.store import RunStore
 from masgraph.tasks import Task
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
@@ -177,7 +178,7 @@ class TrainLoop:
         self._updating = False  # adapters are mid-update: the weights match no step
         self.checkpoints = Checkpoints(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sinks: list[Sink] = [MetricsSink(self.run_dir / "metrics.jsonl"), *sinks]
+        self.sinks: list[Sink] = [MetricsSink(self.run_dir / METRICS), *sinks]
         self._emit = Emitter(self.sinks)
         self._progress: list[Sink] = [s for s in sinks if callable(getattr(s, "phase", None))]
         """Sinks that follow progress inside a step (a `phase(name, step, total)` method, e.g. the CLI's
@@ -191,7 +192,7 @@ class TrainLoop:
         self._emit.sinks.append(store)  # train events join the episodes in events.jsonl
         last: dict[str, Any] = {}
         try:
-            if self.step == 0 and self.cfg.eval_every and not (self.run_dir / "metrics.jsonl").exists():
+            if self.step == 0 and self.cfg.eval_every and not (self.run_dir / METRICS).exists():
                 self._record({"step": 0, **await self.evaluate()})  # the untrained graph
             while self.step < self.cfg.steps and not self.out_of_time():
                 last = await self._one_step(store)
@@ -347,7 +348,7 @@ class TrainLoop:
         self.step = state.step
         self.cursor = state.cursor if state.cursor is not None else self.step * self.cfg.queries_per_step
         self.train_seconds = state.train_seconds
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        truncate_metrics(self.run_dir / METRICS, self.step)
 
 
 def topology_metrics(policy: TopologyPolicy, traces: list[Trace]) -> dict[str, float]:

@@ -16,7 +16,7 @@ def add_arguments(ex: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from masgraph.bundle import export_bundle, load_bundle
+    from masgraph.serve.bundle import export_bundle, load_bundle
 
     out = export_bundle(args.source, args.out, archive=args.archive)
     bundle = load_bundle(out)  # what was written loads (and the manifest matches)

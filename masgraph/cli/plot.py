@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from masgraph.errors import MasgraphError
+from masgraph.rundir.layout import METRICS
 
 HELP = "PNG of reward and held-out accuracy per step of a training run"
 
@@ -17,9 +18,9 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from masgraph.plot import plot_run, plot_topology
+    from masgraph.rundir.plot import plot_run, plot_topology
 
-    if not (Path(args.run) / "metrics.jsonl").exists():
+    if not (Path(args.run) / METRICS).exists():
         raise MasgraphError(f"{args.run} has no metrics.jsonl (is it a `masgraph train` run directory?)")
     print(plot_run(args.run, args.out))
     topology = plot_topology(args.run)  # topology-training runs: decision probabilities per step

@@ -8,20 +8,19 @@ import time
 from typing import Any, TextIO
 
 from masgraph.events import EpisodeFinished, Event, LLMCallFinished, TrainStep
+from masgraph.metric_keys import (  # the metric keys TrainProgress reads (one table: masgraph/metric_keys.py)
+    ACCURACY_TEST,
+    ACCURACY_TRAIN,
+    REWARD,
+    ROWS,
+    TOKENS_PER_S,
+    TOPOLOGY_REWARD,
+    TRAIN_S,
+    topology_key,
+)
+from masgraph.metric_keys import KL_REF as KL
+from masgraph.metric_keys import LOSS_TOTAL as LOSS
 from masgraph.tasks import is_correct
-
-# The metric keys TrainProgress reads from a TrainStep, all here so they can be repointed in one place.
-ACCURACY_TEST = "accuracy/test"
-ACCURACY_TRAIN = "accuracy/train"
-REWARD = "reward/mean"
-TOPOLOGY_REWARD = "topology/reward"
-KL = "kl"
-LOSS = "loss/total"
-ROWS = "rows"
-TOPOLOGY_P = "topology/p/"
-"""Prefix of `topology/p/<decision>/<option>`: the probability of an option of a topology decision."""
-TOKENS_PER_S = "tokens_per_s"
-TRAIN_S = "time/train_s"
 
 TOPOLOGY_ONLY = frozenset({"hrpo", "reinforce"})
 """Algorithms that train the topology alone: their step line shows the topology reward and no node loss."""
@@ -185,9 +184,9 @@ def topology_summary(m: dict[str, Any]) -> str:
     """`topology <decision>=<most likely option> <p> ...` from a step's topology metrics ('' without them)."""
     best: dict[str, tuple[float, str]] = {}
     for key, p in m.items():
-        if key.startswith(TOPOLOGY_P) and key.count("/") >= 3:
-            decision, option = key[len(TOPOLOGY_P):].split("/", 1)
-            best[decision] = max(best.get(decision, (-1.0, "")), (p, option))
+        parsed = topology_key(key)
+        if parsed is not None and parsed.kind is None:
+            best[parsed.decision] = max(best.get(parsed.decision, (-1.0, "")), (p, parsed.option))
     if not best:
         return ""
     return "topology " + " ".join(f"{d.split(':', 1)[-1]}={o} {p:.2f}" for d, (p, o) in best.items()) + "  "

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def ray_args(p: argparse.ArgumentParser) -> None:
     """--ray, --workers, --address, --gpus-per-worker (their defaults, None here, are RayConfig's)."""
-    from masgraph.ray_rollouts import RayConfig
+    from masgraph.runtime.ray_engine import RayConfig
 
     p.add_argument("--ray", action="store_true", help="run episodes on Ray rollout workers (each its own model "
                    "replica; the learner stays here)")
@@ -35,7 +35,7 @@ def ray_config(args: argparse.Namespace) -> Any:
         if args.workers is not None or args.address is not None or args.gpus_per_worker is not None:
             raise MasgraphError("--workers, --address and --gpus-per-worker need --ray")
         return None
-    from masgraph.ray_rollouts import RayConfig, check_address, cluster_address, require_ray
+    from masgraph.runtime.ray_engine import RayConfig, check_address, cluster_address, require_ray
 
     require_ray()  # before anything loads
     address, source = cluster_address(args.address)
@@ -55,8 +55,8 @@ def ray_engine(ray: Any, graph: Graph, config: Any) -> Any:
     """The Ray rollout engine for `masgraph run --ray` (None without it)."""
     if ray is None:
         return None
-    from masgraph.engine import BackendOptions
-    from masgraph.ray_rollouts import RayEngine
+    from masgraph.runtime.engine import BackendOptions
+    from masgraph.runtime.ray_engine import RayEngine
 
     return RayEngine(graph, ray, BackendOptions(config.deterministic, config.max_batch_size, config.batch_wait_ms,
                                                 config.seed))

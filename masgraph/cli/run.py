@@ -24,7 +24,7 @@ from masgraph.cli.ray_setup import ray_args, ray_config, ray_engine
 from masgraph.errors import MasgraphError
 
 if TYPE_CHECKING:
-    from masgraph.runner import Runner
+    from masgraph.runtime.runner import Runner
     from masgraph.tasks import Item, Task
 
 
@@ -32,7 +32,7 @@ HELP = "run a graph on a task and report accuracy"
 
 
 def add_arguments(r: argparse.ArgumentParser) -> None:
-    from masgraph.runner import RunConfig
+    from masgraph.runtime.runner import RunConfig
 
     r.add_argument("graph", help="graph YAML file (see graphs/), or a bundle written by `masgraph export`")
     r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
@@ -58,10 +58,10 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from masgraph.agent import open_source
-    from masgraph.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
-    from masgraph.runner import RunConfig, Runner
-    from masgraph.store import new_run_dir
+    from masgraph.rundir.checkpoint import checkpoint_adapters, has_learned_topology, resolve_checkpoint
+    from masgraph.rundir.store import new_run_dir
+    from masgraph.runtime.runner import RunConfig, Runner
+    from masgraph.serve.agent import open_source
 
     require_terminal_if(args.watch)  # before the model loads
     ray = ray_config(args)
@@ -111,7 +111,7 @@ def run_with_progress(runner: Runner, task: Task, items: list[Item], watch: bool
                       run_dir: Path | None = None) -> int:
     """Run items with a progress bar (or the TUI, `watch`) and print the summary; Ctrl-C (exit 130) and SIGTERM
     (exit 143) cancel the run cleanly, and the summary then counts the episodes that finished."""
-    from masgraph.store import new_run_dir
+    from masgraph.rundir.store import new_run_dir
 
     if watch and run_dir is None:
         run_dir = new_run_dir(runner.config.runs_dir, runner.graph.spec.name)

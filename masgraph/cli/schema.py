@@ -19,7 +19,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from masgraph.spec import graph_json_schema
 
     if args.task_file:
-        from masgraph.datatask import DataTaskSpec
+        from masgraph.tasks.data import DataTaskSpec
 
         print(json.dumps(DataTaskSpec.model_json_schema(), indent=2))
         return 0

@@ -12,6 +12,7 @@ from masgraph.cli.common import plural, print_topology, removed_if_left_empty, w
 from masgraph.cli.flags import device_arg, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.port import STARTUP_FAILURE, check_port, port_fix
 from masgraph.errors import MasgraphError
+from masgraph.rundir.layout import CONFIG, EVENTS, SPEC, SUMMARY
 
 HELP = "serve a graph behind an OpenAI-compatible endpoint (/v1/chat/completions)"
 
@@ -27,8 +28,8 @@ def kib(n_bytes: int) -> int:
 
 
 def add_arguments(sv: argparse.ArgumentParser) -> None:
-    from masgraph.runner import RunConfig
-    from masgraph.server import ServeConfig, serve
+    from masgraph.runtime.runner import RunConfig
+    from masgraph.serve.server import ServeConfig, serve
 
     sv.add_argument("graph", help="a bundle (`masgraph export`: a directory or .tar.gz) or a graph YAML file")
     sv.add_argument("--checkpoint", help="serve trained adapters (and topology): a training run dir or "
@@ -65,9 +66,9 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from masgraph.agent import Agent, open_source
-    from masgraph.server import ServeConfig, check_bind, serve
-    from masgraph.store import new_run_dir
+    from masgraph.rundir.store import new_run_dir
+    from masgraph.serve.agent import Agent, open_source
+    from masgraph.serve.server import ServeConfig, check_bind, serve
 
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
@@ -116,13 +117,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def remove_unused_store(store: Path) -> None:
     """Removes the trace dir of a server that never started: only what RunStore writes, and no episode in it."""
-    from masgraph.store import INDEX
+    from masgraph.rundir.store import INDEX
 
-    files = {"spec.yaml", "config.json", "summary.json", "events.jsonl", INDEX}
+    files = {SPEC, CONFIG, SUMMARY, EVENTS, INDEX}
     try:
         entries = list(store.iterdir())
         if all(p.name in files and p.is_file() for p in entries) and not any(
-                p.stat().st_size for p in entries if p.name in ("events.jsonl", INDEX)):
+                p.stat().st_size for p in entries if p.name in (EVENTS, INDEX)):
             for p in entries:
                 p.unlink()
             store.rmdir()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from masgraph.cli.common import load_graph, load_task
 from masgraph.cli.flags import positive_int
 from masgraph.errors import MasgraphError
+from masgraph.rundir.layout import CONFIG, SPEC
 
 if TYPE_CHECKING:
     from masgraph.tasks import Task
@@ -29,7 +30,7 @@ def add_arguments(tp: argparse.ArgumentParser) -> None:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import has_learned_topology, resolve_checkpoint
+    from masgraph.rundir.checkpoint import has_learned_topology, resolve_checkpoint
     from masgraph.topology.policy import load_policy
     from masgraph.topology.report import describe, draw
 
@@ -38,7 +39,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
     if not has_learned_topology(checkpoint):
         raise MasgraphError(f"{checkpoint} holds no topology policy; train with `algorithm: hrpo` or `joint` "
                             "on a graph with a `topology:` section")
-    graph = load_graph(str(run / "spec.yaml")) if (run / "spec.yaml").is_file() else None
+    graph = load_graph(str(run / SPEC)) if (run / SPEC).is_file() else None
     if graph is None:
         raise MasgraphError(f"{run} has no spec.yaml; pass the training run directory (RUN, not a checkpoint)")
     policy = load_policy(graph, checkpoint)
@@ -57,7 +58,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
 def run_task(run: Path) -> Task | None:
     """The task a training run trained on (from its config.json), if it can be loaded."""
     try:
-        name = json.loads((run / "config.json").read_text())["config"].get("task")
+        name = json.loads((run / CONFIG).read_text())["config"].get("task")
         return load_task(name) if name else None
     except (OSError, ValueError, KeyError, AttributeError, MasgraphError):
         return None

@@ -32,7 +32,7 @@ HELP = "train the graph's node policies (Flow-GRPO), its topology (HRPO), or bot
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    from masgraph.runner import RunConfig
+    from masgraph.runtime.runner import RunConfig
 
     t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
     t.add_argument("--task", help="task (default: train.task)")
@@ -94,9 +94,9 @@ def train_graph(graph: Graph, registry: Registry, args: argparse.Namespace) -> G
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from masgraph.checkpoint import checkpoint_adapters, checkpoint_dtype, resolve_checkpoint
     from masgraph.registry import default_registry
-    from masgraph.store import new_run_dir
+    from masgraph.rundir.checkpoint import checkpoint_adapters, checkpoint_dtype, resolve_checkpoint
+    from masgraph.rundir.store import new_run_dir
 
     require_terminal_if(args.watch)  # before the model loads
     ray = ray_config(args)

@@ -128,7 +128,7 @@ class Engine(EngineLike):
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Serve the trained adapters of a checkpoint (a run dir -> its latest, or RUN/checkpoints/step-N)."""
-        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+        from masgraph.rundir.checkpoint import checkpoint_adapters, resolve_checkpoint
 
         checkpoint = resolve_checkpoint(path)
         self.load_adapters(checkpoint_adapters(checkpoint))

@@ -346,7 +346,7 @@ class RayEngine(EngineLike):
         return RayScheduler(self.pool, sinks, concurrency, seed, score)
 
     def load_checkpoint(self, path: str | Path) -> Path:
-        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+        from masgraph.rundir.checkpoint import checkpoint_adapters, resolve_checkpoint
 
         checkpoint = resolve_checkpoint(path)
         self.pool.load_adapters(checkpoint_adapters(checkpoint))

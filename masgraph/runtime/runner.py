@@ -16,9 +16,9 @@ from masgraph.errors import MasgraphError
 from masgraph.events import ListSink, Sink
 from masgraph.graph import Graph
 from masgraph.registry import Registry
+from masgraph.rundir.store import RunStore, new_run_dir
 from masgraph.runtime.engine import BackendOptions, Engine, EngineLike
 from masgraph.runtime.scheduler import EpisodeInput, Policy, Scheduler
-from masgraph.store import RunStore, new_run_dir
 from masgraph.tasks import CORRECT, Item, Task, is_correct
 from masgraph.trace import Trace
 
@@ -195,7 +195,7 @@ class Runner:
     def judge(self, spec: Any) -> Any:
         """The judge `spec` (a `masgraph.judge.JudgeSpec`) describes, built once per runner; its model is served by
         this engine (shared with the graph's policies when it names the same model)."""
-        from masgraph.judge import Judge
+        from masgraph.tasks.judge import Judge
 
         key = spec.model_dump_json()
         if key not in self._judges:

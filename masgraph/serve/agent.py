@@ -17,6 +17,7 @@ from typing import Literal
 from masgraph.errors import MasgraphError
 from masgraph.events import Sink
 from masgraph.graph import Graph
+from masgraph.rundir.layout import CHECKPOINTS
 from masgraph.runtime.engine import BackendOptions, Engine
 from masgraph.serve.bundle import Bundle, load_bundle
 from masgraph.streaming import AnswerStream, answer_node
@@ -62,7 +63,7 @@ class Agent:
     def __init__(self, graph: Graph, checkpoint: str | Path | None = None,
                  topology: Literal["greedy", "sample"] | None = None, deterministic: bool = False,
                  engine: Engine | None = None, bundle: Bundle | None = None):
-        from masgraph.checkpoint import checkpoint_adapters, resolve_checkpoint
+        from masgraph.rundir.checkpoint import checkpoint_adapters, resolve_checkpoint
         from masgraph.topology.policy import load_policy
 
         if checkpoint is not None and bundle is not None:
@@ -141,7 +142,7 @@ def open_source(source: str | Path, check_models: bool = True) -> tuple[Graph, B
     path = Path(source)
     bundle = None
     if path.is_dir() or path.name.endswith(".tar.gz"):
-        if path.is_dir() and not (path / "manifest.json").exists() and (path / "checkpoints").is_dir():
+        if path.is_dir() and not (path / "manifest.json").exists() and (path / CHECKPOINTS).is_dir():
             raise MasgraphError(f"{path} is a training run; export it first (`masgraph export {path} --out DIR`) "
                                 "or pass its graph with --checkpoint")
         bundle = load_bundle(path)

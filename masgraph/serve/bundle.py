@@ -32,8 +32,9 @@ from typing import Any
 
 import yaml
 
-from masgraph.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state, resolve_checkpoint
 from masgraph.errors import MasgraphError
+from masgraph.rundir.checkpoint import TOPOLOGY_FILE, checkpoint_adapters, read_state, resolve_checkpoint
+from masgraph.rundir.layout import CONFIG, METRICS, SPEC
 from masgraph.serve.archive import _unpack
 from masgraph.serve.manifest import (
     FORMAT,
@@ -81,11 +82,11 @@ def _source(source: str | Path) -> tuple[dict[str, Any], Path | None, dict[str, 
         return _read_yaml(path), None, {"kind": "graph", "path": str(path.resolve())}
     checkpoint = resolve_checkpoint(path)
     run = checkpoint.parent.parent
-    if not (run / "spec.yaml").is_file():
+    if not (run / SPEC).is_file():
         raise MasgraphError(f"{run} has no spec.yaml, so the graph {checkpoint} was trained with is unknown; pass the "
                             "training run directory (or RUN/checkpoints/step-N inside it)")
     step = read_state(checkpoint).get("step")
-    return _read_yaml(run / "spec.yaml"), checkpoint, {"kind": "run", "path": str(run.resolve()),
+    return _read_yaml(run / SPEC), checkpoint, {"kind": "run", "path": str(run.resolve()),
                                                        "checkpoint": checkpoint.name, "step": step}
 
 
@@ -101,16 +102,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _evaluation(run: Path, step: int | None) -> dict[str, Any] | None:
     """The training run's held-out evaluation at the exported step (from metrics.jsonl), with its command."""
-    from masgraph.store import read_jsonl
+    from masgraph.rundir.store import read_jsonl
 
-    metrics = run / "metrics.jsonl"
+    metrics = run / METRICS
     if not metrics.is_file():
         return None
     at = [r for r in read_jsonl(metrics) if r.get("step") == step and "accuracy/test" in r]  # cut lines skipped
     if not at:
         return None
     cfg: dict[str, Any] = {}
-    config = run / "config.json"
+    config = run / CONFIG
     if config.is_file():
         cfg = json.loads(config.read_text()).get("config", {})
     task, n = cfg.get("task"), (cfg.get("train") or {}).get("eval_n")
@@ -167,7 +168,7 @@ def export_bundle(source: str | Path, out: str | Path, archive: bool = False) ->
 
 def _write(raw: dict[str, Any], checkpoint: Path | None, source_info: dict[str, Any], dst: Path) -> dict[str, Any]:
     from masgraph._version import __version__
-    from masgraph.store import package_versions
+    from masgraph.rundir.store import package_versions
 
     graph = {k: v for k, v in raw.items() if k != "train"}
     # a deployable agent runs where it is served: the training machine's device is not the serving one's

@@ -18,7 +18,7 @@ from masgraph.errors import MasgraphError
 from masgraph.serve.openai_api import error_body
 
 if TYPE_CHECKING:
-    from masgraph.store import RunStore
+    from masgraph.rundir.store import RunStore
 
 _log = logging.getLogger("uvicorn.error")
 """The server's own lines go where uvicorn's go (its format, its --log-level)."""

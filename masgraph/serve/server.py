@@ -51,6 +51,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from masgraph.rundir.store import RunStore
 from masgraph.serve.agent import Agent, Answer
 from masgraph.serve.guards import (
     _RETRY,
@@ -74,7 +75,6 @@ from masgraph.serve.openai_api import (
     usage,
     validation_message,
 )
-from masgraph.store import RunStore
 from masgraph.streaming import AnswerStream
 from masgraph.trace import Trace
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from masgraph.checkpoint import TOPOLOGY_FILE
 from masgraph.errors import MasgraphError
 from masgraph.graph import Graph, Topology
 from masgraph.graph.space import DecisionSpace
+from masgraph.rundir.checkpoint import TOPOLOGY_FILE
 from masgraph.topology.features import HASHED_DIM, hashed_features
 from masgraph.trace import TopologyChoice
 

@@ -82,7 +82,9 @@ def _watch_beside(run_dir: Path, poll_s: float) -> None:
 
 
 def _started(run_dir: Path) -> bool:
-    return any((run_dir / f).exists() for f in ("config.json", "events.jsonl", "metrics.jsonl"))
+    from masgraph.rundir.layout import is_run_dir
+
+    return is_run_dir(run_dir)
 
 
 class _Background:

@@ -16,8 +16,6 @@ a directory or a symlink loop where a run file should be is a MasgraphError (a F
 from __future__ import annotations
 
 import json
-import os
-import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -25,25 +23,35 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, BinaryIO
 
-from masgraph.checkpoint import read_state
-from masgraph.errors import MasgraphError, SpecError
-from masgraph.loader import read_yaml
+from masgraph.errors import MasgraphError
 from masgraph.metric_keys import canonical, topology_key
-from masgraph.store import INDEX, Parser, step_flag
+from masgraph.rundir.checkpoint import checkpoint_states
+from masgraph.rundir.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS, SPEC, SUMMARY, is_run_dir
+from masgraph.rundir.read import (
+    CHUNK,
+    MAX_LINE,
+    Budget,
+    Lines,
+    check_regular,
+    open_regular,
+    read_json,
+    read_spec_outline,
+)
+from masgraph.rundir.store import INDEX, Parser, step_flag
 from masgraph.trace import Trace, full_reward
 
-RUN_FILES = ("events.jsonl", INDEX, "metrics.jsonl", "config.json", "spec.yaml", "summary.json")
+RUN_FILES = (EVENTS, INDEX, METRICS, CONFIG, SPEC, SUMMARY)
 """The files of a run directory a watcher reads (each must be a regular file when it exists)."""
-CHUNK = 4 << 20
-"""Bytes read from a file at a time."""
-MAX_LINE = 64 << 20
-"""A longer line is skipped (counted as bad) instead of being held in memory whole."""
-MAX_SMALL_FILE = 16 << 20
-"""config.json, spec.yaml and summary.json past this size are not read (a run writes a few KB)."""
+
+
 MAX_ROWS = 100_000
+
+
 MAX_CREDITED = 20_000
 """Training runs: how many episodes' per-call advantages the index keeps (the newest)."""
 """Episodes the table keeps (the last ones); older rows are dropped, their counts kept."""
+
+
 ROW_TEXT = 200
 """Characters of an episode's item, query, answer and error a row keeps (as index lines do; the trace has all)."""
 
@@ -123,91 +131,6 @@ class _Live:
     active: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
-class _Lines:
-    """New whole lines of a growing file, read in bounded chunks: each read returns the (offset, line) pairs of
-    at most `max_bytes` more bytes. A line longer than MAX_LINE is dropped as it is read (counted in `too_long`)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.pos = 0
-        """The next byte to read."""
-        self.behind = False
-        """Whether the file held more bytes than the last read took."""
-        self.too_long = 0
-        self._partial = bytearray()
-        """The bytes of the line being read, up to `pos` (empty while skipping a line that is too long)."""
-        self._skipping = False
-
-    def seek(self, offset: int) -> None:
-        """Read on from `offset` (the start of a line)."""
-        self.pos, self._partial, self._skipping = offset, bytearray(), False
-
-    def read(self, max_bytes: int = CHUNK) -> list[tuple[int, bytes]]:
-        f = open_regular(self.path)
-        if f is None:
-            self.behind = False
-            return []
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(self.pos)
-            data = f.read(max(0, min(max_bytes, size - self.pos)))  # read(n) allocates n bytes first
-            self.behind = size > self.pos + len(data)
-        start, self.pos = self.pos, self.pos + len(data)  # `start`: the offset of data[0]
-        if self._skipping:
-            nl = data.find(b"\n")
-            if nl < 0:
-                return []
-            data, start, self._skipping = data[nl + 1:], start + nl + 1, False
-        nl = data.find(b"\n")
-        if nl < 0:
-            self._keep(data)
-            return []
-        out = []
-        line_start = start - len(self._partial)
-        self._partial += data[:nl]
-        if len(self._partial) > MAX_LINE:
-            self.too_long += 1
-        else:
-            out.append((line_start, bytes(self._partial)))
-        at = nl + 1
-        while (nl := data.find(b"\n", at)) >= 0:
-            if nl - at > MAX_LINE:  # (only when a chunk is larger than MAX_LINE)
-                self.too_long += 1
-            else:
-                out.append((start + at, data[at:nl]))
-            at = nl + 1
-        self._partial = bytearray()
-        self._keep(data[at:])
-        return out
-
-    def _keep(self, piece: bytes) -> None:
-        """Add the start of a line to the line being read, or drop the line when that makes it too long."""
-        if len(self._partial) + len(piece) > MAX_LINE:
-            self._partial, self._skipping = bytearray(), True
-            self.too_long += 1
-        else:
-            self._partial += piece
-
-    @property
-    def cut(self) -> bool:
-        """Whether bytes without a newline follow the last line read (a line being written, or cut)."""
-        return bool(self._partial) or self._skipping
-
-
-class _Budget:
-    """Bytes a poll may still read (None: no limit)."""
-
-    def __init__(self, max_bytes: int | None):
-        self.left = max_bytes
-
-    def chunk(self) -> int:
-        return CHUNK if self.left is None else min(CHUNK, self.left)
-
-    def spend(self, lines: _Lines, before: int) -> None:
-        if self.left is not None:
-            self.left -= lines.pos - before
-
-
 class RunIndex:
     """A run directory as a watcher sees it; `poll()` reads what was appended since the last call.
 
@@ -218,20 +141,20 @@ class RunIndex:
 
     def __init__(self, run_dir: str | Path):
         path = Path(run_dir)
-        if path.is_file() and path.name in ("events.jsonl", INDEX, "metrics.jsonl"):
+        if path.is_file() and path.name in (EVENTS, INDEX, METRICS):
             path = path.parent
         if not path.is_dir():
             raise MasgraphError(f"no run directory at {path}: pass the directory a run prints when it starts "
                                 "(runs/<graph>-<date>-<time>, which holds events.jsonl)")
         for name in RUN_FILES:  # up front: a FIFO would block the reader, a directory or a loop fail it later
             check_regular(path / name)
-        if not any((path / f).exists() for f in ("events.jsonl", "config.json", "metrics.jsonl")):
+        if not is_run_dir(path):
             raise MasgraphError(f"{path} is not a run directory: it has no events.jsonl, config.json or metrics.jsonl")
         self.path = path
         self.notes: list[str] = []
         """Problems with whole files (an unreadable spec.yaml or config.json), shown with the warnings."""
         self.config = self._read_config()
-        self.spec = self._read_spec()
+        self.spec = self.read_spec_outline()
         version = self.config.get("event_schema_version", 0)
         if isinstance(version, bool) or not isinstance(version, int):
             raise MasgraphError(f"{path / 'config.json'}: event_schema_version is {_short(version)}, not a whole "
@@ -262,9 +185,9 @@ class RunIndex:
         self.summary: dict[str, Any] | None = None
         self.bad_lines: Counter[str] = Counter()
         """File name -> lines that were not valid JSON objects of the expected shape (a cut or corrupt file)."""
-        self._index = _Lines(path / INDEX)
-        self._events = _Lines(path / "events.jsonl")
-        self._metrics = _Lines(path / "metrics.jsonl")
+        self._index = Lines(path / INDEX)
+        self._events = Lines(path / EVENTS)
+        self._metrics = Lines(path / METRICS)
         self._events_started = False
         self._indexed_end = 0
         """Where the last indexed episode's lines end in events.jsonl."""
@@ -277,8 +200,8 @@ class RunIndex:
         a watcher passes a budget so that it stays responsive while it catches up with a large run: see
         `caught_up`); whether anything changed."""
         before = self._state()
-        budget = _Budget(max_bytes)
-        summary_exists = (self.path / "summary.json").exists()  # first: every line written before it is read below
+        budget = Budget(max_bytes)
+        summary_exists = (self.path / SUMMARY).exists()  # first: every line written before it is read below
         if self.indexed and not self._events_started:
             self._drain(self._index, self._index_lines, budget)
             if self._index.behind:
@@ -291,7 +214,7 @@ class RunIndex:
         self._drain(self._metrics, self._metric_lines, budget)
         self._read_checkpoints()
         if summary_exists and self.summary is None and self.caught_up:
-            self.summary = _read_json(self.path / "summary.json") or {}
+            self.summary = read_json(self.path / SUMMARY) or {}
         return self._state() != before
 
     @property
@@ -299,7 +222,7 @@ class RunIndex:
         """Whether the last poll read every file to its end."""
         return self._events_started and not any(f.behind for f in (self._index, self._events, self._metrics))
 
-    def _drain(self, lines: _Lines, handle: Any, budget: _Budget) -> None:
+    def _drain(self, lines: Lines, handle: Any, budget: Budget) -> None:
         """Hand `lines`' new lines to `handle` a chunk at a time, until its end or the budget is spent."""
         while budget.left is None or budget.left > 0:
             before, too_long = lines.pos, lines.too_long
@@ -324,18 +247,18 @@ class RunIndex:
                 continue  # started and finished within this read: its index line has all a view needs
             rec = _loads(raw)
             if rec is None:
-                self.bad_lines["events.jsonl"] += 1
+                self.bad_lines[EVENTS] += 1
                 continue
             try:
                 self._event(rec, off, off + len(raw) + 1)
             except (TypeError, KeyError, IndexError, ValueError, AttributeError, OverflowError):
-                self.bad_lines["events.jsonl"] += 1
+                self.bad_lines[EVENTS] += 1
 
     def _metric_lines(self, lines: list[tuple[int, bytes]]) -> None:
         for _, raw in lines:
             rec = _metric(_loads(raw))
             if rec is None:
-                self.bad_lines["metrics.jsonl"] += 1
+                self.bad_lines[METRICS] += 1
             else:
                 self.metrics.append(canonical(rec))  # a run written under the former metric names too
 
@@ -400,35 +323,24 @@ class RunIndex:
             del self.rows[:len(self.rows) - MAX_ROWS]
 
     def _read_checkpoints(self) -> None:
-        folder = self.path / "checkpoints"
         try:
-            mtime = folder.stat().st_mtime
+            mtime = (self.path / CHECKPOINTS).stat().st_mtime
         except OSError:  # none yet (or not readable: none listed)
             return
-        if mtime == self._ckpt_mtime:
-            return
-        self._ckpt_mtime = mtime
-        found = []
-        for d in folder.glob("step-*"):
-            try:
-                check_regular(d / "state.json")  # a FIFO would block read_state
-                state = read_state(d)
-            except MasgraphError:  # being written, or broken: not listed
-                continue
-            if type(state.get("step")) is int and isinstance(state.get("versions", {}), dict):
-                found.append(state | {"path": str(d)})
-        self.checkpoints = sorted(found, key=lambda s: s["step"])
+        if mtime != self._ckpt_mtime:
+            self._ckpt_mtime = mtime
+            self.checkpoints = checkpoint_states(self.path)
 
     def _read_config(self) -> dict[str, Any]:
         """config.json as a mapping ({} when missing or unreadable, with a note)."""
-        path = self.path / "config.json"
-        config = _read_json(path)
+        path = self.path / CONFIG
+        config = read_json(path)
         if config is None and path.exists():
             self.notes.append("config.json is not a readable JSON object: read as empty")
         return config or {}
 
-    def _read_spec(self) -> SimpleNamespace | None:
-        spec, problem = _read_spec(self.path / "spec.yaml")
+    def read_spec_outline(self) -> SimpleNamespace | None:
+        spec, problem = read_spec_outline(self.path / SPEC)
         if problem:
             self.notes.append(f"spec.yaml not used ({problem}): nodes as the steps name them")
         return spec
@@ -503,7 +415,7 @@ class RunIndex:
                for name, n in sorted(self.bad_lines.items())] + self.notes
         if self.ended and self._events.cut:
             out.append("events.jsonl ends in half a line (the run was killed while writing it)")
-        if not (self.path / "events.jsonl").exists() and not self.metrics:
+        if not (self.path / EVENTS).exists() and not self.metrics:
             out.append("no events.jsonl yet: waiting for the run to write")
         return out
 
@@ -512,7 +424,7 @@ class RunIndex:
         the episode's own lines are held)."""
         tag = b'"episode_id":' + json.dumps(row.id, ensure_ascii=False).encode()  # as the store writes it (UTF-8)
         try:
-            f = open_regular(self.path / "events.jsonl")
+            f = open_regular(self.path / EVENTS)
             if f is None:
                 return None
             with f:
@@ -520,47 +432,6 @@ class RunIndex:
                         or _trace_in(_lines_in(f, row.start, row.end), row.id))  # else: an id written with escapes
         except (OSError, MasgraphError):
             return None
-
-
-def open_regular(path: Path) -> BinaryIO | None:
-    """`path` opened for binary reading if it is a regular file; None when it does not exist (yet); a MasgraphError
-    for anything else: a FIFO (opened without blocking, never read), a directory, a device, a symlink loop, a file
-    that cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise MasgraphError(f"cannot read {path}: {exc.strerror or exc}") from None
-    kind = _not_regular(os.fstat(fd).st_mode)
-    if kind:
-        os.close(fd)
-        raise MasgraphError(f"{path} is {kind}, not a regular file: a run writes its files as regular files; "
-                            "move it away or watch another run directory")
-    return os.fdopen(fd, "rb")
-
-
-def check_regular(path: Path) -> None:
-    """open_regular's check without opening: nothing when `path` is a regular file or does not exist."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise MasgraphError(f"cannot read {path}: {exc.strerror or exc}") from None
-    kind = _not_regular(mode)
-    if kind:
-        raise MasgraphError(f"{path} is {kind}, not a regular file: a run writes its files as regular files; "
-                            "move it away or watch another run directory")
-
-
-def _not_regular(mode: int) -> str:
-    """What a file of this mode is when it is not a regular file ('' when it is)."""
-    if stat.S_ISREG(mode):
-        return ""
-    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISDIR: "a directory", stat.S_ISSOCK: "a socket",
-             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 def _lines_in(f: BinaryIO, start: int, end: int, tag: bytes | None = None) -> Iterator[bytes]:
@@ -591,6 +462,8 @@ def _trace_in(lines: Iterator[bytes], episode_id: str) -> Trace | None:
 
 _ID_PREFIXES = tuple(b'{"v":%d,%s"episode_id":"' % (v, kind) for v in (2, 3)
                      for kind in (b"", b'"kind":"step","step":{', b'"kind":"episode_started",'))
+
+
 _FINISHED = b'"kind":"episode_finished"'
 
 
@@ -719,56 +592,3 @@ def _text(v: Any, none: bool = False) -> Any:
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _read_small(path: Path) -> bytes | None:
-    """A small file's bytes (None when missing or past MAX_SMALL_FILE); MasgraphError when not a regular file."""
-    f = open_regular(path)
-    if f is None:
-        return None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        return f.read(size) if size <= MAX_SMALL_FILE else None  # read(n) allocates n bytes first: n = its size
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(_read_small(path) or b"")
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _read_spec(path: Path) -> tuple[SimpleNamespace | None, str]:
-    """The graph of a run's spec.yaml, as much of it as the views draw (name, nodes, edges, entry, exit, policies),
-    and '', or None and why not when it is unreadable (missing: no reason), the views then showing the nodes that
-    steps name. Read with the graph loader's bounded YAML reader (aliases, depth, UTF-8 checked)."""
-    try:
-        data = _read_small(path)
-    except OSError as exc:
-        return None, exc.strerror or str(exc)
-    if data is None:
-        return None, f"larger than {MAX_SMALL_FILE >> 20} MiB" if path.exists() else ""
-    try:
-        raw = read_yaml(data, path.name)
-        nodes = {str(k): SimpleNamespace(role=str((v or {}).get("role", "?")),
-                                         policy=_or_none((v or {}).get("policy"), str))
-                 for k, v in raw["nodes"].items()}
-        edges = [SimpleNamespace(source=str(e["source"]), target=str(e["target"]), when=e.get("when"))
-                 for e in raw.get("edges") or []]
-        edges = [e for e in edges if e.source in nodes and e.target in nodes]
-        entry = str(raw.get("entry"))
-        return SimpleNamespace(name=str(raw.get("name", "?")), nodes=nodes, edges=edges,
-                               entry=entry if entry in nodes else next(iter(nodes)), exit=str(raw.get("exit") or ""),
-                               policies=_or_none(raw.get("policies"), dict) or {},
-                               topology=raw.get("topology")), ""
-    except SpecError as exc:
-        first = exc.problems[0]
-        return None, first.message + (f", line {first.line}" if first.line else "")
-    except (KeyError, TypeError, AttributeError, StopIteration):
-        return None, "not a graph spec with `nodes:`"
-
-
-def _or_none(v: Any, kind: type) -> Any:
-    return v if isinstance(v, kind) else None
-

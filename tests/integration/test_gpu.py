@@ -12,9 +12,9 @@ import asyncio
 import pytest
 import torch
 
-from masgraph.checkpoint import latest_checkpoint
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
+from masgraph.rundir.checkpoint import latest_checkpoint
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.loop import TrainLoop
 

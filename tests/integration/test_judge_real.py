@@ -9,7 +9,7 @@ import json
 import pytest
 
 from masgraph.cli import main
-from masgraph.store import read_traces
+from masgraph.rundir.store import read_traces
 
 pytestmark = pytest.mark.integration
 

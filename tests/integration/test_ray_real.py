@@ -16,9 +16,9 @@ import pytest
 
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
+from masgraph.rundir.store import read_traces
 from masgraph.runtime.engine import BackendOptions
 from masgraph.runtime.runner import RunConfig, Runner
-from masgraph.store import read_traces
 from masgraph.tasks import get_task
 
 pytestmark = pytest.mark.integration

@@ -168,7 +168,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_episodes(root, tmp_path):
     import signal
     import time
 
-    from masgraph.store import read_traces
+    from masgraph.rundir.store import read_traces
 
     proc = subprocess.Popen([sys.executable, "-m", "masgraph.cli", "run", str(root / "graphs" / "single.yaml"),
                              "--task", "basic_arithmetic", "--n", "64", "--concurrency", "2",

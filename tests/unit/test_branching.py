@@ -117,7 +117,7 @@ def test_branching_keeps_the_group_size(root, scripted, runner_for, run, width):
 def test_flow_grpo_branch_width_reaches_the_training_rollouts(one_node_graph, tmp_path):
     import asyncio
 
-    from masgraph.store import read_traces
+    from masgraph.rundir.store import read_traces
     from masgraph.tasks import BasicArithmetic
     from masgraph.trainers.loop import TrainLoop
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from masgraph.checkpoint import checkpoint_adapters, checkpoint_dtype, latest_checkpoint, resolve_checkpoint
 from masgraph.errors import MasgraphError
+from masgraph.rundir.checkpoint import checkpoint_adapters, checkpoint_dtype, latest_checkpoint, resolve_checkpoint
 from masgraph.trainers.checkpoints import read_train_state
 
 

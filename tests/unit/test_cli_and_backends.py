@@ -155,7 +155,7 @@ def test_litellm_records_the_token_usage_the_server_reports(openai_stub, runner_
     """A text-only backend has no ids to count: the server's usage goes into every call, the trace totals, the
     call events, the episode index (the TUI's token column) and the usage an OpenAI endpoint reports."""
     from masgraph.backends.litellm import LiteLLMBackend
-    from masgraph.openai_api import usage
+    from masgraph.serve.openai_api import usage
 
     out = run(LiteLLMBackend("openai/stub", api_base=openai_stub).complete(
         [Request([{"role": "user", "content": "hi"}]), Request([{"role": "user", "content": "hello"}])]))

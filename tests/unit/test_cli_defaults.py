@@ -13,7 +13,7 @@ import pytest
 
 from masgraph.cli import TrainProgress, build_parser
 from masgraph.runtime.runner import RunConfig
-from masgraph.server import ServeConfig, serve
+from masgraph.serve.server import ServeConfig, serve
 from masgraph.watch import watch
 
 CLI_OWNED = {

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from masgraph.store import read_jsonl
+from masgraph.rundir.store import read_jsonl
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.loop import TrainLoop
 from masgraph.watch.index import RunIndex

@@ -146,7 +146,7 @@ RUNNER = textwrap.dedent('''
         if job["kind"] == "python" and job["file"]:
             Path(job["file"]).write_text(job["text"])
     sys.path.insert(0, os.getcwd())
-    from masgraph.datatask import DataTaskSpec
+    from masgraph.tasks.data import DataTaskSpec
     from masgraph.graph import compile_spec
     from masgraph.loader import parse_spec
 

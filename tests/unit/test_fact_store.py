@@ -10,8 +10,8 @@ from masgraph.agents.memory import split_stream
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
 from masgraph.memory.store import FactStore, parse_op
+from masgraph.rundir.store import read_traces
 from masgraph.spec import GraphSpec
-from masgraph.store import read_traces
 from masgraph.tasks import Item, Task, get_task, load_kb
 from masgraph.trace import LLMCall, Step, Trace
 from masgraph.trainers.credit import anchor_groups, call_failures, step_advantages, step_format_advantages

@@ -16,7 +16,7 @@ import pytest
 
 from masgraph.errors import MasgraphError
 from masgraph.events import EVENT_SCHEMA_VERSION, EpisodeFinished, EpisodeStarted, StepFinished
-from masgraph.store import RunStore, follow, read_traces
+from masgraph.rundir.store import RunStore, follow, read_traces
 from masgraph.trace import Step, Trace
 
 LIVE_RUN = '''

@@ -185,7 +185,7 @@ def test_the_judge_is_a_training_reward(tiny, tmp_path):
     from masgraph.graph import compile_spec
     from masgraph.loader import parse_spec
     from masgraph.registry import BackendKind
-    from masgraph.store import read_traces
+    from masgraph.rundir.store import read_traces
     from masgraph.trainers.loop import TrainLoop
 
     def verdict(req):  # "yes" for responses of even length: a signal that varies within groups

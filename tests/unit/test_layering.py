@@ -69,7 +69,7 @@ def test_core_modules_load_without_agents_and_trainers():
         "from masgraph.graph import GraphBuilder, compile_spec\n"
         "from masgraph.errors import SpecError\n"
         "import masgraph.runtime.engine, masgraph.runtime.runner, masgraph.runtime.scheduler\n"
-        "import masgraph.store, masgraph.cli\n"
+        "import masgraph.rundir.store, masgraph.cli\n"
         "from masgraph.backends.kinds import register\n"
         "reg = Registry(); register_core(reg); register(reg)\n"
         "g = GraphBuilder('g').add_policy('p', backend='scripted').add_node('a', role='generator', policy='p')\n"

@@ -18,7 +18,7 @@ from masgraph.events import EvalFinished, ListSink, TrainStep
 from masgraph.graph import compile_spec
 from masgraph.learn.learner import LoraConfigSpec, WeightSync
 from masgraph.loader import parse_spec
-from masgraph.metrics import MetricsSink
+from masgraph.rundir.metrics import MetricsSink
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import Item, Task
 from masgraph.trainers.flow_grpo import Row

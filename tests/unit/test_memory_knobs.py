@@ -12,11 +12,11 @@ import torch
 from masgraph.backends.base import BackendError, Request
 from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf.learner import HFLearner
-from masgraph.checkpoint import latest_checkpoint
 from masgraph.cli import main
 from masgraph.graph import compile_spec
 from masgraph.learn.learner import LoraConfigSpec
 from masgraph.loader import parse_spec
+from masgraph.rundir.checkpoint import latest_checkpoint
 from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.flow_grpo import Row, micro_batches

@@ -10,7 +10,7 @@ import pytest
 from masgraph.events import EpisodeFinished, EpisodeStarted, StepFinished
 from masgraph.files import atomic_write
 from masgraph.memory.action_log import Action, ActionLog
-from masgraph.store import RunStore, read_jsonl, read_traces
+from masgraph.rundir.store import RunStore, read_jsonl, read_traces
 from masgraph.tasks import (
     TASKS,
     get_task,

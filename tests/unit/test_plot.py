@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from masgraph.cli import main
-from masgraph.plot import plot_run
+from masgraph.rundir.plot import plot_run
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -15,8 +15,8 @@ from masgraph.events import EVENT_SCHEMA_VERSION, ListSink
 from masgraph.graph import GraphBuilder, compile_spec
 from masgraph.loader import load_spec
 from masgraph.node import NodeOutput
+from masgraph.rundir.store import read_traces
 from masgraph.runtime.scheduler import EpisodeInput
-from masgraph.store import read_traces
 from masgraph.tasks import Item, Task
 from masgraph.trace import ToolCall
 

@@ -26,17 +26,17 @@ import openai
 import pytest
 import torch
 
-from masgraph import store as store_module
 from masgraph.agents.registry import register_agent
 from masgraph.backends.scripted import ScriptedBackend
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 from masgraph.node import NodeOutput
+from masgraph.rundir import store as store_module
+from masgraph.rundir.store import INDEX, RunStore, read_jsonl, read_traces
 from masgraph.runtime.engine import Engine
 from masgraph.serve.agent import Agent
 from masgraph.serve.server import ServeConfig, check_bind, create_app, serve, uvicorn_options
-from masgraph.store import INDEX, RunStore, read_jsonl, read_traces
 
 GRAPH = """\
 name: echo

@@ -83,7 +83,7 @@ def test_the_step_line_shows_what_the_runs_algorithm_trains(algorithm, line):
     metrics = STEP | {"topology/reward": 0.75, "topology/p/choice:start/solve": 0.7,
                       "topology/p/choice:start/harm": 0.3}
     if algorithm == "joint":
-        metrics |= {"kl": 0.01, "loss/total": 0.2, "rows": 8.0}
+        metrics |= {"kl/ref_k3": 0.01, "loss/total": 0.2, "rows/trained": 8.0}
     TrainProgress(2, out=out, algorithm=algorithm).emit(TrainStep(step=1, metrics=metrics))
     assert out.getvalue().splitlines() == [line]
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies
 from rich.console import Console
 
-from masgraph.store import INDEX, RunStore, read_traces
+from masgraph.rundir.store import INDEX, RunStore, read_traces
 from masgraph.watch.app import EpisodeScreen, EpisodeTable, WatchApp
 from masgraph.watch.index import RunIndex
 
@@ -575,9 +575,11 @@ def test_a_large_events_file_is_read_in_bounded_chunks(tmp_path, run_dir, monkey
     whole (and split it into lines beside it): a 1 GB file took 2.3 GB."""
     import tracemalloc
 
+    import masgraph.rundir.read as read_module
     import masgraph.watch.index as index_module
 
-    monkeypatch.setattr(index_module, "CHUNK", 1 << 20, raising=False)
+    for module in (read_module, index_module):
+        monkeypatch.setattr(module, "CHUNK", 1 << 20)
     big = _v2_run(tmp_path, run_dir, 300)
     size = (big / "events.jsonl").stat().st_size
     index = RunIndex(big)
@@ -598,10 +600,12 @@ def test_a_line_longer_than_the_limit_is_skipped_not_held(run_dir, monkeypatch):
     kept both: memory grows with the line); both are bad lines, the second also a cut end."""
     import tracemalloc
 
+    import masgraph.rundir.read as read_module
     import masgraph.watch.index as index_module
 
-    monkeypatch.setattr(index_module, "CHUNK", 1 << 20, raising=False)
-    monkeypatch.setattr(index_module, "MAX_LINE", 2 << 20, raising=False)
+    for module in (read_module, index_module):  # the reader's chunks and the index's own range reads
+        monkeypatch.setattr(module, "CHUNK", 1 << 20)
+        monkeypatch.setattr(module, "MAX_LINE", 2 << 20)
     with open(run_dir / "events.jsonl", "ab") as f:
         f.write(b'{"v":3,"kind":"' + b"y" * (10 << 20) + b'"}\n' + b"z" * (10 << 20))
     index = RunIndex(run_dir)
@@ -667,13 +671,13 @@ def test_lines_are_read_back_whole_with_their_offsets_in_any_chunks(tmp_path_fac
     too-long unfinished end) are counted, never returned."""
     from unittest import mock
 
-    import masgraph.watch.index as index_module
+    import masgraph.rundir.read as read_module
 
     path = tmp_path_factory.mktemp("lines") / "f.jsonl"
     data = b"".join(line + b"\n" for line in lines) + (b"x" * 60 if cut else b"")
     path.write_bytes(data)
-    with mock.patch.object(index_module, "MAX_LINE", max_line):
-        reader, got = index_module._Lines(path), []
+    with mock.patch.object(read_module, "MAX_LINE", max_line):
+        reader, got = read_module.Lines(path), []
         while True:
             got += reader.read(chunk)
             if not reader.behind:
