@@ -11,6 +11,7 @@ import torch
 
 from masgraph.backends.base import LoraConfigSpec, TokenRow
 from masgraph.backends.hf.layout import left_pad, pad_token_id, prefill
+from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
 
@@ -33,6 +34,7 @@ class HFLearner:
         self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
         self._pad_id = pad_token_id(self.weights.tokenizer)
         self._versions: dict[str, int] = {a: 0 for a in self.weights.adapters()}
+        check_head(self.weights.model, model_head(self.weights.model))  # the log-probs' head is the model's own
 
     @property
     def dtype(self) -> str:
@@ -153,31 +155,36 @@ def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
     return n
 
 
-def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True
-                      ) -> list[torch.Tensor]:
-    """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced;
-    only the completion positions' logits are computed), on the model's device.
+def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
+                      chunk_tokens: int | None = None) -> list[torch.Tensor]:
+    """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
+    on the model's device: the backbone's final hidden states at the completion positions go through
+    `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
 
     Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
     once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
     same layout as generation (`left_pad`): prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper
     per row. `share_prefix=False` runs whole sequences (gradient checkpointing cannot recompute a cache)."""
     device = model.device
+    head = model_head(model)
     seqs = [r.prompt_ids + r.completion_ids for r in rows]
     # keep at least the last prompt token in every suffix: it predicts the first completion token
     P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 and share_prefix else 0
-    B, K = len(seqs), max(len(r.completion_ids) for r in rows)
+    B = len(seqs)
     ids, mask, pos = left_pad(P, [s[P:] for s in seqs], pad_id, device)
     cache = None
     if P:
         cache = prefill(model, seqs[0][:P])
         cache.batch_repeat_interleave(B)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=cache is not None, logits_to_keep=K + 1).logits  # (B, K+1, V)
-    temps = torch.tensor([r.temperature for r in rows], device=device)[:, None, None]  # (B, 1, 1)
-    logp = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # position t predicts token t+1
-    # each row's completion is right-aligned in the K positions; targets are padded on the left (never read)
-    targets = torch.tensor([[0] * (K - len(r.completion_ids)) + list(r.completion_ids) for r in rows],
-                           dtype=torch.long, device=device)  # (B, K)
-    picked = logp.gather(-1, targets[:, :, None])[:, :, 0]  # (B, K)
-    return [picked[i, K - len(r.completion_ids):] for i, r in enumerate(rows)]
+    hidden = head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=cache is not None).last_hidden_state  # (B, S, H)
+    S = hidden.shape[1]
+    lengths = [len(r.completion_ids) for r in rows]
+    # suffixes are right-aligned: a row's n completion tokens are predicted by positions S-1-n .. S-2
+    where = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(S - 1 - n, S - 1)],
+                         dtype=torch.long, device=device)  # (N,)
+    targets = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long, device=device)  # (N,)
+    temps = torch.tensor([r.temperature for r, n in zip(rows, lengths) for _ in range(n)], device=device)  # (N,)
+    picked = selected_logprobs(hidden.reshape(B * S, -1).index_select(0, where), head, targets, temps,
+                               chunk_tokens)
+    return list(picked.split(lengths))
