@@ -16,7 +16,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     from masgraph.registry import default_registry
-    from masgraph.spec import graph_json_schema
+    from masgraph.schema import graph_json_schema
 
     if args.task_file:
         from masgraph.tasks.data import DataTaskSpec

@@ -22,9 +22,9 @@ from masgraph.events import (
     Event,
     StepFinished,
 )
-from masgraph.loader import read_yaml
 from masgraph.rundir.layout import EVENTS, SUMMARY
 from masgraph.trace import Step, Trace
+from masgraph.yaml_read import read_yaml
 
 
 def follow(path: str | Path, poll_s: float = 0.1, stop: threading.Event | None = None,
