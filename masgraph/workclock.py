@@ -1,50 +1,20 @@
 """Work clocks: a node's and an episode's time limits measure their own work, not the time they wait for a turn.
 
-The problem (issue 30, finding 3). Node (`timeout_s`, 120 s) and episode (`episode_timeout_s`) limits were
-wall-clock, and a node's LLM call spends much of its wall time not being worked on: in the hf backend's batcher
-queue (one worker thread runs one batch at a time, so a call that arrives while a batch runs waits for it), and
-inside a batch, where its row is one of up to `max_batch_size` decoded together. Both grow with `--concurrency`
-and with other work on the machine, and say nothing about the node: on a busy machine calls that take 2-6 s quiet
-took 39-105 s and whole episodes timed out, so the limit turned load into failures that read like broken nodes.
+A limit means "this node is stuck or runs away": it should grow with what the node does, not with how many
+episodes share the machine. So a call waiting in a masgraph queue (the hf batcher's, the vLLM backend's
+deterministic gate) counts nothing (recorded as `queue_s`); a call computed in a batch of n rows counts 1/n of the
+batch's time (per row group when the batcher reports starts); the agent's own code and tools count in full; a
+busier machine making work slower still counts. `max_tokens` already bounds generation, so no token budget.
 
-What a user means by a node limit: "this node is stuck or runs away; give up on it" -- an agent that loops, a
-tool that hangs, a call that never comes back. The limit should grow with what the node does, not with how many
-episodes share the machine with it. So, per piece of a step:
-
-- the agent's own code and its tool calls: the node's work, counted in full.
-- a call waiting in a masgraph queue (the hf batcher's queue until its batch starts; the vllm backend's
-  one-at-a-time gate in deterministic mode): not counted. The node is not running, cannot make the wait
-  shorter, and the wait is unbounded by anything the node does. Recorded as `queue_s`.
-- a call computed in a batch of n rows: counted as 1/n of the batch's time, the call's share. On a CPU a batch
-  of 16 takes several times longer than a batch of 1 (it does 16 rows of work), and on the hf backend a batch's
-  adapter/prompt groups decode one after another; charging the whole batch to every row would bill each node for
-  the other episodes' rows, i.e. again for the concurrency. The share is what the machine spent on this call, so
-  a node's work no longer depends on how many calls happened to be batched with it. (A backend that reports when
-  each row starts, `Batcher(reports_starts=True)` with `hf_batcher.rows_started`, is charged per row group:
-  waiting until the row's group starts, its group's share while it decodes.)
-- a busier machine makes work itself slower, and that is counted (a wall-clock limit on work cannot tell load
-  from a slow node), which is why the defaults leave room (120 s for a step whose calls take seconds).
-
-Token budgets are not added: `max_tokens` already bounds every call's generation; a time limit is what catches
-what tokens do not (hangs).
-
-What each limit measures, precisely (`work_s` on a step and a trace is what it counted):
-
-- a node's `timeout_s`, per attempt: its wall time with work accruing at a rate set by its LLM calls -- 0 while
-  one waits in a queue, 1/n while one is computed in a batch of n, 1 otherwise (several calls at once: the
-  lowest rate).
-- `episode_timeout_s`: the episode's wall time with work accruing at the highest rate of the node steps it is
-  running (1 between steps): in a fan-out, a branch waiting in the queue while another computes is still the
-  episode working.
-- the backstop: each limit also has a wall-clock ceiling, `ceiling(limit)` = `CEILING_FACTOR` (10) x the limit
-  and at least `MIN_CEILING_S` (600 s), that counts all time. It catches a backend that never serves a queued
-  call (a batch thread that hangs, so the queue never moves), and a batch that never finishes (which, shared by n
-  rows, spends a node's budget n times slower).
+- a node's `timeout_s`, per attempt: wall time with work accruing at the rate its calls set (0 queued, 1/n in a
+  batch of n, else 1; several calls at once: the lowest rate).
+- `episode_timeout_s`: wall time at the highest rate of its running steps (1 between steps).
+- the backstop: each limit also has a wall-clock ceiling (`CEILING_FACTOR` x the limit, at least `MIN_CEILING_S`)
+  that catches a queue that never moves and a batch that never finishes.
 
 Mechanics: a `WorkClock` owns an `asyncio.Timeout` and reschedules it whenever its rate changes. The scheduler
 puts the current call's `CallWait` in the `WAITER` context variable; a queue marks each item with `Queued()`
-(which reads it) and tells it `serving(rows)`, `waiting()` and `done()`.
-"""
+(which reads it) and tells it `serving(rows)`, `waiting()` and `done()"""
 
 from __future__ import annotations
 

@@ -12,13 +12,6 @@ Events are serialised when flushed, in one batch: at most `flush_s` (0.1 s) afte
 the running event loop, and at once when an episode ends. So a watcher sees a step within ~0.1 s, and the
 scheduler may still complete a step it has sent (its `bounded` flag) until it next awaits.
 
-Cost, measured as emit() time per no-op node step (200 episodes of 10 steps into one store, on the event loop,
-2-core CPU under load; a scheduler step costs 30-55 µs): the store that skipped step events 1.5 µs; this one
-2.5 µs (+1.0: step lines, the finished line without steps, the flush timer); step lines plus the whole trace at
-the end, measured as the alternative, +1.6 µs (every step serialised twice, and twice the bytes, which token ids
-make large for LLM steps). A `step_started` line adds ~1.3 µs a step; `llm_call` and `tool_call` lines come one
-per call, next to a model call that takes milliseconds. fsync is left out (see RunStore.__init__).
-
 A store never lets one bad record stop it: an event pydantic cannot serialise as is (a lone UTF-16 surrogate in
 a text: JSON text must be UTF-8) is written with those characters replaced by U+FFFD, one that cannot be written
 at all is dropped, and a failed write is given up; each is counted in `RunStore.errors`, kept in `last_error` and

@@ -172,10 +172,7 @@ class MixedSkills(PartitionedTask):
     `power` ("Calculate 6^3 + 45.": the calculator reads `^` as a power, python as bitwise xor, so only the calculator
     route gets it right; the model alone cannot compute it). The types alternate; train and test are disjoint (every
     third KB city is held out; the other questions by `is_test_question`). benchmarks/topology_rule.py checks it
-    needs routing. (Earlier designs did not qualify: a person's job, where the 135M generator answered the city; a
-    product of two numbers, which python answers as well as the calculator; a real country's capital, which the
-    supergraph's direct route answered with the country's own name; the larger of two numbers, which every route
-    answers alike: RESULTS.md.)"""
+    needs routing (the designs that did not qualify: benchmarks/results/topology.md)."""
 
     name = "mixed_skills"
     TYPES = ("country", "letters", "power")
@@ -220,7 +217,7 @@ def _letters_only(text: str) -> str:
 
 @register_task
 class MemoryUpdates(PartitionedTask):
-    """Where memory matters (issue 27, Memory-R1): a stream of facts, one per line, the question last. Three people
+    """Where memory matters (Memory-R1): a stream of facts, one per line, the question last. Three people
     of the shipped KB say where they live, one of them moves later ("X moved to Y."), most visit another city ("X
     visited Z last week."), and small talk fills the stream; the question asks where one of them lives now (two
     items in three: the one who moved). Read from a store of every line, the newest lines about a person are
