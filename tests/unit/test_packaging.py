@@ -41,7 +41,9 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
                    check=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "TMPDIR": str(build.parent)})
     probe = (
         "import importlib.util, masgraph, masgraph.agents, masgraph.trainers, masgraph.agents.tools.calculator;"
-        "assert all(importlib.util.find_spec(m) for m in ('masgraph.topology', 'masgraph.watch', 'masgraph.memory'));"
+        "assert all(importlib.util.find_spec(m) for m in ('masgraph.topology', 'masgraph.watch', 'masgraph.memory',"
+        "  'masgraph.runtime', 'masgraph.rundir', 'masgraph.serve', 'masgraph.learn', 'masgraph.backends.hf',"
+        "  'masgraph.cli'));"
         "assert importlib.util.find_spec('agents') is None, 'agents importable';"
         "assert importlib.util.find_spec('trainers') is None, 'trainers importable';"
         f"assert masgraph.agents.__file__.startswith({str(site)!r}), masgraph.agents.__file__;"
@@ -49,6 +51,7 @@ def test_non_editable_install_imports_from_outside_the_repo(root, tmp_path):
         "from masgraph.tasks import load_kb; assert load_kb()['people'];"
         "from masgraph.registry import default_registry; r = default_registry();"  # found through entry points
         "assert 'planner' in r.agents and 'calculator' in r.tools and 'flow_grpo' in r.algorithms, r;"
+        "assert {'hf', 'vllm', 'litellm'} <= set(r.backends), r.backends;"  # the backends' entry point
         "print('ok')")
     out = subprocess.run([str(py), "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
