@@ -6,9 +6,9 @@ same --minutes of this process's CPU time per seed, and is scored greedy on the 
 untrained baseline; pass@k (k samples per item at the training temperature) is measured before training and for
 each trained run, since a 135M model may not reach a greedy answer at all.
 
-    episode    advantage: episode                     (Flow-GRPO as AgentFlow ships it)
-    step       advantage: episode+step                (GiGPO's anchor-state groups per call, trainers/credit.py)
-    branching  advantage: episode+step, branch_width  (ARPO-style forks at the least certain step, branching.py)
+    episode    credit.advantage: episode                     (Flow-GRPO as AgentFlow ships it)
+    step       credit.advantage: episode+step                (GiGPO's anchor-state groups per call, credit.py)
+    branching  credit.advantage: episode+step, branch_width  (ARPO-style forks at the least certain step)
 
     .venv/bin/python benchmarks/credit.py --seeds 0 1 2 --minutes 15 [--arms episode step branching]
 """

@@ -121,17 +121,26 @@ async def _run(loop: TrainLoop, progress: Progress) -> None:
 
 
 def knob_overrides(pairs: list[str]) -> dict:
-    """`--set KNOB=VALUE ...` as flow_grpo overrides; a VALUE that parses as JSON is taken as JSON (numbers,
-    `node_temperature={"memory": 1.0}`), any other as a string (pydantic validates both like the YAML)."""
-    out = {}
+    """`--set KNOB=VALUE ...` as flow_grpo overrides; a KNOB under a section is written with its path
+    (`credit.advantage=episode+step`, `ppo.kl_coef=0`), the old flat names (`advantage=...`) load too, with a
+    warning naming the new one. A VALUE that parses as JSON is taken as JSON (numbers, `node_temperature={"memory":
+    1.0}`), any other as a string (pydantic validates both like the YAML)."""
+    out: dict = {}
     for pair in pairs:
         knob, sep, value = pair.partition("=")
-        if not sep or not knob:
-            raise SystemExit(f"error: --set takes KNOB=VALUE (got {pair!r})")
+        if not sep or not knob or "" in knob.split("."):
+            raise SystemExit(f"error: --set takes KNOB=VALUE or SECTION.KNOB=VALUE (got {pair!r})")
         try:
-            out[knob] = json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
-            out[knob] = value
+            parsed = value
+        *sections, name = knob.split(".")
+        where = out
+        for section in sections:
+            where = where.setdefault(section, {})
+            if not isinstance(where, dict):
+                raise SystemExit(f"error: --set {pair!r}: {section} is given a value of its own too")
+        where[name] = parsed
     return out
 
 
@@ -184,7 +193,7 @@ def main() -> int:
                    help="items for the pass@8 check; 0 skips it (when an earlier run of this script measured it)")
     p.add_argument("--compare", help="also train this graph (same task, budget, first seed)")
     p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE",
-                   help="override train.flow_grpo knobs of every trained graph, e.g. parse_penalty=0.5")
+                   help="override train.flow_grpo knobs of every trained graph, e.g. credit.parse_penalty=0.5")
     p.add_argument("--steps", type=int, default=None, help="stop each run after this many steps (and --minutes)")
     p.add_argument("--device", default=None,
                    help="every hf policy's device: auto, cpu, cuda, cuda:N (default: as the graph says)")

@@ -19,7 +19,7 @@ checkpoints every step, so a run stopped between steps (Ctrl-C, kill, the end of
 under way: `--resume RUN ... --minutes M` continues it, on its own graph, knobs and seed, until its CPU time in all is
 M minutes, and scores the arms again (a longer budget for a finished run is the same command).
 
-    .venv/bin/python benchmarks/memory.py --seeds 0 1 2 --minutes 30 [--set advantage=episode+step]
+    .venv/bin/python benchmarks/memory.py --seeds 0 1 2 --minutes 30 [--set credit.advantage=episode+step]
     .venv/bin/python benchmarks/memory.py --resume runs/bench-learns-memory-memory_updates-s0-... --minutes 60
 """
 
@@ -50,7 +50,7 @@ from masgraph.runtime.runner import RunConfig, Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task, get_task
 from masgraph.trainers.checkpoints import read_train_state
-from masgraph.trainers.config import FlowGRPOConfig
+from masgraph.trainers.config import SECTIONS, FlowGRPOConfig, migrate_flow_grpo
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -218,6 +218,19 @@ class Job(NamedTuple):
     resume: Path | None = None
 
 
+def changed_knobs(flow_grpo: dict) -> tuple[str, ...]:
+    """The knobs of a run's `flow_grpo` (an older run's flat keys moved to their sections) that differ from the
+    defaults, as `--set` takes them: `lr=0.0003`, `ppo.num_mini_batches=12`."""
+    def paths(d: dict, prefix: str = "") -> dict[str, object]:
+        return {k: v for key, value in d.items() for k, v in (
+            paths(value, f"{prefix}{key}.") if key in SECTIONS and isinstance(value, dict)
+            else {prefix + key: value}).items()}
+
+    shipped = paths(FlowGRPOConfig().model_dump())
+    return tuple(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                 for k, v in paths(migrate_flow_grpo(flow_grpo)[0]).items() if v != shipped.get(k))
+
+
 def resumable(run: Path, minutes: float, eval_n: int) -> Job:
     """The job that continues `run` (a run directory this script trained), or a ValueError / MasgraphError saying
     why it cannot: not such a run, no complete checkpoint, its budget already spent, or scored on other items."""
@@ -236,9 +249,7 @@ def resumable(run: Path, minutes: float, eval_n: int) -> Job:
     if spent >= minutes:
         raise ValueError(f"{run} has spent {spent:.1f} CPU-min already; --minutes {minutes:g} leaves nothing to train "
                          "(--minutes is the whole budget)")
-    shipped = FlowGRPOConfig().model_dump()  # the record names the knobs that differ from flow_grpo's defaults
-    knobs = tuple(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in train_cfg["flow_grpo"].items()
-                  if v != shipped.get(k))
+    knobs = changed_knobs(train_cfg["flow_grpo"])
     return Job(train_cfg["seed"], str(run / "spec.yaml"), {}, knobs, resume=run)
 
 

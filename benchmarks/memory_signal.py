@@ -16,7 +16,7 @@ the update's direction comes from.
 
     .venv/bin/python benchmarks/memory_signal.py runs/bench-learns-memory-memory_updates-s0-*
     .venv/bin/python benchmarks/memory_signal.py --rows runs/bench-learns-memory-memory_updates-s1-*
-    .venv/bin/python benchmarks/memory_signal.py --rows --set counterfactual_norm=true RUN  # what-if, same rollouts
+    .venv/bin/python benchmarks/memory_signal.py --rows --set counterfactual.norm=true RUN  # what-if, same rollouts
 
 Analysis only (no model is loaded); the numbers of results/memory.md's memory round 7 and 8 readings come from it.
 """

@@ -8,7 +8,7 @@ items and seed the run was scored on. What it answers: did this one update cause
 have moved the policy less on the very same rollouts?
 
     .venv/bin/python benchmarks/replay_step.py runs/bench-learns-memory-memory_updates-s1-... --step 16
-    .venv/bin/python benchmarks/replay_step.py RUN --step 16 --set dual_clip=3
+    .venv/bin/python benchmarks/replay_step.py RUN --step 16 --set ppo.dual_clip=3
 
 A diagnostic (loads the model; a copy of the run directory is used, the run itself is left untouched).
 """

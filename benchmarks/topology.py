@@ -377,7 +377,8 @@ def main() -> int:
         s.add_argument("--topology-steps", type=int, default=20,
                        help="`stages.topology_steps` of the `staged` arm (HRPO alone first, for this many steps)")
         s.add_argument("--format-weight", type=float, default=0.0,
-                       help="`flow_grpo.format_weight` of the arms that train nodes (each node's own format advantage)")
+                       help="`flow_grpo.credit.format_weight` of the arms that train nodes (each node's own format "
+                       "advantage)")
         s.add_argument("--node-topology", choices=("sample", "greedy"), default="sample",
                        help="`stages.node_topology` of the `staged` arm (how its node stage rolls out the held "
                             "topology)")

@@ -51,7 +51,7 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
     assert all(t.status == "ok" for t in traces) and {t.reward for t in traces} == {0.0, 1.0}
 
     trainable = {"planner": "planner", "verifier": "verifier"}
-    config = FlowGRPOConfig(lr=2e-3, micro_batch=4)
+    config = FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 4})
     algo = FlowGRPO(learner, trainable, config)
     rows = build_rows(traces, trainable, config)
     assert {r.adapter for r in rows} == {"planner", "verifier"}

@@ -127,7 +127,8 @@ def test_a_local_trained_planner_with_api_served_fixed_nodes_trains_exports_and_
                                   "sampling": spec["policies"][name]["sampling"]}
     spec["train"] = {"task": "basic_arithmetic", "steps": 2, "queries_per_step": 1, "eval_every": 0, "eval_n": 2,
                      "checkpoint_every": 1, "flow_grpo": {"group_size": 4, "lr": 0.002, "temperature": 1.0,
-                                                          "zero_variance": "resample", "resample_rounds": 3}}
+                                                          "batching": {"zero_variance": "resample",
+                                                                       "resample_rounds": 3}}}
     graph = tmp_path / "mixed.yaml"
     graph.write_text(yaml.safe_dump(spec))
     runs = tmp_path / "runs"

@@ -72,10 +72,11 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
     assert len({call_state("memory", t.steps[0].llm[0]) for t in traces}) == 1  # one shared first state
 
     trainable = {"memory": "memory"}
-    rows = build_rows(traces, trainable, FlowGRPOConfig(advantage="episode+step"))
+    rows = build_rows(traces, trainable, FlowGRPOConfig(credit={"advantage": "episode+step"}))
     assert len(rows) == sum(len(t.steps[0].llm) for t in traces)  # every manager call is a row; the reader none
     assert {r.adapter for r in rows} == {"memory"}
-    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=8, advantage="episode+step"))
+    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 8},
+                                                       credit={"advantage": "episode+step"}))
     before = [p.detach().clone() for p in algo.params["memory"]]
     metrics = algo.update(traces)
     assert metrics["rows/trained"] == len(rows) > 0 and metrics["grad_norm/memory"] > 0
@@ -87,7 +88,7 @@ def test_one_update_with_call_level_credit_moves_the_manager_only(root, runner_f
 def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root, runner_for, run):
     """Real rollouts of the memory graph on `memory_updates` with counterfactual calls: every manager decision is
     re-scored by the real reader with each operation it did not write, and one update with those advantages (the
-    operations not written teacher-forced too, `counterfactual_rows`) trains the manager's adapter."""
+    operations not written teacher-forced too, `counterfactual.rows`) trains the manager's adapter."""
     from masgraph.learn.counterfactual import META
     from masgraph.trainers.credit import counterfactual_advantages
 
@@ -104,7 +105,8 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
     assert len(cf) == sum(len(t.steps[0].llm) for t in traces)  # every decision has its advantage
     assert any(a != 0 for a in cf.values())  # and some decision changed the answer
 
-    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual={"memory": ops}, counterfactual_rows=True)
+    config = FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 8},
+                            counterfactual={"alternatives": {"memory": ops}, "rows": True})
     algo = FlowGRPO(learner, {"memory": "memory"}, config)
     rows = [r for r in build_rows(traces, {"memory": "memory"}, config, algo._encode) if r.advantage != 0]
     assert rows and all(r.adapter == "memory" for r in rows)
@@ -119,7 +121,7 @@ def test_counterfactual_credit_scores_every_decision_and_moves_the_manager(root,
 
 
 def test_counterfactual_decisions_scores_a_seeded_draw_of_the_real_managers_decisions(root, runner_for, run):
-    """`counterfactual_decisions: 2` on real rollouts: each episode's two drawn decisions (of its five or more) are
+    """`counterfactual.decisions: 2` on real rollouts: each episode's two drawn decisions (of its five or more) are
     re-scored by the real reader with the operation they did not write, the others not at all, and a second run
     with the same seed draws the same decisions (the draw does not depend on what the manager wrote)."""
     from masgraph.backends.hf import HFBackend
@@ -149,7 +151,7 @@ def test_counterfactual_decisions_scores_a_seeded_draw_of_the_real_managers_deci
 
 @pytest.mark.slow
 def test_counterfactual_probes_score_every_decision_on_every_persons_question(root, runner_for, run):
-    """With `counterfactual_probes` the real reader is also asked where each other person of the stream lives: every
+    """With `counterfactual.probes` the real reader is also asked where each other person of the stream lives: every
     manager decision's scores (its own, and each operation it did not write) are means over the item's question and
     its two probes, the own one including the episode's reward; one update on those advantages moves the adapter."""
     from fractions import Fraction
@@ -175,9 +177,9 @@ def test_counterfactual_probes_score_every_decision_on_every_persons_question(ro
                 assert (Fraction(v).limit_denominator(3) * 3).denominator == 1
     cf = counterfactual_advantages(traces, ops)
     assert len(cf) == sum(len(t.steps[0].llm) for t in traces) and any(a != 0 for a in cf.values())
-    config = FlowGRPOConfig(lr=2e-3, micro_batch=8, counterfactual=ops, counterfactual_advantage="replace",
-                            counterfactual_probes=True, counterfactual_norm=True)
-    # normalised (`counterfactual_norm`): the decisions' advantages have a mean square of 1 (those that are 0 get no
+    config = FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 8},
+                            counterfactual={"alternatives": ops, "advantage": "replace", "probes": True, "norm": True})
+    # normalised (`counterfactual.norm`): the decisions' advantages have a mean square of 1 (those that are 0 get no
     # row), and each row is its call's A^C over the same factor
     rows = build_rows(traces, {"memory": "memory"}, config)
     assert sum(r.advantage ** 2 for r in rows) == pytest.approx(len(cf))

@@ -57,7 +57,7 @@ def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runne
     firsts = {state_key(t.steps[0]) for t in traces}
     assert len(firsts) == 1 and traces[0].steps[0].node == "planner"  # one shared first state
     episode = build_rows(traces, trainable, FlowGRPOConfig())
-    both = build_rows(traces, trainable, FlowGRPOConfig(advantage="episode+step"))
+    both = build_rows(traces, trainable, FlowGRPOConfig(credit={"advantage": "episode+step"}))
     def first(rows):  # the rows of each trajectory's first planner call
         return {r.traj: r.advantage for r in rows if r.prompt_ids == traces[r.traj].steps[0].llm[0].prompt_ids}
 
@@ -65,7 +65,8 @@ def test_episode_plus_step_credit_on_real_rollouts_moves_the_planner(root, runne
     assert e.keys() == b.keys() == {0, 1, 2, 3}
     assert all(b[i] == pytest.approx(2 * e[i]) for i in e)  # A^S = A^E in the shared first state
 
-    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=4, advantage="episode+step"))
+    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 4},
+                                                       credit={"advantage": "episode+step"}))
     before = [p.detach().clone() for p in algo.params["planner"]]
     metrics = algo.update(traces)
     assert metrics["rows/trained"] == len(both) > 0 and metrics["grad_norm/planner"] > 0
@@ -103,7 +104,8 @@ def test_branched_siblings_share_the_roots_prefix_and_meet_it_at_the_fork(root, 
             assert [s.llm for s in t.steps[:fork]] == [s.llm for s in parent.steps[:fork]]
             assert state_key(t.steps[fork]) == state_key(parent.steps[fork])  # the same input at the fork
     trainable = {"planner": "planner", "verifier": "verifier"}
-    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, micro_batch=4, advantage="episode+step"))
+    algo = FlowGRPO(learner, trainable, FlowGRPOConfig(lr=2e-3, batching={"micro_batch": 4},
+                                                       credit={"advantage": "episode+step"}))
     before = {a: [p.detach().clone() for p in ps] for a, ps in algo.params.items()}
     metrics = algo.update(traces)
     assert metrics["rows/trained"] > 0

@@ -1,4 +1,4 @@
-"""TrainLoop on the real model: `zero_variance: resample` replaces all-equal groups with fresh queries, and
+"""TrainLoop on the real model: `batching.zero_variance: resample` replaces all-equal groups with fresh queries, and
 `max_minutes` stops training on its wall-clock budget (then evaluates and checkpoints)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ train:
   queries_per_step: 2
   eval_every: 0
   eval_n: 1
-  flow_grpo: {group_size: 2, zero_variance: resample, resample_rounds: 3}
+  flow_grpo: {group_size: 2, batching: {zero_variance: resample, resample_rounds: 3}}
 """
 
 
@@ -53,9 +53,10 @@ def test_resample_replaces_zero_variance_groups_and_budget_stops(tmp_path):
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-1" / "state.json").read_text())
     assert state["cursor"] == 4
 
+    fg = graph.spec.train.flow_grpo
+    skip = fg.model_copy(update={"batching": fg.batching.model_copy(update={"zero_variance": "skip"})})
     budget = graph.spec.model_copy(update={"train": graph.spec.train.model_copy(
-        update={"steps": 50, "max_minutes": 1e-4, "flow_grpo": graph.spec.train.flow_grpo.model_copy(
-            update={"zero_variance": "skip"})})})
+        update={"steps": 50, "max_minutes": 1e-4, "flow_grpo": skip})})
     loop = TrainLoop(compile_spec(budget), FirstQueriesFlat(), tmp_path / "budget")
     last = asyncio.run(loop.run())
     assert loop.step == 1 and "accuracy/test" in last  # out of time after one step: evaluated, checkpointed

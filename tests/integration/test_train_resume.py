@@ -38,8 +38,8 @@ train:
   checkpoint_every: 1
   seed: 5
   deterministic: true
-  flow_grpo: {group_size: 4, lr: 0.002, advantage: episode+step, branch_width: 1, entropy_bonus: 0.1,
-              counterfactual: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}, counterfactual_rows: true}
+  flow_grpo: {group_size: 4, lr: 0.002, branch_width: 1, credit: {advantage: episode+step, entropy_bonus: 0.1},
+              counterfactual: {alternatives: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}, rows: true}}
 """
 # real arithmetic items; a reward that varies inside every group, so every step has a learning signal, and that
 # depends on what the answer says, so the counterfactual alternatives score differently and their rows carry one

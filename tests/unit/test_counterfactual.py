@@ -1,6 +1,6 @@
 """Counterfactual credit (masgraph/counterfactual.py, trainers/credit.counterfactual_advantages): the variants of an
 episode, their scores on a scripted memory graph, hand-computed advantages, and the rows they give a group whose
-episodes all scored alike (which has none without them); with probe questions (`counterfactual_probes`,
+episodes all scored alike (which has none without them); with probe questions (`counterfactual.probes`,
 `Task.probes`), the probes of `memory_updates`, `as_made` and `asked`, the call's own score, and hand-computed
 scores of a decision about a person the item does not ask about."""
 
@@ -17,6 +17,7 @@ from masgraph.loader import load_spec
 from masgraph.runtime.scheduler import EpisodeInput
 from masgraph.tasks import Item, MemoryUpdates, Task, get_task
 from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trainers.config import with_overrides
 from masgraph.trainers.credit import counterfactual_advantages, counterfactual_scales, counterfactual_values
 from masgraph.trainers.flow_grpo import FlowGRPOConfig, _alternatives_scored, build_rows
 
@@ -109,18 +110,18 @@ def test_replace_makes_the_counterfactual_advantage_a_scored_calls_whole_advanta
               _trace(0.0, ["A", "A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
     outcome = {(r.traj, r.call): r.advantage for r in build_rows(traces, {"memory": "memory"}, FlowGRPOConfig())}
     assert outcome[(0, 0)] == pytest.approx(-outcome[(1, 0)]) and outcome[(0, 0)] > 0  # the group's ±
-    added = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual=cfg))
+    added = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"alternatives": cfg}))
     assert {(r.traj, r.call): r.advantage for r in added} == pytest.approx(
         {(0, 0): outcome[(0, 0)] + 1 / 3, (0, 1): outcome[(0, 1)] + 1.0, (1, 0): outcome[(1, 0)] - 2 / 3,
          (1, 1): outcome[(1, 1)]})
-    replaced = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual=cfg,
-                                                                       counterfactual_advantage="replace"))
+    replaced = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(
+        counterfactual={"alternatives": cfg, "advantage": "replace"}))
     # scored calls: A^C alone; the unscored call keeps its outcome advantage
     assert {(r.traj, r.call): r.advantage for r in replaced} == pytest.approx(
         {(0, 0): 1 / 3, (0, 1): 1.0, (1, 0): -2 / 3, (1, 1): outcome[(1, 1)]})
     # ... the step (anchor-state) term too
     stepped = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(
-        counterfactual=cfg, counterfactual_advantage="replace", advantage="episode+step"))
+        counterfactual={"alternatives": cfg, "advantage": "replace"}, credit={"advantage": "episode+step"}))
     assert {(r.traj, r.call): r.advantage for r in stepped if (r.traj, r.call) != (1, 1)} == pytest.approx(
         {(0, 0): 1 / 3, (0, 1): 1.0, (1, 0): -2 / 3})
 
@@ -142,11 +143,11 @@ def test_a_collapsed_manager_is_credited_against_what_it_did_not_do(root, script
 
     plain = FlowGRPOConfig()
     assert build_rows(traces, {"memory": "memory"}, plain) == []  # a flat group: no signal without them
-    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS}))
+    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"alternatives": {"memory": OPS}}))
     # the visit's ADD: 0 - mean(ADD 0, UPDATE 0, DELETE 0, NOOP 1); no other call changed the outcome
     assert [(r.traj, r.call, r.advantage) for r in rows] == [(0, 4, -0.25), (1, 4, -0.25)]
-    half = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS},
-                                                                    counterfactual_weight=2.0))
+    half = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(
+        counterfactual={"alternatives": {"memory": OPS}, "weight": 2.0}))
     assert [r.advantage for r in half] == [-0.5, -0.5]
 
 
@@ -181,7 +182,7 @@ def test_the_knob_is_checked_against_the_graph(tiny, knob, match):
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
     with pytest.raises(SpecError, match=match):
-        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual=knob))
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"alternatives": knob}))
 
 
 def test_flow_grpo_counterfactual_reaches_the_training_rollouts(one_node_graph, tmp_path):
@@ -191,7 +192,8 @@ def test_flow_grpo_counterfactual_reaches_the_training_rollouts(one_node_graph, 
     from masgraph.tasks import BasicArithmetic
     from masgraph.trainers.loop import TrainLoop
 
-    graph = one_node_graph('group_size: 2, lr: 0.01, counterfactual: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}')
+    graph = one_node_graph('group_size: 2, lr: 0.01, '
+                           'counterfactual: {alternatives: {answer: ["Answer: 1", "Answer: 2", "Answer: 3"]}}')
     loop = TrainLoop(graph, BasicArithmetic(), tmp_path / "run", dtype="float32")
     asyncio.run(loop.run())
     [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -254,7 +256,7 @@ def test_the_greedy_memo_shares_one_decode_and_forgets_a_failure(run):
 
 
 def test_norm_divides_each_nodes_decision_term_by_its_root_mean_square():
-    """`counterfactual_norm`: the scored calls' A^C (1/3, 1, -2/3, as above) and the better alternatives' rows are
+    """`counterfactual.norm`: the scored calls' A^C (1/3, 1, -2/3, as above) and the better alternatives' rows are
     divided by sqrt((1/9 + 1 + 4/9) / 3) = sqrt(14/27), the format term and the unscored call's outcome are not."""
     import math
 
@@ -264,13 +266,13 @@ def test_norm_divides_each_nodes_decision_term_by_its_root_mean_square():
               _trace(0.0, ["A", "A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
     rms = math.sqrt(14 / 27)
     assert counterfactual_scales(traces, counterfactual_advantages(traces, cfg)) == pytest.approx({"memory": 1 / rms})
-    knobs = FlowGRPOConfig(counterfactual=cfg, counterfactual_advantage="replace", counterfactual_rows=True)
+    knobs = FlowGRPOConfig(counterfactual={"alternatives": cfg, "advantage": "replace", "rows": True})
 
     def advantages(config):
         return {(r.traj, r.call, r.alternative): r.advantage
                 for r in build_rows(traces, {"memory": "memory"}, config, encode=lambda text: [7])}
 
-    raw, normed = advantages(knobs), advantages(knobs.model_copy(update={"counterfactual_norm": True}))
+    raw, normed = advantages(knobs), advantages(with_overrides(knobs, {"counterfactual": {"norm": True}}))
     # the rows: the three scored calls, the unscored one (its outcome advantage), and the alternatives above their
     # call's mean: C for the first call of episode 0 (1 - 2/3), B and C for episode 1's first call (1 - 2/3 each)
     assert raw == pytest.approx({(0, 0, None): 1 / 3, (0, 1, None): 1.0, (1, 0, None): -2 / 3,
@@ -278,7 +280,7 @@ def test_norm_divides_each_nodes_decision_term_by_its_root_mean_square():
                                  (1, 0, "C"): 1 / 3})
     assert normed == pytest.approx({k: v if k == (1, 1, None) else v / rms for k, v in raw.items()})
     # the weight still scales the normalised term; a node none of whose decisions mattered is left as it is
-    doubled = advantages(knobs.model_copy(update={"counterfactual_norm": True, "counterfactual_weight": 2.0}))
+    doubled = advantages(with_overrides(knobs, {"counterfactual": {"norm": True, "weight": 2.0}}))
     assert doubled[(0, 1, None)] == pytest.approx(2 / rms)
     flat = [_trace(1.0, ["A"], [[0, 0, "B", 1.0], [0, 0, "C", 1.0]])]
     assert counterfactual_scales(flat, counterfactual_advantages(flat, cfg)) == {"memory": 1.0}
@@ -287,7 +289,7 @@ def test_norm_divides_each_nodes_decision_term_by_its_root_mean_square():
 def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categorical):
     """Eight episodes all sampled the near-certain token 0 and all scored 0; with token 2 in its place each would have
     scored 1 (t1, t3: 0). Sampled rows alone push token 0 down and the other three up alike; the alternative rows
-    (`counterfactual_rows`) also push token 2 up (the worse t1 and t3 get no row of their own), so token 2 alone
+    (`counterfactual.rows`) also push token 2 up (the worse t1 and t3 get no row of their own), so token 2 alone
     gains."""
     import torch
 
@@ -317,13 +319,13 @@ def test_alternative_rows_push_the_better_choice_the_policy_did_not_sample(categ
 
     sampled = learner()
     before = sampled.probs()
-    cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, counterfactual={"memory": alts})
+    cfg = FlowGRPOConfig(lr=0.1, ppo={"kl_coef": 0.0}, counterfactual={"alternatives": {"memory": alts}})
     assert FlowGRPO(sampled, {"memory": "m"}, cfg).update(traces(sampled))["rows/trained"] == 8
     after = sampled.probs()
     assert after[0] < before[0] and after[1] == pytest.approx(after[2]) == pytest.approx(after[3])
 
     every = learner()
-    algo = FlowGRPO(every, {"memory": "m"}, cfg.model_copy(update={"counterfactual_rows": True}))
+    algo = FlowGRPO(every, {"memory": "m"}, with_overrides(cfg, {"counterfactual": {"rows": True}}))
     rows = build_rows(traces(every), {"memory": "m"}, algo.config, algo._encode)
     # per episode: its own call (0 - 0.25) and the one alternative above the mean (t2: +0.75); t1 and t3 (-0.25)
     # get no row: an unsampled completion is never pushed down
@@ -345,14 +347,14 @@ def test_alternative_rows_need_the_alternatives_and_a_tokenizer(tiny):
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
     with pytest.raises(SpecError, match=r"counterfactual.rows.*needs `counterfactual\.alternatives`"):
-        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual_rows=True))
-    algo = FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"memory": OPS},
-                                                                    counterfactual_rows=True))
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={"rows": True}))
+    algo = FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(
+        counterfactual={"alternatives": {"memory": OPS}, "rows": True}))
     assert algo._encode("Operation: NOOP") == learner.weights.tokenizer.encode("Operation: NOOP",
                                                                                 add_special_tokens=False)
 
 
-# ---- probe questions (`counterfactual_probes`) ----
+# ---- probe questions (`counterfactual.probes`) ----
 
 ADD_NOOP = {"memory": ["Operation: ADD", "Operation: NOOP"]}
 # the item asks about Kalo Mira; Tomo Rii's visit is what a store of every fact gets wrong about Tomo Rii
@@ -443,14 +445,13 @@ def test_probes_give_the_visit_about_a_person_not_asked_its_score(root, scripted
         want = {(0, 0, 0): 0.5, (0, 0, 1): 0.0, (0, 0, 2): 0.0}
     assert counterfactual_advantages([trace], ADD_NOOP) == pytest.approx(want)
     assert _alternatives_scored(trace) == 3  # the metric counts NOOP per call, not the recorded own scores
-    rows = build_rows([trace], {"memory": "memory"}, FlowGRPOConfig(counterfactual=ADD_NOOP,
-                                                                    counterfactual_advantage="replace"))
+    rows = build_rows([trace], {"memory": "memory"}, FlowGRPOConfig(
+        counterfactual={"alternatives": ADD_NOOP, "advantage": "replace"}))
     assert {r.call: r.advantage for r in rows if r.advantage} == pytest.approx(
         {k: a for (_, _, k), a in want.items() if a})
 
 
-@pytest.mark.parametrize(("knob", "value", "written"), [("counterfactual_probes", True, "true"),
-                                                      ("counterfactual_decisions", 3, "3")])
+@pytest.mark.parametrize(("knob", "value", "written"), [("probes", True, "true"), ("decisions", 3, "3")])
 def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, one_node_graph, tmp_path, knob, value,
                                                                        written):
     from masgraph.backends.hf.learner import HFLearner
@@ -460,11 +461,12 @@ def test_a_scoring_knob_needs_the_alternatives_and_reaches_the_rollouts(tiny, on
 
     learner = HFLearner(str(tiny), dtype="float32")
     learner.add_adapter("memory", LoraConfigSpec())
-    with pytest.raises(SpecError, match=rf"{knob.replace('_', '.')}.*needs `counterfactual\.alternatives`"):
-        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(**{knob: value}))
-    graph = one_node_graph(f'group_size: 2, counterfactual: {{answer: ["Answer: 1", "Answer: 2"]}}, {knob}: {written}')
+    with pytest.raises(SpecError, match=rf"counterfactual\.{knob}.*needs `counterfactual\.alternatives`"):
+        FlowGRPO(learner, {"memory": "memory"}, FlowGRPOConfig(counterfactual={knob: value}))
+    graph = one_node_graph(
+        f'group_size: 2, counterfactual: {{alternatives: {{answer: ["Answer: 1", "Answer: 2"]}}, {knob}: {written}}}')
     loop = TrainLoop(graph, get_task("basic_arithmetic"), tmp_path / "run", dtype="float32")
-    got = getattr(loop.algo.shape, knob)  # what the training rollouts are shaped by
+    got = getattr(loop.algo.shape, f"counterfactual_{knob}")  # what the training rollouts are shaped by
     assert got == value and type(got) is type(value)
 
 
@@ -520,4 +522,4 @@ def test_counterfactual_decisions_caps_the_scored_decisions_of_each_episode(root
 
 def test_the_decisions_knob_is_not_negative():
     with pytest.raises(ValueError, match="greater than or equal to 0"):
-        FlowGRPOConfig(counterfactual={"memory": OPS}, counterfactual_decisions=-1)
+        FlowGRPOConfig(counterfactual={"alternatives": {"memory": OPS}, "decisions": -1})

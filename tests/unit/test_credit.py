@@ -10,6 +10,11 @@ from masgraph.trainers.credit import anchor_groups, state_key, step_advantages, 
 from masgraph.trainers.flow_grpo import FlowGRPOConfig, build_rows
 
 
+def credit(**knobs) -> FlowGRPOConfig:
+    """Flow-GRPO's knobs with `knobs` under `credit:`."""
+    return FlowGRPOConfig(credit=knobs)
+
+
 def _step(index: int, node: str, prompt: list[int] | None) -> Step:
     llm = [] if prompt is None else [LLMCall(policy=node, adapter=node, prompt_ids=prompt, completion_ids=[9],
                                              logprobs=[-0.5], text="x", temperature=1.0)]
@@ -55,16 +60,16 @@ def test_anchor_groups_and_step_advantages(traces):
 def test_build_rows_episode_step_and_both(traces):
     trainable = {"planner": "p"}
     by = lambda rows: {(r.traj, r.node, len(r.prompt_ids)): r.advantage for r in rows}  # noqa: E731
-    episode = by(build_rows(traces, trainable, FlowGRPOConfig(adv_eps=0.0)))
+    episode = by(build_rows(traces, trainable, credit(adv_eps=0.0)))
     assert episode[(1, "planner", 2)] == episode[(1, "planner", 3)] == pytest.approx(-1.5)  # broadcast
-    both = by(build_rows(traces, trainable, FlowGRPOConfig(adv_eps=0.0, advantage="episode+step", step_weight=1.0)))
+    both = by(build_rows(traces, trainable, credit(adv_eps=0.0, advantage="episode+step", step_weight=1.0)))
     assert both[(0, "planner", 2)] == pytest.approx(0.5 + 0.5)
     assert both[(0, "planner", 3)] == pytest.approx(0.5 + 0.70710678)
     assert both[(1, "planner", 3)] == pytest.approx(-1.5 - 0.70710678)
     assert both[(2, "planner", 3)] == pytest.approx(0.5)
-    half = by(build_rows(traces, trainable, FlowGRPOConfig(adv_eps=0.0, advantage="episode+step", step_weight=0.5)))
+    half = by(build_rows(traces, trainable, credit(adv_eps=0.0, advantage="episode+step", step_weight=0.5)))
     assert half[(1, "planner", 3)] == pytest.approx(-1.5 - 0.35355339)
-    step = build_rows(traces, trainable, FlowGRPOConfig(adv_eps=0.0, advantage="step", step_weight=0.5))
+    step = build_rows(traces, trainable, credit(adv_eps=0.0, advantage="step", step_weight=0.5))
     # step alone: the weight does not scale it; steps whose anchor group has no signal push nothing and are left out
     assert {(r.traj, len(r.prompt_ids)): round(r.advantage, 4) for r in step} == {
         (0, 2): 0.5, (1, 2): -1.5, (2, 2): 0.5, (3, 2): 0.5, (0, 3): 0.7071, (1, 3): -0.7071}
@@ -73,7 +78,7 @@ def test_build_rows_episode_step_and_both(traces):
 def test_a_flat_group_gives_no_step_signal_with_gamma_1_but_does_with_fewer_steps_discounted():
     short = Trace(episode_id="s", item_id="q", query="q", reward=1.0, steps=[_step(0, "planner", [1, 2])])
     long = _two_hop("q", 1.0, [1, 2, 7])
-    assert build_rows([short, long], {"planner": "p"}, FlowGRPOConfig(advantage="step")) == []
-    rows = build_rows([short, long], {"planner": "p"}, FlowGRPOConfig(advantage="step", step_gamma=0.5, adv_eps=0.0))
+    assert build_rows([short, long], {"planner": "p"}, credit(advantage="step")) == []
+    rows = build_rows([short, long], {"planner": "p"}, credit(advantage="step", step_gamma=0.5, adv_eps=0.0))
     # the first planner steps share a state: returns 1 (answered at once) vs 0.25 (two steps later) -> +-0.7071
     assert [(r.traj, round(r.advantage, 4)) for r in rows if len(r.prompt_ids) == 2] == [(0, 0.7071), (1, -0.7071)]

@@ -22,7 +22,7 @@ class OddSamplesWin(BasicArithmetic):
 
 
 def test_a_training_step_records_each_calls_advantage_and_the_episode_view_shows_it(one_node_graph, tmp_path):
-    graph = one_node_graph("group_size: 4, lr: 0.01, advantage: episode+step")
+    graph = one_node_graph("group_size: 4, lr: 0.01, credit: {advantage: episode+step}")
     loop = TrainLoop(graph, OddSamplesWin(), tmp_path / "run", dtype="float32")
     last = asyncio.run(loop.run())
     credits = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("kind") == "credit"]

@@ -112,7 +112,7 @@ train:
   eval_every: 0
   eval_n: 1
   concurrency: 4
-  flow_grpo: {{group_size: 2, micro_batch: 2}}
+  flow_grpo: {{group_size: 2, batching: {{micro_batch: 2}}}}
 """
 
 

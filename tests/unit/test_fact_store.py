@@ -258,7 +258,7 @@ def test_format_is_credited_per_manager_call():
     fmt = step_format_advantages(traces, {("q",): [0, 1]}, {"memory"}, eps=0.0)
     assert [fmt[(i, 0, k)] for i in range(2) for k in range(3)] == pytest.approx(
         [0.408248, -2.041241, 0.408248, 0.408248, 0.408248, 0.408248], abs=1e-6)
-    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.5))
+    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(credit={"adv_eps": 0.0, "format_weight": 0.5}))
     assert [(r.traj, r.call, round(r.advantage, 4)) for r in rows] == [
         (0, 0, 0.2041), (0, 1, -1.0206), (0, 2, 0.2041), (1, 0, 0.2041), (1, 1, 0.2041), (1, 2, 0.2041)]
     # a node that flags no call of its own: the step's failure is every call's
@@ -281,6 +281,6 @@ def test_each_manager_call_is_its_own_anchor_state():
     assert [adv[(i, 0, 0)] for i in range(3)] == pytest.approx([0.57735027, -1.15470054, 0.57735027])
     # second calls: [1, 0] in state [1,2] -> +-0.70711; trajectory 2's alone -> 0
     assert [adv[(i, 0, 1)] for i in range(3)] == pytest.approx([0.70710678, -0.70710678, 0.0])
-    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(adv_eps=0.0, advantage="step"))
+    rows = build_rows(traces, {"memory": "memory"}, FlowGRPOConfig(credit={"adv_eps": 0.0, "advantage": "step"}))
     assert {(r.traj, tuple(r.prompt_ids)): round(r.advantage, 4) for r in rows} == {
         (0, (1,)): 0.5774, (1, (1,)): -1.1547, (2, (1,)): 0.5774, (0, (1, 2)): 0.7071, (1, (1, 2)): -0.7071}

@@ -74,12 +74,12 @@ def test_the_dual_clip_knob_reaches_the_update_loss():
 
     def loss(**knobs):
         totals = dict.fromkeys(("clip", "approx_kl", "kl", "pg"), 0.0)
-        cfg = FlowGRPOConfig(kl_coef=0.0, **knobs)
+        cfg = FlowGRPOConfig(ppo={"kl_coef": 0.0, **knobs})
         return FlowGRPO._token_loss(SimpleNamespace(config=cfg), row, logp, logp, totals).tolist()
 
     assert loss() == pytest.approx([10.0, 1.0]) and loss(dual_clip=3.0) == pytest.approx([3.0, 1.0])
     with pytest.raises(ValueError, match="greater than 1"):
-        FlowGRPOConfig(dual_clip=1.0)  # c <= 1 would cap tokens inside the trust region
+        FlowGRPOConfig(ppo={"dual_clip": 1.0})  # c <= 1 would cap tokens inside the trust region
 
 
 def test_kl_k3_hand_computed():
@@ -135,19 +135,19 @@ def _trace(item: str, reward: float | None, calls: dict[str, int], status: str =
 def test_rows_broadcast_reward_and_count_each_trajectory_once():
     traces = [_trace("q1", 1.0, {"planner": 3, "verifier": 1}), _trace("q1", 0.0, {"planner": 1}),
               _trace("q2", 1.0, {"planner": 1}), _trace("q2", 1.0, {"planner": 2})]  # q2: zero variance
-    rows = build_rows(traces, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig(adv_eps=0.0))
+    rows = build_rows(traces, {"planner": "planner", "verifier": "verifier"}, FlowGRPOConfig(credit={"adv_eps": 0.0}))
     assert [(r.traj, r.node) for r in rows] == [(0, "planner")] * 3 + [(0, "verifier"), (1, "planner")]
     # per trajectory, not per turn-row: [1, 0] -> +-0.7071 (per-row stats would give mean 0.8)
     assert [r.advantage for r in rows] == pytest.approx([0.70710678] * 4 + [-0.70710678])
     assert rows[0].old_logprobs == [-0.1, -0.2, -0.3] and rows[0].policy_version == 2
     assert rows[0].temperature == 1.0  # as the calls were sampled (their temperature, else the trainer's)
-    kept = build_rows(traces, {"planner": "planner"}, FlowGRPOConfig(zero_variance="keep"))
+    kept = build_rows(traces, {"planner": "planner"}, FlowGRPOConfig(batching={"zero_variance": "keep"}))
     assert [r.advantage for r in kept if r.traj >= 2] == [0.0, 0.0, 0.0]
 
 
 def test_rows_grouped_by_query_and_node():
     traces = [_trace("q1", 1.0, {"planner": 1, "verifier": 1}), _trace("q1", 0.0, {"planner": 1})]
-    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(group_by="query_node"))
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(credit={"group_by": "query_node"}))
     # the verifier group has a single trajectory: no signal, skipped
     assert [(r.traj, r.node) for r in rows] == [(0, "planner"), (1, "planner")]
 
@@ -155,9 +155,10 @@ def test_rows_grouped_by_query_and_node():
 def test_stragglers_drop_or_zero():
     traces = [_trace("q1", 1.0, {"planner": 1}), _trace("q1", None, {"planner": 1}, status="timeout"),
               _trace("q1", 0.5, {"planner": 1})]
-    dropped = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(adv_eps=0.0))
+    dropped = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(credit={"adv_eps": 0.0}))
     assert [r.traj for r in dropped] == [0, 2] and dropped[0].advantage == pytest.approx(0.70710678)
-    zeroed = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(stragglers="zero", adv_eps=0.0))
+    zeroed = build_rows(traces, {"planner": "p"},
+                        FlowGRPOConfig(batching={"stragglers": "zero"}, credit={"adv_eps": 0.0}))
     assert [r.traj for r in zeroed] == [0, 1, 2] and zeroed[1].advantage == pytest.approx(-1.0)
 
 
@@ -166,8 +167,8 @@ def test_parse_penalty_shapes_the_trajectory_reward():
     sloppy.steps[1].parse_error = "no 'Tool:' line"
     traces = [clean, sloppy]
     assert trajectory_rewards(traces, FlowGRPOConfig()) == {0: 1.0, 1: 1.0}  # outcome only: a flat group
-    assert trajectory_rewards(traces, FlowGRPOConfig(parse_penalty=0.5)) == {0: 1.0, 1: 0.5}
-    assert informative_queries(traces, FlowGRPOConfig(parse_penalty=0.5)) == {"q1"}
+    assert trajectory_rewards(traces, FlowGRPOConfig(credit={"parse_penalty": 0.5})) == {0: 1.0, 1: 0.5}
+    assert informative_queries(traces, FlowGRPOConfig(credit={"parse_penalty": 0.5})) == {"q1"}
 
 
 def test_format_advantages_hand_computed():
@@ -178,16 +179,18 @@ def test_format_advantages_hand_computed():
 
 def test_format_weight_pushes_only_the_node_that_broke_its_format():
     """The verifier's unparseable verdict does not change the outcome (a flat group: no outcome signal); with
-    format_weight its own rows get the format advantage, the planner's none."""
+    credit.format_weight its own rows get the format advantage, the planner's none."""
     traces = [_trace("q1", 1.0, {"planner": 1, "verifier": 1}) for _ in range(4)]
     traces[0].steps[1].parse_error = "no verdict found; continuing"
-    assert build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0)) == []
-    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.2))
+    assert build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(credit={"adv_eps": 0.0})) == []
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"},
+                      FlowGRPOConfig(credit={"adv_eps": 0.0, "format_weight": 0.2}))
     assert [(r.traj, r.node) for r in rows] == [(0, "verifier"), (1, "verifier"), (2, "verifier"), (3, "verifier")]
     assert [r.advantage for r in rows] == pytest.approx([-0.3, 0.1, 0.1, 0.1])  # 0.2 x [-1.5, 0.5, 0.5, 0.5]
     # with an outcome signal the two add: outcome [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5] for every node's rows
     traces[1].reward = traces[2].reward = traces[3].reward = 0.0
-    rows = build_rows(traces, {"planner": "p", "verifier": "v"}, FlowGRPOConfig(adv_eps=0.0, format_weight=0.2))
+    rows = build_rows(traces, {"planner": "p", "verifier": "v"},
+                      FlowGRPOConfig(credit={"adv_eps": 0.0, "format_weight": 0.2}))
     got = {(r.traj, r.node): r.advantage for r in rows}
     assert got[(0, "planner")] == pytest.approx(1.5) and got[(0, "verifier")] == pytest.approx(1.5 - 0.3)
     assert got[(1, "planner")] == pytest.approx(-0.5) and got[(1, "verifier")] == pytest.approx(-0.5 + 0.1)
@@ -202,7 +205,7 @@ def test_surprisal_bonus_hand_computed():
 def test_entropy_bonus_keeps_the_rows_of_a_flat_group():
     traces = [_trace("q1", 1.0, {"memory": 2}) for _ in range(3)]  # every episode alike: no outcome signal
     assert build_rows(traces, {"memory": "m"}, FlowGRPOConfig()) == []
-    rows = build_rows(traces, {"memory": "m"}, FlowGRPOConfig(entropy_bonus=0.1))
+    rows = build_rows(traces, {"memory": "m"}, FlowGRPOConfig(credit={"entropy_bonus": 0.1}))
     assert len(rows) == 6 and {r.advantage for r in rows} == {0.0}  # the bonus is per token, added in the update
 
 
@@ -223,10 +226,10 @@ def test_entropy_bonus_raises_a_rarely_sampled_choice_in_a_group_with_no_outcome
 
     plain = categorical()
     before = plain.probs()
-    metrics = FlowGRPO(plain, {"memory": "m"}, FlowGRPOConfig(lr=0.1, kl_coef=0.0)).update(traces(plain))
+    metrics = FlowGRPO(plain, {"memory": "m"}, FlowGRPOConfig(lr=0.1, ppo={"kl_coef": 0.0})).update(traces(plain))
     assert metrics["rows/trained"] == 0 and plain.probs() == before
     bonus = categorical()
-    cfg = FlowGRPOConfig(lr=0.1, kl_coef=0.0, entropy_bonus=0.5)
+    cfg = FlowGRPOConfig(lr=0.1, ppo={"kl_coef": 0.0}, credit={"entropy_bonus": 0.5})
     metrics = FlowGRPO(bonus, {"memory": "m"}, cfg).update(traces(bonus))
     after = bonus.probs()
     assert metrics["rows/trained"] == 8 and bonus.versions["m"] == 1
@@ -242,8 +245,8 @@ def test_format_groups_follow_group_by():
     # q1's three verifier steps [fail, ok, ok] -> [-1.1547, 0.5774, 0.5774]; q2 alone: 0
     assert [fmt[(0, 0, 0)], fmt[(0, 1, 0)], fmt[(1, 0, 0)], fmt[(2, 0, 0)]] == pytest.approx([-1.1547005, 0.5773503,
                                                                                               0.5773503, 0.0])
-    by_node = build_rows(traces, {"verifier": "v"}, FlowGRPOConfig(group_by="query_node", format_weight=1.0,
-                                                                   adv_eps=0.0))
+    by_node = build_rows(traces, {"verifier": "v"},
+                         FlowGRPOConfig(credit={"group_by": "query_node", "format_weight": 1.0, "adv_eps": 0.0}))
     assert [round(r.advantage, 4) for r in by_node] == [-1.1547, 0.5774, 0.5774]
 
 
@@ -253,8 +256,8 @@ def test_informative_queries_and_resample_drops_zero_variance_rows():
               _trace("q3", 0.0, {"planner": 1}), _trace("q3", None, {"planner": 1}, status="error")]
     assert informative_queries(traces, FlowGRPOConfig()) == {"q1"}
     # a failed episode scored 0 does not make q3 informative (its other reward is 0 too)
-    assert informative_queries(traces, FlowGRPOConfig(stragglers="zero")) == {"q1"}
+    assert informative_queries(traces, FlowGRPOConfig(batching={"stragglers": "zero"})) == {"q1"}
     traces.append(_trace("q2", None, {"planner": 1}, status="timeout"))
-    assert informative_queries(traces, FlowGRPOConfig(stragglers="zero")) == {"q1", "q2"}
-    rows = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(zero_variance="resample"))
+    assert informative_queries(traces, FlowGRPOConfig(batching={"stragglers": "zero"})) == {"q1", "q2"}
+    rows = build_rows(traces, {"planner": "p"}, FlowGRPOConfig(batching={"zero_variance": "resample"}))
     assert {r.traj for r in rows} == {0, 1}  # like skip: the loop replaces such groups with fresh queries

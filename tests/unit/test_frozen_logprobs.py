@@ -20,7 +20,7 @@ def test_reference_and_alternative_logprobs_match_a_direct_pass(tiny):
         for a in ("plan", "check"):
             for p in learner.parameters(a):
                 p.add_(0.5 * torch.randn_like(p))
-    algo = FlowGRPO(learner, {"planner": "plan", "verifier": "check"}, FlowGRPOConfig(micro_batch=2))
+    algo = FlowGRPO(learner, {"planner": "plan", "verifier": "check"}, FlowGRPOConfig(batching={"micro_batch": 2}))
     rows = [Row(i, "planner" if i % 2 else "verifier", "plan" if i % 2 else "check", [3 + i % 4, 5, 6, 7][: 2 + i % 3],
                 [8 + i % 3, 9, 4][: 1 + i % 3], [], 0.5, 0, alternative="x" if i % 3 == 0 else None) for i in range(7)]
 

@@ -170,7 +170,8 @@ def test_the_cli_prints_one_error_line_for_an_update_out_of_memory(tiny_model, t
 def test_an_update_that_fails_after_an_optimizer_step_still_counts_the_new_version(tiny_model, tmp_path,
                                                                                    monkeypatch):
     """Weights an optimizer stepped are a new version (served caches keyed by version must not be reused)."""
-    text = GRAPH.format(model=tiny_model("llama")).replace("{group_size: 2}", "{group_size: 2, num_mini_batches: 2}")
+    text = GRAPH.format(model=tiny_model("llama")).replace("{group_size: 2}",
+                                                           "{group_size: 2, ppo: {num_mini_batches: 2}}")
     loop = TrainLoop(compile_spec(parse_spec(text, "oom.yaml")), Alternating(), tmp_path / "run", dtype="float32")
     real, calls = HFLearner.sequence_logprobs, []
 

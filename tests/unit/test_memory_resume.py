@@ -16,7 +16,8 @@ def _run(tmp_path: Path, spent_s: float = 1800.0, checkpoint: bool = True, **tra
     run = tmp_path / "run"
     run.mkdir()
     cfg = {"seed": 2, "budget_clock": "cpu", "eval_n": 60,
-           "flow_grpo": {"group_size": 8, "lr": 0.0003, "num_mini_batches": 12, "advantage": "episode+step"}}
+           "flow_grpo": {"group_size": 8, "lr": 0.0003, "ppo": {"num_mini_batches": 12},
+                         "credit": {"advantage": "episode+step"}}}
     cfg |= train
     task = cfg.pop("task", "memory_updates")
     (run / "config.json").write_text(json.dumps({"config": {"train": cfg, "task": task}}))
@@ -34,7 +35,13 @@ def test_a_stopped_run_continues_with_its_own_seed_graph_and_knobs(tmp_path, mem
     job = memory_bench.resumable(run, minutes=60, eval_n=60)
     assert (job.seed, job.graph, job.resume, job.overrides) == (2, str(run / "spec.yaml"), run, {})
     # the record names the knobs that differ from flow_grpo's defaults (group_size 8 is the default)
-    assert job.knobs == ("lr=0.0003", "num_mini_batches=12", "advantage=episode+step")
+    assert job.knobs == ("lr=0.0003", "ppo.num_mini_batches=12", "credit.advantage=episode+step")
+
+
+def test_an_older_runs_flat_knobs_are_named_in_their_sections(tmp_path, memory_bench):
+    flat = {"group_size": 8, "lr": 0.0003, "num_mini_batches": 12, "advantage": "episode+step"}
+    job = memory_bench.resumable(_run(tmp_path, flow_grpo=flat), minutes=60, eval_n=60)
+    assert job.knobs == ("lr=0.0003", "credit.advantage=episode+step", "ppo.num_mini_batches=12")
 
 
 @pytest.mark.parametrize(("change", "says"), [
