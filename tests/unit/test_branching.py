@@ -121,7 +121,7 @@ def test_flow_grpo_branch_width_reaches_the_training_rollouts(one_node_graph, tm
     from masgraph.tasks import BasicArithmetic
     from masgraph.trainers.loop import TrainLoop
 
-    graph = one_node_graph("group_size: 4, lr: 0.01, branch_width: 1, zero_variance: keep")
+    graph = one_node_graph("group_size: 4, lr: 0.01, branch_width: 1, batching: {zero_variance: keep}")
     loop = TrainLoop(graph, BasicArithmetic(), tmp_path / "run", dtype="float32")
     asyncio.run(loop.run())
     rollouts = list(read_traces(tmp_path / "run"))
