@@ -3,6 +3,10 @@
 The scheduler emits episode, step, LLM-call and tool-call events; trainers emit train-step, evaluation and
 checkpoint events. Sinks (the run store, metrics.jsonl, the progress bar, a TUI) only receive; nothing
 else observes a run. A sink must be cheap and must not raise (a raising sink is counted, never fatal).
+
+An LLM call's record is the step's `LLMCall`; its `llm_call` event is a light view of it (`LLMCallFinished.of`:
+who, tokens, timing), not the record, because the step line already stores the call and its token ids would
+double events.jsonl (~1 kB more per call for a short prompt).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import Field, TypeAdapter
 
-from masgraph.trace import Record, Step, Trace
+from masgraph.trace import LLMCall, Record, Step, Trace, unvalidated
 
 EVENT_SCHEMA_VERSION = 3
 """Bumped when an event's fields change incompatibly (v1 had no step_started/llm_call/tool_call/train events;
@@ -44,18 +48,27 @@ class StepStarted(NodeEvent):
 
 
 class LLMCallFinished(NodeEvent):
-    """One completion returned to a node (the step's `llm` list keeps the calls of its last attempt in full)."""
+    """One completion returned to a node: a light view of its `LLMCall`, built by `of` (the step's `llm` list keeps
+    the calls of its last attempt in full). Light because each call gets a line of its own in events.jsonl beside
+    the step line that holds it: the whole record would write its token ids twice."""
 
     kind: Literal["llm_call"] = "llm_call"
     policy: str
     adapter: str | None = None
     prompt_tokens: int = 0
+    """`LLMCall.n_prompt` (the server's count or the ids')."""
     completion_tokens: int = 0
+    """`LLMCall.n_completion`."""
     latency_s: float = 0.0
     batch_size: int = 1
-    """Rows decoded together with this one (1 for backends that do not batch)."""
     queue_s: float = 0.0
-    """Of `latency_s`, the time the call waited in the backend's queue (see `LLMCall.queue_s`)."""
+
+    @classmethod
+    def of(cls, call: LLMCall, episode_id: str, node: str, turn: int) -> LLMCallFinished:
+        """The event of `call`, made by `node`'s run `turn` in episode `episode_id` (unvalidated: the hot path)."""
+        return fast(cls, episode_id=episode_id, node=node, turn=turn, policy=call.policy, adapter=call.adapter,
+                    prompt_tokens=call.n_prompt, completion_tokens=call.n_completion, latency_s=call.latency_s,
+                    batch_size=call.batch_size, queue_s=call.queue_s)
 
 
 class ToolCallFinished(NodeEvent):
@@ -123,18 +136,13 @@ _KIND: dict[type, str] = {}
 
 
 def fast(cls: type[Record], **values: Any) -> Any:
-    """An event built without validation or default filling, for the scheduler's hot path (~0.3 µs instead of
-    ~4 µs for `model_construct`): `values` must name every field of `cls` except `kind`, with the right types."""
-    obj = object.__new__(cls)
+    """An event built without validation or default filling, for the scheduler's hot path (`trace.unvalidated`):
+    `values` must name every field of `cls` except `kind`, with the right types."""
     kind = _KIND.get(cls)
     if kind is None:  # model_fields is a slow property on pydantic >= 2.11: read it once per class
         kind = _KIND[cls] = cls.model_fields["kind"].default
     values["kind"] = kind
-    object.__setattr__(obj, "__dict__", values)
-    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
-    object.__setattr__(obj, "__pydantic_extra__", None)
-    object.__setattr__(obj, "__pydantic_private__", None)
-    return obj
+    return unvalidated(cls, values)
 
 
 class Sink(Protocol):

@@ -1,8 +1,10 @@
-"""Typed records of an episode: a Trace of Steps, each with its LLM calls and tool call (events.py carries them)."""
+"""Typed records of an episode: a Trace of Steps, each with its LLM calls and tool call (events.py carries them).
+
+One LLM call has one record: `LLMCall` is the backend's `Completion` plus what was asked and how long it took."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -13,42 +15,49 @@ class Record(BaseModel):
     model_config = {"extra": "forbid"}
 
 
-class LLMCall(Record):
-    """One completion exactly as the model saw and produced it (token-in / token-out)."""
+R = TypeVar("R", bound=Record)
 
-    policy: str
-    adapter: str | None = None
-    policy_version: int = 0
+
+_set_fields = BaseModel.__dict__["__pydantic_fields_set__"].__set__  # slot setters: quicker than object.__setattr__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+
+
+def unvalidated(cls: type[R], values: dict[str, Any]) -> R:
+    """An instance of `cls` holding `values` as is, without validation or default filling, for the hot path (a few
+    times quicker than `model_construct`): `values` must name every field of `cls`, with the right types."""
+    obj = object.__new__(cls)
+    object.__setattr__(obj, "__dict__", values)
+    _set_fields(obj, set(values))
+    _set_extra(obj, None)
+    _set_private(obj, None)
+    return obj
+
+
+class Completion(Record):
+    """What one LLM call produced, token-in / token-out: what a backend returns, and (as the base of `LLMCall`) what
+    the trace records of it. Declared once here, so the two cannot drift."""
+
+    text: str
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     """Per-token log-probability of each completion id under softmax(logits / temperature) over the whole
     vocabulary: temperature-scaled but NOT top-p truncated (so it is exactly recomputable from the logits);
     for a greedy call (temperature 0) under the raw softmax(logits), i.e. temperature 1."""
-    temperature: float | None = None
-    """Sampling temperature of the call (0 = greedy); None only in traces recorded before it was recorded."""
-    top_p: float | None = None
-    """Nucleus mass the token was sampled with (it does not enter `logprobs`); None as for `temperature`."""
-    text: str
     finish_reason: Literal["stop", "length", "error"] = "stop"
     prompt_truncated: bool = False
     """True when the prompt outgrew the context and older memory was dropped."""
-    latency_s: float = 0.0
-    """Wall time of the call, from the request to the completion (`queue_s` included)."""
-    queue_s: float = Field(0.0, exclude_if=lambda v: v == 0.0)
-    """Of `latency_s`, the time the call waited in the backend's queue before it was served (the hf batcher:
-    until its batch started); not counted by the node's or the episode's time limit. 0 for a backend with no
-    queue of its own (a remote server's queue is part of the call's time); left out of the stored trace when 0."""
+    policy_version: int = 0
+    """Version of the adapter that served the call (its learner's update count)."""
+    batch_size: int = Field(1, exclude_if=lambda v: v == 1)
+    """Rows decoded together with this one, itself included (1 for backends that do not batch; left out of the
+    stored trace when 1)."""
     prompt_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
-    """Prompt length the server reported, for a call to a backend that returns text only (no ids to count);
-    left out of the stored trace when None, as it is for every call that has its ids."""
+    """Prompt length the server reported, from a backend that returns text only (no ids to count); left out of the
+    stored trace when None, as it is for every call that has its ids."""
     completion_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
     """Output length the server reported, like `prompt_tokens`."""
-    parse_error: str | None = Field(None, exclude_if=lambda v: v is None)
-    """This call's output did not follow its node's format: set by a node that calls its model several times in a
-    step (a memory manager, once per fact) through `NodeContext.unparsed`, so the format is credited per call
-    (trainers/credit.py); the step's `parse_error` says whether any call failed. None otherwise (left out of the
-    stored trace)."""
 
     @property
     def n_prompt(self) -> int:
@@ -59,6 +68,33 @@ class LLMCall(Record):
     def n_completion(self) -> int:
         """Completion tokens: the server's count when it reported one, else the ids'."""
         return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
+
+
+COMPLETION_FIELDS = tuple(Completion.model_fields)
+"""The fields of what a call produced, in order (read once: `model_fields` is a slow property)."""
+
+
+class LLMCall(Completion):
+    """One call exactly as the model saw and produced it: its `Completion` plus what was asked (policy, adapter,
+    sampling) and how long it took."""
+
+    policy: str
+    adapter: str | None = None
+    temperature: float | None = None
+    """Sampling temperature of the call (0 = greedy); None only in traces recorded before it was recorded."""
+    top_p: float | None = None
+    """Nucleus mass the token was sampled with (it does not enter `logprobs`); None as for `temperature`."""
+    latency_s: float = 0.0
+    """Wall time of the call, from the request to the completion (`queue_s` included)."""
+    queue_s: float = Field(0.0, exclude_if=lambda v: v == 0.0)
+    """Of `latency_s`, the time the call waited in the backend's queue before it was served (the hf batcher:
+    until its batch started); not counted by the node's or the episode's time limit. 0 for a backend with no
+    queue of its own (a remote server's queue is part of the call's time); left out of the stored trace when 0."""
+    parse_error: str | None = Field(None, exclude_if=lambda v: v is None)
+    """This call's output did not follow its node's format: set by a node that calls its model several times in a
+    step (a memory manager, once per fact) through `NodeContext.unparsed`, so the format is credited per call
+    (trainers/credit.py); the step's `parse_error` says whether any call failed. None otherwise (left out of the
+    stored trace)."""
 
 
 class ToolCall(Record):

@@ -1,4 +1,6 @@
-"""The backend contract: `async complete(requests) -> completions`, with token ids and logprobs when it can."""
+"""The backend contract: `async complete(requests) -> completions`, with token ids and logprobs when it can.
+
+`Completion` (what came back) is declared in masgraph/trace.py, as the base of the trace's `LLMCall`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any, Protocol
 
 from masgraph.errors import MasgraphError
 from masgraph.spec import SamplingSpec
-from masgraph.trace import LLMCall
+from masgraph.trace import COMPLETION_FIELDS, Completion, LLMCall, unvalidated
 
 
 @dataclass
@@ -60,50 +62,20 @@ class Request:
     """Stable ordering key (episode, node, turn) used to order batches deterministically."""
 
 
-@dataclass
-class Completion:
-    """What the model produced, token-in / token-out."""
-
-    text: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    prompt_truncated: bool = False
-    policy_version: int = 0
-    batch_size: int = 1
-    """Rows decoded together with this one, itself included (1 for backends that do not batch)."""
-    prompt_tokens: int | None = None
-    """Prompt length as the server reported it, from a backend that returns text only (None: count `prompt_ids`)."""
-    completion_tokens: int | None = None
-    """Output length as the server reported it, like `prompt_tokens`."""
-
-    @property
-    def n_prompt(self) -> int:
-        """Prompt tokens: the reported count, else the ids'."""
-        return len(self.prompt_ids) if self.prompt_tokens is None else self.prompt_tokens
-
-    @property
-    def n_completion(self) -> int:
-        """Completion tokens: the reported count, else the ids'."""
-        return len(self.completion_ids) if self.completion_tokens is None else self.completion_tokens
-
-
 def llm_call(req: Request, c: Completion, latency_s: float, queue_s: float = 0.0) -> LLMCall:
-    """The trace's record of one call: what was asked (`req`: policy, adapter, sampling) and what came back."""
-    return LLMCall(policy=req.policy, adapter=req.adapter, policy_version=c.policy_version, prompt_ids=c.prompt_ids,
-                   completion_ids=c.completion_ids, logprobs=c.logprobs, text=c.text,
-                   temperature=req.sampling.temperature, top_p=req.sampling.top_p, finish_reason=c.finish_reason,
-                   prompt_truncated=c.prompt_truncated, latency_s=latency_s, prompt_tokens=c.prompt_tokens,
-                   completion_tokens=c.completion_tokens, queue_s=queue_s)
+    """The trace's record of one call: what came back (`c`, as is: a Completion was validated when it was built)
+    and what was asked (`req`: policy, adapter, sampling)."""
+    sampling = req.sampling
+    return unvalidated(LLMCall, {**c.__dict__, "policy": req.policy, "adapter": req.adapter,
+                                 "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                 "latency_s": latency_s, "queue_s": queue_s, "parse_error": None})
 
 
 def replayed(call: LLMCall) -> Completion:
     """`llm_call`'s inverse: a recorded call as the completion a node receives (a branched sibling's prefix, which
     is replayed, not decoded)."""
-    return Completion(call.text, call.prompt_ids, call.completion_ids, call.logprobs, call.finish_reason,
-                      call.prompt_truncated, call.policy_version, prompt_tokens=call.prompt_tokens,
-                      completion_tokens=call.completion_tokens)
+    d = call.__dict__
+    return unvalidated(Completion, {k: d[k] for k in COMPLETION_FIELDS})
 
 
 class BackendError(MasgraphError, RuntimeError):

@@ -44,7 +44,7 @@ class ScriptedBackend:
         text = reply(req) if callable(reply) else reply
         prompt = "".join(m["content"] for m in req.messages).encode()
         out = text.encode()
-        return Completion(text, list(prompt), list(out), [0.0] * len(out))
+        return Completion(text=text, prompt_ids=list(prompt), completion_ids=list(out), logprobs=[0.0] * len(out))
 
     async def aclose(self) -> None:
         return None

@@ -404,10 +404,7 @@ class Scheduler:
             latency = time.perf_counter() - t0
             calls.append(llm_call(req, c, latency, wait.queue_s))
             made.append((c, calls[-1]))
-            self._emit(fast(LLMCallFinished, episode_id=trace.episode_id, node=node, turn=turn, policy=policy_name,
-                            adapter=policy.spec.adapter, prompt_tokens=c.n_prompt,
-                            completion_tokens=c.n_completion, latency_s=latency,
-                            batch_size=getattr(c, "batch_size", 1), queue_s=wait.queue_s))
+            self._emit(LLMCallFinished.of(calls[-1], trace.episode_id, node, turn))
             return c
 
         return generate, unparsed

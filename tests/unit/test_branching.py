@@ -3,7 +3,6 @@ roots and siblings on the scripted backend, and siblings meeting in one anchor-s
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +33,7 @@ class Surprised(ScriptedBackend):
 
     async def complete(self, requests):
         out = await super().complete(requests)
-        return [dataclasses.replace(c, logprobs=[SURPRISE[r.key[1]]] + c.logprobs[1:]) for r, c in zip(requests, out)]
+        return [c.model_copy(update={"logprobs": [SURPRISE[r.key[1]]] + c.logprobs[1:]}) for r, c in zip(requests, out)]
 
 
 class Sums(Task):

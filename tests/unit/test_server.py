@@ -833,7 +833,7 @@ class Dripping:
             raise
         self.ended[node] = time.monotonic()
         ids = list(text.encode())
-        return [Completion(text, [1], ids, [0.0] * len(ids))]
+        return [Completion(text=text, prompt_ids=[1], completion_ids=ids, logprobs=[0.0] * len(ids))]
 
     async def aclose(self) -> None:
         return None
