@@ -15,17 +15,6 @@ WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "system", "user
          *map(str, range(20)), *"+-*/=?.:,"]
 
 
-OLD_KEYS = "test_train_config_compat.py"
-"""The one test module that writes moved `train:` keys on purpose (pyproject's filterwarnings makes a
-`MovedKeysWarning` anywhere else an error: every other test, graph and example uses the new keys)."""
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """The compat tests assert their warnings with `pytest.warns` or record them; one old key may warn beside the one
-    a test matches (an old HRPO dump moves LoRA keys and drops `hrpo.baseline` at once), so there it is no error."""
-    if item.path.name == OLD_KEYS:
-        item.add_marker(pytest.mark.filterwarnings("default::masgraph.spec.MovedKeysWarning"))
-
 
 def _benchmark(name: str) -> ModuleType:
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
