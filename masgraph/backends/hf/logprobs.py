@@ -1,6 +1,6 @@
 """Log-probs of selected tokens from a causal LM's final hidden states, never building a (tokens x vocabulary)
-tensor larger than one chunk: each chunk of tokens gets its logits (chunk x V, fp32), their logsumexp and the target's
-logit, and the backward pass needs no stored logits either.
+tensor larger than one chunk: each chunk of tokens gets its logits (chunk x V, fp32) and their log_softmax, of which the
+target's entry is kept, and the backward pass needs no stored logits either.
 
 For a frozen plain `nn.Linear` head (the LoRA case: base weights frozen, tied or not, bias or not) the gradient with
 respect to the hidden states is computed in the same pass as the values, as Liger's fused linear cross-entropy does:
@@ -119,8 +119,8 @@ def _frozen_linear(module: torch.nn.Module) -> bool:
 
 
 def _chunk_logprobs(head: Head, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    z = logits_of(head, hidden).float() / temps[:, None]  # (c, V): the only vocabulary-sized tensor, one chunk's
-    return z.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(z, -1)
+    logp = torch.log_softmax(logits_of(head, hidden).float() / temps[:, None], -1)  # (c, V): one chunk's
+    return logp.gather(-1, targets[:, None])[:, 0]
 
 
 class _FrozenLinearLogprobs(torch.autograd.Function):
@@ -142,15 +142,13 @@ class _FrozenLinearLogprobs(torch.autograd.Function):
                 logits = logits * scale
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-            z = logits.float() / t  # (c, V) fp32
-            lse = torch.logsumexp(z, -1, keepdim=True)
-            out[s:s + chunk] = (z.gather(-1, y) - lse)[:, 0]
+            logp = torch.log_softmax(logits.float() / t, -1)  # (c, V) fp32: one fused pass, as the full path's
+            out[s:s + chunk] = logp.gather(-1, y)[:, 0]
             if grad is None:
                 continue
-            # d out / d z = onehot(y) - softmax(z); then through / T, the soft cap (1 - (l / cap)^2) and the scale
-            dz = z.sub_(lse).exp_().neg_()  # -softmax, in place of z
-            dz[rows[:len(h)], y[:, 0]] += 1.0
-            dz.div_(t)
+            # d out / d (logits / T) = onehot(y) - softmax; then through / T, the soft cap (1 - (l / cap)^2), the scale
+            dz = logp.exp_().mul_(-1.0 / t)  # -softmax / T, in place of logp
+            dz[rows[:len(h)], y[:, 0]] += 1.0 / t[:, 0]
             if softcap is not None:
                 dz.mul_(1.0 - (logits.float() / softcap) ** 2)
             if scale != 1.0:
