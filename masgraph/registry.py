@@ -4,7 +4,7 @@ whatever compiles, runs or trains a graph.
 The core registers its own backends and models; everything else arrives through plugins: the
 `masgraph.plugins` entry points (`masgraph.agents` registers the built-in role agents and tools,
 `masgraph.trainers` the algorithms) and the modules a graph names in `plugins:`. The core never imports
-`masgraph.agents` or `masgraph.trainers` itself (tests/unit/test_layering.py checks it).
+`masgraph.agents` or `masgraph.trainers` itself (tests/unit/core/test_layering.py checks it).
 
 Example:
     >>> reg = Registry()                                  # empty: for tests

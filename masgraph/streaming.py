@@ -56,7 +56,7 @@ def sink_for(request: Request) -> TextSink | None:
 
 
 _FIELD = r"(?im)^\s*(?:\*\*|#+\s*)?{name}\s*(?:\*\*)?\s*[:=]\s*(?:\*\*)?\s*(.+?)\s*$"
-"""The `Name: value` line of masgraph/agents/formats.py (kept equal to it: tests/unit/test_streaming.py checks)."""
+"""The `Name: value` line of masgraph/agents/formats.py (kept equal to it: tests/unit/core/test_streaming.py checks)."""
 _FINAL, _ANSWER = re.compile(_FIELD.format(name="final answer")), re.compile(_FIELD.format(name="answer"))
 _PREFERRED = ("<answer>", "\\boxed{")
 """Answer forms the parser prefers to an `Answer:` line."""

@@ -5,7 +5,7 @@ serving them to rollouts, the topology policy rollouts sample from, the data cur
 checkpoints and events. An algorithm owns only what makes it that algorithm: how rollouts sample, whether a step
 wants more queries, the update made from a step's groups, and the state an exact resume needs. The loop never
 names an algorithm; it builds the one the `train:` section's `algorithm:` registers (`Registry.algorithms`), so a
-new algorithm is one new file plus its registration (see tests/unit/test_algorithm_seam.py for a tiny one).
+new algorithm is one new file plus its registration (see tests/unit/trainers/test_algorithm_seam.py for a tiny one).
 
 A composite (joint training) returns its members from `parts()`; the checkpoint writes each part's state to the
 part's own `state_file`, so the files of a joint run are those of its two parts.

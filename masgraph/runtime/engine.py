@@ -43,7 +43,7 @@ class BackendOptions:
 @runtime_checkable
 class EngineLike(Protocol):
     """What a `Runner` needs of an engine: the local `Engine` and the Ray `RayEngine` both declare it, and one
-    conformance suite (tests/unit/test_engine_conformance.py) runs against both.
+    conformance suite (tests/unit/runtime/test_engine_conformance.py) runs against both.
 
     Example:
         >>> engine: EngineLike = Engine(graph)          # or RayEngine(graph, RayConfig(workers=2), options)

@@ -23,7 +23,7 @@ from masgraph.trace import Trace
 from masgraph.trainers.config import HRPOConfig
 from masgraph.trainers.hrpo import HRPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _builder(name: str, nodes: list[str], edges: list[tuple[str, str]], merge: set[str] = frozenset()):

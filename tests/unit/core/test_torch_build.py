@@ -16,7 +16,7 @@ import pytest
 from masgraph import torch_build as tb
 from masgraph.torch_build import check, choose, pip_commands, satisfies
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 H100 = "NVIDIA H100 80GB HBM3"
 CPU_BUILD = tb.installed_torch()[1] is None
 

@@ -36,7 +36,7 @@ class Sums(Task):
     def reward(self, item, trace) -> float:
         return float(trace.meta["sample"] % 2)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 PLUGIN = '''
 """A tiny algorithm: each step nudges every LoRA parameter of each trained adapter by the step's mean reward."""

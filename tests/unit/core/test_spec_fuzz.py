@@ -21,7 +21,7 @@ from masgraph.errors import SpecError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEXTS = {p.stem: p.read_text() for p in sorted((ROOT / "graphs").glob("*.yaml"))}
 DOCS = {name: yaml.safe_load(text) for name, text in TEXTS.items()}
 AGENTFLOW = TEXTS["agentflow"]

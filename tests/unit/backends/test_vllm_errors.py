@@ -13,7 +13,7 @@ import pytest
 from masgraph.backends.base import BackendError
 from masgraph.backends.vllm_server import VLLMServer, server_command
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_server_command_is_token_exact_and_serves_runtime_lora():

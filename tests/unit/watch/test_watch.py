@@ -22,8 +22,8 @@ from masgraph.watch.index import RunIndex
 
 pytestmark = pytest.mark.anyio  # the async tests run on anyio's pytest plugin, on asyncio
 
-RECORDED = Path(__file__).parent.parent / "data" / "recorded"
-SNAPSHOTS = Path(__file__).parent.parent / "snapshots" / "watch"
+RECORDED = Path(__file__).parents[2] / "data" / "recorded"
+SNAPSHOTS = Path(__file__).parents[2] / "snapshots" / "watch"
 UPDATE = os.environ.get("MASGRAPH_UPDATE_SNAPSHOTS") == "1"
 SIZE = (80, 24)
 
@@ -397,7 +397,7 @@ def test_watch_without_a_terminal_is_an_error_line(run_dir):
     for argv in (["watch", str(run_dir)], ["watch", str(run_dir / "nope")],
                  ["run", "graphs/agentflow.yaml", "--task", "basic_arithmetic", "--watch"]):
         p = subprocess.run([sys.executable, "-m", "masgraph.cli", *argv], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parent.parent.parent)
+                           stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parents[3])
         assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
     assert "interactive terminal" in p.stderr
 
@@ -441,7 +441,7 @@ def test_a_fifo_read_when_the_index_opens_is_an_error_line_not_a_hang(run_dir, n
     regression fails at the timeout instead of hanging the suite)."""
     _make(run_dir / name, "fifo")
     p = subprocess.run([sys.executable, "-m", "masgraph.cli", "watch", str(run_dir)], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parent.parent.parent)
+                       stdin=subprocess.DEVNULL, timeout=120, cwd=Path(__file__).parents[3])
     assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
     assert f"{run_dir / name} is a FIFO (named pipe), not a regular file" in p.stderr
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAX_LINES = 450
 MAX_COMMAND_LINES = 250
 

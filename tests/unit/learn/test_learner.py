@@ -187,7 +187,7 @@ def test_the_train_loop_needs_only_complete_aclose_and_publish_of_its_backend(ti
 
 
 def test_trainers_do_not_reach_into_backend_internals():
-    root = Path(__file__).resolve().parents[2] / "trainers"
+    root = Path(__file__).resolve().parents[3] / "trainers"
     for path in root.glob("*.py"):
         text = path.read_text()
         for internal in ("backend.model", "backend.pad_id", "backend.versions", "backend._rng",

@@ -232,7 +232,7 @@ def test_check_structure_is_pure_and_fast_on_every_shipped_graph(graph_files):
     for path in graph_files:
         spec = load_spec(path)
         args = (spec.nodes, spec.edges, spec.entry, spec.exit, spec.limits.max_turns, spec.limits.max_steps)
-        if spec.topology is None:  # a supergraph is checked per sampled sub-graph (tests/unit/test_topology.py)
+        if spec.topology is None:  # a supergraph is checked per sampled sub-graph (unit/topology/test_topology.py)
             assert check_structure(*args) == []
         n = 200
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from masgraph.loader import load_spec
 from masgraph.spec import MovedKeysWarning
 from masgraph.trainers.config import FlowGRPOConfig, HRPOTrainSpec, TrainSpec, with_overrides
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GRAPH = """name: old
 policies:
   p: {backend: hf, model: smollm2-135m, trainable: true, adapter: p}

@@ -14,7 +14,7 @@ from masgraph.tasks import resolve_task
 from masgraph.tasks.scorers import alternatives, choice, contains, exact, game24, number
 
 AGENTFLOW = Path(os.environ.get("MASGRAPH_AGENTFLOW_DATA")
-                 or Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "agentflow")
+                 or Path(__file__).resolve().parents[4] / "shared" / "benchmarks" / "agentflow")
 """AgentFlow's released sets: beside the checkout (../shared), or where $MASGRAPH_AGENTFLOW_DATA says."""
 
 

@@ -29,7 +29,7 @@ from masgraph.spec import SamplingSpec
 from masgraph.tasks import BasicArithmetic
 from masgraph.trainers.loop import TrainLoop
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OURS = tuple(str(ROOT / d) for d in ("masgraph", "trainers", "agents"))
 FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "eye",
              "linspace", "zeros_like", "ones_like", "full_like", "empty_like")

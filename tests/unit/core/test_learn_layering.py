@@ -7,7 +7,7 @@ import ast
 import importlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUNTIME = ("runner", "engine", "scheduler", "eager", "gc_scope", "ray_rollouts")
 LEARN = ("masgraph.learn", "masgraph.learner", "masgraph.serving", "masgraph.counterfactual", "masgraph.branching")
 
