@@ -70,6 +70,28 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+SECRET_FLAGS = ("--api-key",)
+"""Command-line options whose value is a secret: config.json keeps the option, never its value."""
+
+
+def redacted_argv(argv: list[str]) -> list[str]:
+    """`argv` with the value of every secret option replaced by `***`: `--api-key KEY`, `--api-key=KEY`, and the
+    abbreviations argparse takes for it (`--ap KEY`)."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        secret = len(flag) >= 4 and any(f.startswith(flag) for f in SECRET_FLAGS)
+        if hide:
+            out.append("***")
+        elif secret and eq:
+            out.append(f"{flag}=***")
+        else:
+            out.append(arg)
+        hide = secret and not eq and not hide
+    return out
+
+
 def new_run_dir(root: str | Path, name: str) -> Path:
     """A fresh, uniquely named directory under root."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -108,7 +130,7 @@ class RunStore:
             atomic_write(self.path / SPEC, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False),
                          durable=False)
         atomic_write(self.path / CONFIG, json.dumps(
-            {"config": config, "versions": package_versions(), "argv": sys.argv,
+            {"config": config, "versions": package_versions(), "argv": redacted_argv(sys.argv),
              "event_schema_version": EVENT_SCHEMA_VERSION}, indent=2, default=str), durable=False)
         self._events = _append(self.path / EVENTS)
         self._index = _append(self.path / INDEX)

@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
@@ -201,13 +202,23 @@ def check_bind(host: str, api_key: str | None, allow_public: bool) -> None:
                         "(or set MASGRAPH_API_KEY), or --allow-public-without-key if that is really meant")
 
 
-def _guarded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+_LINGER_S = 2.0
+"""Longest a connection refused with a 400 stays open to discard the rest of its request."""
+
+
+_HEAD_END = re.compile(rb"\n\r?\n")
+"""The blank line that ends a request head, as h11 finds it."""
+
+
+def _guarded_protocol(header_timeout_s: float, max_header_bytes: int = 16 * 1024) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with the guards it lacks. uvicorn arms no timer on a new connection and stops its
     keep-alive timer at the first byte, so a silent or dribbling connection was held forever: here a request's
     head must arrive within `header_timeout_s` of the connection opening or of its previous response (a head
     begun and not finished gets a 408, a silent connection is just closed). uvicorn's `limit_concurrency` check
     answers plain text: here a connection beyond that many gets an OpenAI-style 503 for its requests, and a
-    malformed or oversized head an OpenAI-style 400."""
+    malformed head, or one over `max_header_bytes`, an OpenAI-style 400. (h11's `max_incomplete_event_size`
+    bounds only a head still unfinished: a whole head that arrives in one read, up to the transport's 256 KiB,
+    passes it, so the size of each head is checked here before h11 parses it.)"""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -216,7 +227,7 @@ def _guarded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             super().__init__(*args, **kwargs)
             self.cap, self.limit_concurrency = self.limit_concurrency, None  # uvicorn's check off: ours instead
             self.head_timer: asyncio.TimerHandle | None = None
-            self.heard = False
+            self.heard = self.draining = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -225,10 +236,25 @@ def _guarded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             self.await_head()
 
         def data_received(self, data: bytes) -> None:
+            if self.draining:  # a refused connection, lingering
+                return
             self.heard = True
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:  # a request's head has arrived
                 self.stop_timer()
+
+        def handle_events(self) -> None:
+            """Refuse a head over the limit before h11 parses it (here both for a head just received and for a
+            pipelined one buffered behind a response)."""
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                buffered = self.conn.trailing_data[0]
+                end = _HEAD_END.search(buffered)
+                size = end.end() if end is not None else len(buffered)
+                if size > max_header_bytes:
+                    self.logger.warning("Refused a request head over %d bytes.", max_header_bytes)
+                    self.send_400_response(f"the request head is over the server's {max_header_bytes}-byte limit")
+                    return
+            super().handle_events()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # may start a pipelined request
@@ -264,7 +290,19 @@ def _guarded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
                           h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
-            self.transport.close()
+            self.linger()
+
+        def linger(self) -> None:
+            """End a refused connection so that the client reads the 400: closing with bytes of its request still
+            unread would reset the connection, and a reset client loses what it had not read yet. So: send EOF,
+            then discard what it still sends for up to `_LINGER_S`, then close."""
+            self.stop_timer()
+            self.draining = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
 
     return Guarded
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from masgraph.trace import Trace
 
-__all__ = ["ChatRequest", "chunk", "completion", "error_body", "extension", "lone_surrogate", "question_of", "usage",
-           "validation_message"]
+__all__ = ["ChatRequest", "chunk", "completion", "error_body", "extension", "locate", "lone_surrogate", "question_of",
+           "usage", "validation_message"]
 
 
 class TextPart(BaseModel):
@@ -33,14 +34,14 @@ class Message(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class Extension(BaseModel):
     """`"masgraph": {...}` in the request body (the OpenAI client passes it with `extra_body`)."""
 
     model_config = ConfigDict(extra="forbid")
-    trace: bool = False
+    trace: StrictBool = False
     """Return the trace id and steps with the answer."""
     conversation: str | None = Field(None, min_length=1, max_length=256)
     """A conversation id of the client's choosing: memory nodes with `scope: conversation` keep their fact store
@@ -53,7 +54,8 @@ class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
+    stream: StrictBool = False
+    """JSON true or false only (lax parsing would take "yes", "no", 0 or 1)."""
     stream_options: StreamOptions | None = None
     masgraph: Extension = Field(default_factory=Extension)
 
@@ -69,23 +71,27 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def lone_surrogate(data: Any) -> str | None:
-    """Where decoded JSON holds a lone UTF-16 surrogate (JSON's `"\\ud800"` escape without its pair: not a
-    character, so no UTF-8 file or response can hold it): the dotted path of the first string that does, or of
-    the object whose key does ("" for the body itself), as `validation_message` names a field; None when none
-    does. Walked without recursion, so however deep the JSON nests."""
+    """Where decoded JSON holds a lone UTF-16 surrogate (JSON's `"\\ud800"` escape without its pair, or the raw
+    bytes of one: not a character, so no UTF-8 file or response can hold it): see `locate`."""
+    return locate(data, lambda s: isinstance(s, str) and _SURROGATE.search(s) is not None)
+
+
+def locate(data: Any, bad: Callable[[Any], bool]) -> str | None:
+    """The dotted path of the first value in decoded JSON for which `bad` holds, or of the object one of whose
+    keys it holds for ("" for the body itself), as `validation_message` names a field; None when there is none.
+    Walked without recursion, so however deep the JSON nests."""
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         value, path = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return path
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             for key, item in reversed(value.items()):
-                if _SURROGATE.search(key):
+                if bad(key):
                     return path
                 stack.append((item, f"{path}.{key}" if path else key))
         elif isinstance(value, list):
             stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in reversed(list(enumerate(value))))
+        elif bad(value):
+            return path
     return None
 
 

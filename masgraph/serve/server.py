@@ -32,9 +32,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import re
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,11 +44,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
+from masgraph.events import EpisodeFinished, EpisodeStarted, Event
 from masgraph.rundir.store import RunStore
 from masgraph.serve.agent import Agent, Answer
 from masgraph.serve.guards import (
@@ -70,11 +67,10 @@ from masgraph.serve.openai_api import (
     completion,
     error_body,
     extension,
-    lone_surrogate,
     question_of,
     usage,
-    validation_message,
 )
+from masgraph.serve.wire import failed, parse, read_body, require_json
 from masgraph.streaming import AnswerStream
 from masgraph.trace import Trace
 
@@ -114,7 +110,7 @@ class ServeConfig:
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this (uvicorn's default)."""
     max_header_bytes: int = 16 * 1024
-    """Largest request head (h11's default; 400 beyond)."""
+    """Largest request head, from its request line to the blank line that ends it (400 beyond)."""
     loopback_hosts_only: bool = True
     """Without an API key, answer only requests whose Host is a loopback name (DNS rebinding); `serve` turns
     it off for a keyless public bind (--allow-public-without-key)."""
@@ -133,7 +129,8 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     gate = _Gate(config.max_concurrency, config.max_queue, config.queue_wait_s)
     store = (RunStore(config.store, agent.graph.spec, {"serve": {"model": model, "max_concurrency":
              config.max_concurrency, "timeout_s": config.timeout_s}}) if config.store is not None else None)
-    metrics, sinks = _Metrics(gate, store), [store] if store is not None else []
+    watch = _WatchedStore(store) if store is not None else None
+    metrics, sinks = _Metrics(gate, store), [watch] if watch is not None else []
     started, served = int(time.time()), [0]
 
     @asynccontextmanager
@@ -162,19 +159,24 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                             status_code=exc.status_code)
 
     def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), config.api_key.encode()):
+        if config.api_key is not None and not _authorized(request, config.api_key):
             raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        sound = store is None or store.errors == 0
+    async def health(request: Request) -> dict[str, Any]:
+        """No auth (load balancers probe it), so it names no path unless the request carries the API key: the
+        run dir's path, and a store error that names a file, are the server's business."""
+        sound = watch is None or not watch.failing
+        trace_store = None
+        if store is not None:
+            shown = config.api_key is not None and _authorized(request, config.api_key)
+            last = store.last_error
+            if last is not None and not shown:
+                last = last.replace(str(store.path), "<run dir>")
+            trace_store = {**({"path": str(store.path)} if shown else {}), "errors": store.errors,
+                           "last_error": last}
         return {"status": "ok" if sound else "degraded", "model": model, "in_flight": gate.admitted,
-                "running": gate.running, "queued": gate.admitted - gate.running,
-                "trace_store": None if store is None else {"path": str(store.path), "errors": store.errors,
-                                                           "last_error": store.last_error}}
+                "running": gate.running, "queued": gate.admitted - gate.running, "trace_store": trace_store}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -190,8 +192,8 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         authorize(request)
-        _require_json(request)
-        req = _parse(await _read_body(request, config.max_body_bytes, config.body_timeout_s))
+        require_json(request)
+        req = parse(await read_body(request, config.max_body_bytes, config.body_timeout_s))
         if req.model != model:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model!r}", param="model",
                            code="model_not_found")
@@ -200,23 +202,23 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             raise ApiError(400, "messages: no user message with text content (the question is the last user "
                                 "message)", param="messages")
         ticket, rid = gate.admit(), uuid.uuid4().hex[:24]
-        if req.stream:  # the background task releases the ticket of a stream cut before its generator started
-            return StreamingResponse(_stream(req, question, rid, ticket), media_type="text/event-stream",
+        stream = agent.answer_stream() if req.stream else None
+        episode = _start(question, rid, ticket, stream, req.masgraph.conversation)
+        if stream is not None:  # the background task ends the episode of a stream cut before its generator started
+            return StreamingResponse(_stream(req, rid, episode, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(ticket.release))
+                                     background=BackgroundTask(_end, episode, ticket))
         try:
-            ans = await _answer(question, rid, ticket, request, conversation=req.masgraph.conversation)
+            ans = await _answer(episode, request)
         finally:
             ticket.release()
         return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
 
-    async def _stream(req: ChatRequest, question: str, rid: str, ticket: _Ticket) -> AsyncIterator[str]:
+    async def _stream(req: ChatRequest, rid: str, episode: asyncio.Task, stream: AnswerStream) -> AsyncIterator[str]:
         """The SSE events of a streaming request: the role, the answer's text as the answer node decodes it, the
         rest of the answer when the episode ends (all of it when nothing streamed), the finish chunk, usage if
         asked, [DONE]. A failure after the first event is an OpenAI-style error event, then [DONE]."""
-        stream = agent.answer_stream()
-        answering = asyncio.ensure_future(_answer(question, rid, ticket, None, stream, req.masgraph.conversation))
-        answering.add_done_callback(lambda _: stream.close())  # also when it failed before its episode began
+        answering = asyncio.ensure_future(_answer(episode, None))
         try:
             yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
             async for text in stream:  # a disconnect cancels this generator (Starlette listens for it) and the episode
@@ -248,21 +250,41 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                 yield _sse(chunk(rid, model, {}, usage_=usage(ans.trace), choices=False))
             yield "data: [DONE]\n\n"
         finally:
-            answering.cancel()  # a client gone: the episode is cancelled
+            answering.cancel()
+            episode.cancel()  # a client gone: the episode is cancelled
             with suppress(asyncio.CancelledError):
                 await asyncio.gather(answering, return_exceptions=True)
-            ticket.release()
 
-    async def _answer(question: str, rid: str, ticket: _Ticket, request: Request | None,
-                      stream: AnswerStream | None = None, conversation: str | None = None) -> Answer:
-        """The episode of one request, run as its own task: queued, then run within the timeout; cancelled when
-        the client goes away (watched here for a non-streaming `request`). `stream` gets the answer's text;
-        `conversation` names the conversation whose memory it continues (`scope: conversation` memory nodes)."""
-        t0 = time.perf_counter()
+    async def _end(episode: asyncio.Task, ticket: _Ticket) -> None:
+        episode.cancel()  # done already, unless the stream was cut before its generator started
+        ticket.release()
+
+    def _start(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None,
+               conversation: str | None) -> asyncio.Task:
+        """The episode of one request, as its own task, started now: queued, then run within the timeout.
+        `stream` gets the answer's text; `conversation` names the conversation whose memory it continues (`scope:
+        conversation` memory nodes). A request cancelled before its episode began (its client went away while it
+        was queued) is stored as a `cancelled` episode, as one cancelled while it runs is."""
         meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {})}
-        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream))
-        episode.add_done_callback(_retrieved)
-        waits = {episode}
+        seen = _Seen(sinks)
+        queued = time.perf_counter()
+        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream, seen))
+
+        def ended(task: asyncio.Future) -> None:
+            if stream is not None:
+                stream.close()  # also when it failed before its episode began
+            if task.cancelled() and not seen.started and sinks:
+                _record_unstarted(question, meta, time.perf_counter() - queued)
+            _retrieved(task)
+
+        episode.add_done_callback(ended)
+        return episode
+
+    async def _answer(episode: asyncio.Task, request: Request | None) -> Answer:
+        """The answer of a request's episode; the episode is cancelled when the client goes away (watched here
+        for a non-streaming `request`)."""
+        t0 = time.perf_counter()
+        waits: set[asyncio.Future] = {episode}
         if request is not None:
             waits.add(asyncio.ensure_future(_disconnected(request)))
         try:
@@ -276,14 +298,15 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             metrics.latency.observe(time.perf_counter() - t0)
         return _outcome(episode)
 
-    async def _episode(question: str, meta: dict[str, str], ticket: _Ticket, stream: AnswerStream | None) -> Answer:
+    async def _episode(question: str, meta: dict[str, str], ticket: _Ticket, stream: AnswerStream | None,
+                       seen: _Seen) -> Answer:
         """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
         try:
             await ticket.start()
             limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
             try:
                 async with limit:
-                    return await agent.aask(question, sinks=sinks, meta=meta, stream=stream)
+                    return await agent.aask(question, sinks=[seen], meta=meta, stream=stream)
             except TimeoutError:
                 if not limit.expired():
                     raise
@@ -291,6 +314,17 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                                     "was cancelled", "timeout_error", code="timeout") from None
         finally:
             ticket.release()
+
+    def _record_unstarted(question: str, meta: dict[str, str], waited_s: float) -> None:
+        """Store a request cancelled before its episode began as a `cancelled` episode of no steps."""
+        episode_id = uuid.uuid4().hex[:16]
+        trace = Trace(episode_id=episode_id, item_id=episode_id, query=question, status="cancelled",
+                      error="the client closed the request before its episode started (it was queued)",
+                      duration_s=waited_s, meta=dict(meta))
+        for sink in sinks:
+            sink.emit(EpisodeStarted(episode_id=episode_id, item_id=episode_id, query=question,
+                                     started=time.time() - waited_s))
+            sink.emit(EpisodeFinished(trace=trace))
 
     def _outcome(episode: asyncio.Future) -> Answer:
         """The answer of a finished episode task, or the ApiError that fits how it ended."""
@@ -305,7 +339,7 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         ans: Answer = episode.result()
         _count(ans.trace)
         if not ans.ok:
-            raise _failed(ans.trace)
+            raise failed(ans.trace, agent.graph.spec)
         return ans
 
     def _count(trace: Trace) -> None:
@@ -322,15 +356,41 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
     return app
 
 
-def _failed(trace: Trace) -> ApiError:
-    """The error of a failed episode: 504 when it ran out of time (the episode's limit or a node's: a node waits
-    for its LLM call on a loaded server), else 500; both carry the trace id."""
-    timed_out = trace.status == "timeout" or any(s.error is not None and s.error.startswith("node timed out")
-                                                 for s in trace.steps)
-    message = f"the agent failed on this question (trace {trace.episode_id}): {trace.error}"
-    if timed_out:
-        return ApiError(504, message, "timeout_error", code="episode_timeout")
-    return ApiError(500, message, "server_error", code=f"episode_{trace.status}")
+def _authorized(request: Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class _Seen:
+    """One request's sinks: forwards to the server's, noting whether its episode has begun."""
+
+    def __init__(self, sinks: list[_WatchedStore]):
+        self.sinks, self.started = sinks, False
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, EpisodeStarted):
+            self.started = True
+        for sink in self.sinks:
+            sink.emit(event)
+
+
+class _WatchedStore:
+    """The run store as the episodes' sink, noting whether its latest episode went down whole. /health is
+    degraded while the store fails (`failing`: errors since the last episode it wrote cleanly), not for the rest
+    of the server's life after one record it had to repair; its `errors` count stays cumulative for /metrics."""
+
+    def __init__(self, store: RunStore):
+        self.store, self.errors_when_sound = store, 0
+
+    def emit(self, event: Event) -> None:
+        before = self.store.errors
+        self.store.emit(event)
+        if isinstance(event, EpisodeFinished) and self.store.errors == before:  # written whole, now
+            self.errors_when_sound = before
+
+    @property
+    def failing(self) -> bool:
+        return self.store.errors > self.errors_when_sound
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -345,70 +405,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _require_json(request: Request) -> None:
-    """POST bodies must be declared JSON: a cross-site page can send a form or text/plain without asking the
-    browser's preflight, but not application/json."""
-    media = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise ApiError(415, f"Content-Type must be application/json, not {media or 'missing'}",
-                       param="Content-Type", code="unsupported_media_type")
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes is over the server's {limit}-byte limit",
-                       code="body_too_large")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for part in request.stream():
-                body += part
-                if len(body) > limit:
-                    raise ApiError(413, f"request body is over the server's {limit}-byte limit", code="body_too_large")
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within the server's {timeout_s:g}s limit",
-                       code="body_timeout", headers={"Connection": "close"}) from None
-    except ClientDisconnect:
-        raise ApiError(499, "client closed the request", code="client_closed") from None
-    return bytes(body)
-
-
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-"""Where a JSON body can hold a lone surrogate: an escape (raw surrogate bytes are not UTF-8: a decode error)."""
-
-
-def _parse(body: bytes) -> ChatRequest:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
-    except ValueError:  # an integer longer than Python converts
-        raise ApiError(400, f"the request body has a number of more than {sys.get_int_max_str_digits()} digits",
-                       code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
-    if _ESCAPED_SURROGATE.search(body) and (where := lone_surrogate(data)) is not None:
-        raise ApiError(400, f"{where or 'the request body'}: holds a lone UTF-16 surrogate (an escape \\ud800-"
-                            "\\udfff without its pair), which is not text; send valid Unicode",
-                       param=where or None, code="invalid_unicode")
-    try:
-        return ChatRequest.model_validate(data)
-    except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise ApiError(400, message, param=param) from None
-
-
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
     """uvicorn.Config/uvicorn.run keyword arguments that apply `config`'s connection guards."""
-    return {"http": _guarded_protocol(config.header_timeout_s), "limit_concurrency": config.connection_limit,
-            "timeout_keep_alive": config.keep_alive_s, "h11_max_incomplete_event_size": config.max_header_bytes,
+    return {"http": _guarded_protocol(config.header_timeout_s, config.max_header_bytes),
+            "limit_concurrency": config.connection_limit, "timeout_keep_alive": config.keep_alive_s,
+            "h11_max_incomplete_event_size": config.max_header_bytes,
             # a queued request may wait, then run: SIGTERM lets both finish
             "timeout_graceful_shutdown": int(config.queue_wait_s + config.timeout_s) + 5}
 
