@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from masgraph.backends.hf.adapter_shape import read_lora_shape
 from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
@@ -134,10 +135,9 @@ def check_lora_shapes(adapters: dict[str, Path], config: Any, learner: Learner) 
 
     for name, path in adapters.items():
         try:
-            saved = json.loads((path / "adapter_config.json").read_text())
-            got = (saved["r"], saved["lora_alpha"], sort(saved["target_modules"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise MasgraphError(f"cannot read {path / 'adapter_config.json'} ({exc}); {EARLIER}") from exc
+            got = read_lora_shape(path).key
+        except MasgraphError as exc:
+            raise MasgraphError(f"{exc}; {EARLIER}") from None
         targets = config.lora_targets
         if hasattr(learner, "lora_targets") and name in learner.adapters():
             targets = learner.lora_targets(name)  # resolved on this architecture

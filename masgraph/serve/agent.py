@@ -137,7 +137,7 @@ def open_source(source: str | Path, check_models: bool = True) -> tuple[Graph, B
     """The graph of a graph YAML file, or of a bundle (a directory written by `masgraph export`, or its .tar.gz;
     checked against its manifest first) with the bundle."""
     from masgraph.graph import compile_spec
-    from masgraph.loader import load_spec
+    from masgraph.loader import keep_source, load_spec
 
     path = Path(source)
     bundle = None
@@ -147,7 +147,13 @@ def open_source(source: str | Path, check_models: bool = True) -> tuple[Graph, B
                                 "or pass its graph with --checkpoint")
         bundle = load_bundle(path)
         path = bundle.graph_file
-    return compile_spec(load_spec(path), str(path), check_models=check_models), bundle
+    spec = load_spec(path)
+    if bundle is not None and bundle.indexes:  # a bundle's search index resolves inside it, not in the cwd
+        root = bundle.path.resolve()
+        tools = {name: t.model_copy(update={"options": {**t.options, "index": str(root / bundle.indexes[name])}})
+                 if name in bundle.indexes else t for name, t in spec.tools.items()}
+        spec = keep_source(spec.model_copy(update={"tools": tools}), spec)
+    return compile_spec(spec, str(path), check_models=check_models), bundle
 
 
 def load_agent(source: str | Path, checkpoint: str | Path | None = None,

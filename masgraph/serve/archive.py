@@ -20,6 +20,7 @@ from masgraph.serve.manifest import (
     _check_files,
     _parse_manifest,
     _read_manifest,
+    graph_references,
 )
 
 
@@ -140,7 +141,8 @@ def _check_unpacked(target: Path, manifest: dict[str, Any], archive: Path) -> No
             raise MasgraphError("it is not a directory")
         if _read_manifest(target, str(target)) != manifest:
             raise MasgraphError(f"its {MANIFEST} differs from the archive's")
-        _check_files(target, manifest, str(target))
+        indexes = graph_references(target, manifest, str(target))  # search indexes built there by a load
+        _check_files(target, manifest, str(target), frozenset(indexes.values()))
     except MasgraphError as exc:
         raise MasgraphError(f"{target} already exists beside {archive.name} and is not the archive's bundle ({exc}); "
                             f"move it away and load the archive again, or load {target} itself") from None

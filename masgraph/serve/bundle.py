@@ -26,7 +26,7 @@ import json
 import shutil
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from masgraph.serve.manifest import (
     _check_prompts,
     _prompt_dir,
     _read_manifest,
+    graph_references,
     sha256_file,
 )
 
@@ -57,6 +58,8 @@ class Bundle:
 
     path: Path
     manifest: dict[str, Any]
+    indexes: dict[str, str] = field(default_factory=dict)
+    """{tool: its search index's path relative to the bundle}: built inside the bundle, never outside it."""
 
     @property
     def graph_file(self) -> Path:
@@ -244,16 +247,22 @@ def _ship_plugins(names: Any, base: Path, dst: Path) -> list[str]:
 
 def load_bundle(path: str | Path) -> Bundle:
     """Check a bundle against its manifest (format, every file's size and sha256 and nothing else there, base
-    weights, prompts) and return it; a mismatch is refused with the reason."""
+    weights, prompts), and that its graph reaches nothing outside it (`graph_references`), and return it; a mismatch
+    is refused with the reason."""
     path = Path(path)
     if path.is_file() and path.name.endswith(".tar.gz"):
         path, manifest = _unpack(path)  # checked as it unpacks
+        indexes = graph_references(path, manifest, f"bundle {path}")
     else:
-        manifest = _read_manifest(path, f"bundle {path}")
-        _check_files(path, manifest, f"bundle {path}")
+        where = f"bundle {path}"
+        manifest = _read_manifest(path, where)
+        try:  # what a load may have built inside it; graph.yaml is hash-checked next, with the rest
+            built = frozenset(graph_references(path, manifest, where).values())
+        except MasgraphError:
+            built = frozenset()  # refused below, after the files are checked
+        _check_files(path, manifest, where, built)
+        indexes = graph_references(path, manifest, where)
     where = f"bundle {path}"
     _check_models(manifest, where)
     _check_prompts(path, where)
-    return Bundle(path, manifest)
-
-
+    return Bundle(path, manifest, indexes)

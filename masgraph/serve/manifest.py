@@ -13,6 +13,7 @@ from importlib.resources import files
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
+import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, NonNegativeInt, StringConstraints, ValidationError
 
 from masgraph.errors import MasgraphError, shorten
@@ -149,12 +150,13 @@ def _first_problem(exc: ValidationError) -> str:
     return f"{at}: {first['msg'].removeprefix('Value error, ')}{more}"
 
 
-def _check_files(path: Path, manifest: dict[str, Any], where: str) -> None:
-    """The bundle holds exactly the manifest's files, each a regular file of its size and sha256: sizes and the
-    tree are checked before anything is hashed, so a wrong file costs no read."""
+def _check_files(path: Path, manifest: dict[str, Any], where: str, built: frozenset[str] = frozenset()) -> None:
+    """The bundle holds exactly the manifest's files, each a regular file of its size and sha256 (and `built`, the
+    search indexes its graph builds inside it: data, never run): sizes and the tree are checked before anything is
+    hashed, so a wrong file costs no read."""
     listed = manifest["files"]
     _drop_bytecode(path, where)
-    _check_tree(path, listed, where)
+    _check_tree(path, listed, where, built)
     for rel, entry in listed.items():
         try:
             info = (path / rel).lstat()
@@ -170,12 +172,18 @@ def _check_files(path: Path, manifest: dict[str, Any], where: str) -> None:
             raise MasgraphError(f"{where}: {rel} does not match its sha256 in the manifest (altered or corrupt)")
 
 
-def _check_tree(path: Path, listed: dict[str, Any], where: str) -> None:
-    """Every entry under the bundle is the manifest, a listed regular file or a directory above one: an extra
-    file (a new adapter, a plugin), a symbolic link or a device is refused, by name."""
+_SQLITE_SIDECARS = ("", "-journal", "-wal", "-shm")
+"""What SQLite writes beside a database: a built search index is these files."""
+
+
+def _check_tree(path: Path, listed: dict[str, Any], where: str, built: frozenset[str] = frozenset()) -> None:
+    """Every entry under the bundle is the manifest, a listed regular file or a directory above one (or a search
+    index of `built`): an extra file (a new adapter, a plugin), a symbolic link or a device is refused, by name."""
     def unreadable(exc: OSError) -> None:
         raise MasgraphError(f"{where}: cannot list {exc.filename}: {exc.strerror or exc}")
 
+    products = {rel + suffix for rel in built for suffix in _SQLITE_SIDECARS}
+    listed = {**listed, **dict.fromkeys(products)}
     dirs = {str(parent) for rel in listed for parent in PurePosixPath(rel).parents}
     for root, dirnames, filenames in os.walk(path, onerror=unreadable):  # links are listed, never followed
         for name in sorted(dirnames + filenames):
@@ -226,3 +234,57 @@ def _check_prompts(path: Path, where: str) -> None:
             raise MasgraphError(f"{where}: prompt template {file.name} differs from this masgraph's "
                                 f"({metadata.version('masgraph')}); serve it with the masgraph it was exported "
                                 "with")
+
+
+def graph_references(path: Path, manifest: dict[str, Any], where: str) -> dict[str, str]:
+    """Check what the bundle's graph names on disk, before anything of it loads: each `plugins:` file is a file
+    the bundle ships (under it, listed in the manifest's files and `plugins`, so hashed), each module name one the
+    manifest lists; each tool's `index:` is a path inside the bundle (relative, no `..`, no link out). Returns
+    {tool: index path relative to the bundle} (the index is built there, resolved against the bundle)."""
+    try:
+        raw = yaml.safe_load((path / "graph.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise MasgraphError(f"{where}: cannot read graph.yaml: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MasgraphError(f"{where}: graph.yaml is not a graph (a YAML mapping)")
+    root = path.resolve()
+    plugins, shipped = raw.get("plugins") or [], manifest.get("plugins") or []
+    if not isinstance(plugins, list):
+        raise MasgraphError(f"{where}: graph.yaml `plugins` is not a list")
+    for i, name in enumerate(plugins):
+        key = f"plugins[{i}]"
+        if not isinstance(name, str):
+            raise MasgraphError(f"{where}: graph.yaml `{key}` is not a module name or a .py file")
+        if name.endswith(".py"):
+            rel = _inside(root, name, where, key, "a plugin file")
+            if rel not in manifest["files"] or name not in shipped:
+                raise MasgraphError(f"{where}: graph.yaml `{key}` names {name!r}, which the manifest does not cover "
+                                    "(its files and `plugins` must both list it, so its sha256 is checked before it "
+                                    "runs); export the bundle again")
+        elif name not in shipped:
+            raise MasgraphError(f"{where}: graph.yaml `{key}` names module {name!r}, which the manifest's `plugins` "
+                                "does not list; export the bundle again")
+    indexes: dict[str, str] = {}
+    tools = raw.get("tools") or {}
+    for tool, spec in tools.items() if isinstance(tools, dict) else ():
+        options = spec.get("options") if isinstance(spec, dict) else None
+        if isinstance(options, dict) and options.get("index") is not None:
+            key = f"tools.{tool}.options.index"
+            indexes[str(tool)] = _inside(root, options["index"], where, key, "a search index")
+    return indexes
+
+
+def _inside(root: Path, name: Any, where: str, key: str, what: str) -> str:
+    """`name` as a path relative to the bundle directory `root` that stays inside it, followed through any links;
+    else a MasgraphError naming `key`."""
+    pure = PurePosixPath(name) if isinstance(name, str) else None
+    if pure is None or not name or "\0" in name or pure.is_absolute() or ".." in pure.parts:
+        raise MasgraphError(f"{where}: graph.yaml `{key}` is {shorten(repr(name))}: {what} of a bundle must be a "
+                            "relative path inside the bundle (no absolute path, no `..`)")
+    resolved = (root / pure).resolve()
+    if not resolved.is_relative_to(root):
+        raise MasgraphError(f"{where}: graph.yaml `{key}` is {name!r}, which leads outside the bundle (through a "
+                            f"symbolic link) to {resolved}; {what} of a bundle must stay inside it")
+    return resolved.relative_to(root).as_posix()
+
+

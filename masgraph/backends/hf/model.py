@@ -13,6 +13,7 @@ import torch
 from masgraph.backends.base import BackendError, LoraConfigSpec
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.device import describe, is_out_of_memory, resolve_device
+from masgraph.errors import MasgraphError
 from masgraph.model import resolve_model
 
 
@@ -94,22 +95,26 @@ class HFModel:
 
     def _linear_module_names(self) -> list[str]:
         """Full names of the base model's linear layers (what LoRA can target), also of those adapters wrap."""
+        return list(self._linear_module_shapes())
+
+    def _linear_module_shapes(self) -> dict[str, tuple[int, int]]:
+        """The base model's linear layers (also those adapters wrap): full name -> (in features, out features)."""
         from peft.tuners.tuners_utils import BaseTunerLayer
         from transformers.pytorch_utils import Conv1D
 
-        linear = (torch.nn.Linear, Conv1D)
-        names: list[str] = []
+        shapes: dict[str, tuple[int, int]] = {}
         inside = None  # the adapter-wrapped layer whose own modules (base_layer, lora_A, ...) come next (depth first)
         for module_name, module in self.base_model.named_modules():
             if inside is not None and module_name.startswith(inside):
                 continue
             if isinstance(module, BaseTunerLayer):
                 inside = module_name + "."
-                if isinstance(module.get_base_layer(), linear):
-                    names.append(module_name)
-            elif isinstance(module, linear):
-                names.append(module_name)
-        return names
+                module = module.get_base_layer()
+            if isinstance(module, torch.nn.Linear):
+                shapes[module_name] = (module.in_features, module.out_features)
+            elif isinstance(module, Conv1D):  # GPT-2's: its weight is (in, out)
+                shapes[module_name] = (module.weight.shape[0], module.weight.shape[1])
+        return shapes
 
     def lora_targets(self, name: str) -> list[str] | str:
         """The modules adapter `name` targets as its adapter_config.json records them (sorted): what its
@@ -138,6 +143,16 @@ class HFModel:
         from peft import PeftConfig
         from safetensors.torch import load_file
 
+        from masgraph.backends.hf.adapter_shape import AdapterUnreadable, check_adapter_fits
+
+        try:  # against this model, before anything is allocated (an absurd rank would take the machine's memory)
+            check_adapter_fits(name, path, self._linear_module_shapes(), self.name)
+        except MasgraphError as exc:
+            self.delete_adapter(name)  # as for weights that do not load: no adapter `name` is left
+            if isinstance(exc, AdapterUnreadable):
+                raise BackendError(f"cannot read adapter checkpoint {path} ({exc}); fix: point at a directory saved "
+                                   "by save_pretrained (adapter_config.json + adapter_model.safetensors)") from None
+            raise
         try:
             cfg = PeftConfig.from_pretrained(path)
             state = load_file(os.path.join(path, "adapter_model.safetensors"))
