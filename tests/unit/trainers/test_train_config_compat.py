@@ -120,3 +120,16 @@ def test_every_shipped_graph_loads_without_a_moved_key(path):
         load_spec(path)
     raw = yaml.safe_load(path.read_text())
     assert raw is not None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests" / "data" / "graphs_016c8eb").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_the_previous_releases_shipped_graphs_load_as_they_meant(path):
+    """graphs/ as of 016c8eb (before `flow_grpo` was nested): each loads to the same train section as today's copy,
+    and a moved key is a warning naming its new place (mixed_router.yaml's `format_weight`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MovedKeysWarning)
+        old = load_spec(path)
+    moved = " ".join(str(w.message) for w in caught if issubclass(w.category, MovedKeysWarning))
+    assert ("credit.format_weight" in moved) == (path.name == "mixed_router.yaml"), moved
+    assert old.train == load_spec(ROOT / "graphs" / path.name).train
