@@ -75,7 +75,7 @@ def read_lora_shape(path: str | Path) -> LoraShape:
     pattern = cfg.get("rank_pattern") or {}
     if not isinstance(pattern, dict) or not all(isinstance(k, str) and _count(v) for k, v in pattern.items()):
         raise AdapterUnreadable(f"{file}: `rank_pattern` is not a mapping of module names to positive integer ranks")
-    return LoraShape(rank, float(alpha), targets, pattern)
+    return LoraShape(rank, alpha, targets, pattern)  # as written (32, not 32.0, in messages)
 
 
 def _count(value: Any) -> bool:
