@@ -137,7 +137,6 @@ def rollout_versions():
     rollouts recorded, and the one they should have run on (how many steps before it updated the adapter:
     metrics.jsonl has the adapter's grad norm for each step that did)."""
     import json
-    import re
 
     def versions(run, adapter: str) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
         step, seen = 1, {}
@@ -146,8 +145,9 @@ def rollout_versions():
             if d["kind"] == "train_step" and d["step"] >= 1:
                 step += 1
             elif d["kind"] == "step":  # a finished node step, with its LLM calls
-                for v in re.findall(rf'"adapter":"{adapter}","policy_version":(\d+)', line):
-                    seen.setdefault(step, set()).add(int(v))
+                for call in d["step"].get("llm", []):
+                    if call.get("adapter") == adapter:
+                        seen.setdefault(step, set()).add(call.get("policy_version", 0))
         metrics = (run / "metrics.jsonl").read_text().splitlines()
         updated = [f"grad_norm/{adapter}" in json.loads(line) for line in metrics]
         return seen, {k: {sum(updated[:k - 1])} for k in seen}

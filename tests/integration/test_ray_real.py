@@ -23,7 +23,8 @@ from masgraph.tasks import get_task
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = {"latency_s", "started", "duration_s", "queue_s", "work_s"}
+TIMING = {"latency_s", "started", "duration_s", "queue_s", "work_s", "batch_size"}
+"""What differs with scheduling, not with what was computed: wall-clock fields and how many rows a call was batched with."""
 N = 6
 
 
