@@ -24,7 +24,7 @@ from masgraph.tasks import get_task
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = {"latency_s", "started", "duration_s", "queue_s", "work_s", "batch_size"}
-"""What differs with scheduling, not with what was computed: wall-clock fields and how many rows a call was batched with."""
+"""What differs with scheduling, not with what was computed: wall-clock fields and a call's batch size."""
 N = 6
 
 
@@ -45,11 +45,19 @@ def graph():
 
 @pytest.fixture(scope="module")
 def one_process(graph, tmp_path_factory):
+    """The reference run, in this process with the torch threads each of 2 local workers gets: deterministic mode
+    is bit-exact whatever the batching, but a CPU's fp32 kernels may split a reduction by thread count (measured
+    here: logprobs 1e-7 to 2e-6 apart between 2 threads and 1, tokens equal)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # RayEngine's per-worker threads for workers=2
     runner = Runner(graph, RunConfig(n=N, samples=2, deterministic=True, runs_dir=str(tmp_path_factory.mktemp("a"))))
     try:
         return asyncio.run(runner.run_task(get_task("basic_arithmetic")))
     finally:
         asyncio.run(runner.aclose())
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
