@@ -39,6 +39,22 @@ def outcome_reward(trace: Trace, cost_lambda: float) -> float:
     return (trace.reward or 0.0) - cost_lambda * trace.completion_tokens / 1000
 
 
+def scored_groups(groups: Sequence[Sequence[Trace]], no_signal: str, cost_lambda: float
+                  ) -> tuple[list[tuple[list[Trace], list[float]]], int]:
+    """The groups a topology update learns from, each with its episodes' outcome rewards (episodes without a recorded
+    topology left out), and how many groups `no_signal: skip` left out for carrying no task-reward signal."""
+    kept, skipped = [], 0
+    for group in groups:
+        group = [t for t in group if t.topology is not None]
+        if not group:
+            continue
+        if no_signal == "skip" and not has_signal([t.reward if t.status == "ok" else None for t in group]):
+            skipped += 1
+            continue
+        kept.append((group, [outcome_reward(t, cost_lambda) for t in group]))
+    return kept, skipped
+
+
 def action_reward(trace: Trace, nodes: frozenset[str] | set[str], token_cost: float, parse_penalty: float,
                   unused_penalty: float = 0.0) -> float:
     """Minus the cost of `nodes` in this episode: their completion tokens / 1000 · `token_cost`, `parse_penalty`
@@ -82,15 +98,8 @@ class HRPO(TrainAlgorithm):
         cfg = self.config
         rows: list[tuple[Trace, dict[str, float]]] = []  # (episode, decision -> advantage)
         rewards_seen: list[float] = []
-        skipped = 0  # groups without a task-reward signal, left out (`no_signal: skip`)
-        for group in groups:
-            group = [t for t in group if t.topology is not None]
-            if not group:
-                continue
-            if cfg.no_signal == "skip" and not has_signal([t.reward if t.status == "ok" else None for t in group]):
-                skipped += 1
-                continue
-            rewards = [outcome_reward(t, cfg.cost_lambda) for t in group]
+        kept, skipped = scored_groups(groups, cfg.no_signal, cfg.cost_lambda)
+        for group, rewards in kept:
             rewards_seen += rewards
             rows += [(t, adv) for t, adv in zip(group, self._advantages(group, rewards))]
         if not rows:

@@ -18,8 +18,8 @@ from masgraph.topology.policy import TopologyPolicy, check_signature
 from masgraph.trace import Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext, query_groups
 from masgraph.trainers.config import ReinforceConfig
-from masgraph.trainers.hrpo import outcome_reward
-from masgraph.trainers.hrpo_math import has_signal, moving_average_advantages, reinforce_loss
+from masgraph.trainers.hrpo import outcome_reward, scored_groups
+from masgraph.trainers.hrpo_math import moving_average_advantages, reinforce_loss
 
 __all__ = ["Reinforce"]
 
@@ -54,15 +54,8 @@ class Reinforce(TrainAlgorithm):
         moves the baseline once and bumps the policy version."""
         cfg = self.config
         episodes: list[tuple[Trace, float]] = []
-        skipped = 0
-        for group in groups:
-            group = [t for t in group if t.topology is not None]
-            if not group:
-                continue
-            if cfg.no_signal == "skip" and not has_signal([t.reward if t.status == "ok" else None for t in group]):
-                skipped += 1
-                continue
-            rewards = [outcome_reward(t, cfg.cost_lambda) for t in group]
+        kept, skipped = scored_groups(groups, cfg.no_signal, cfg.cost_lambda)
+        for group, rewards in kept:
             adv, self.baseline = moving_average_advantages(rewards, self.baseline, cfg.momentum)
             episodes += list(zip(group, adv))
         if not episodes:
