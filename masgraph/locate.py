@@ -164,9 +164,15 @@ def _explain(err: dict, loc: list, allowed: list[str] | None = None) -> tuple[st
         return msg, f"set `role:` to one of {', '.join(ROLES)}"
     if kind == "literal_error":
         return msg, "use one of the listed values"
-    if kind == "value_error":
+    if kind == "value_error":  # a cross-field check's "PATH: what is wrong; what to do"
         text = msg.removeprefix("Value error, ")
-        return text.removeprefix(_render(loc) + ": "), ""  # the location is shown already
+        path = _render(loc)
+        for head in (path + ": ", path + " "):  # the location is shown already
+            if path and text.startswith(head):
+                text = text[len(head):]
+                break
+        what, _, fix = text.partition("; ")
+        return (what, fix) if fix else (text, "")
     bounds = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"), "less_than_equal": ("le", "≤"),
               "less_than": ("lt", "<")}
     if kind in bounds:

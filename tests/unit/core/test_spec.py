@@ -106,8 +106,10 @@ def test_wrong_type_and_out_of_range_values_say_what_to_write():
 def test_unknown_node_in_edge():
     err = _errors(LOOP.replace("target: generator, when: stop", "target: genrator, when: stop"))
     [p] = err.problems
-    assert "edges[3].target 'genrator' is not a node; did you mean 'generator'?" in p.message
+    assert p.message == "'genrator' is not a node" and p.fix == "did you mean 'generator'?"
     assert p.path == "edges[3].target" and p.line == 15  # located in the file, not just named
+    text = p.render("g.yaml")  # the key path once, the fix on its own `fix:` line (issue 57 #19)
+    assert text == "g.yaml:15:24: edges[3].target: 'genrator' is not a node\n    fix: did you mean 'generator'?", text
 
 
 def test_unbounded_cycle_is_rejected():
