@@ -318,6 +318,10 @@ class TrainBase(BaseModel):
     rollout throughput of batched decoding (measured). Held-out evaluation is always deterministic."""
     concurrency: int = Field(16, ge=1)
     """Episodes in flight during rollouts and evaluation."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Experiment trackers that also get each step's metrics (every numeric key of metrics.jsonl, at its step) and
+    this config as hyperparameters: offline, in the run dir (RUN/tensorboard, RUN/wandb, RUN/mlruns); a tracker that
+    fails is a warning, never the run (docs/integrations.md)."""
 
 
 class LoraTrainBase(TrainBase):

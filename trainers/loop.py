@@ -25,6 +25,7 @@ from masgraph.registry import default_registry
 from masgraph.rundir.layout import METRICS
 from masgraph.rundir.metrics import MetricsSink
 from masgraph.rundir.store import RunStore
+from masgraph.rundir.trackers import TrackerSink
 from masgraph.runtime.ray_engine import RayConfig
 from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
@@ -188,8 +189,10 @@ class TrainLoop:
     async def run(self) -> dict[str, Any]:
         """Train from the current step to `steps`; checkpoint on schedule, at the end and when interrupted. Each
         step's metrics (and step 0's untrained evaluation) go to the sinks as a `TrainStep`."""
-        store = RunStore(self.run_dir, self.graph.spec, {"train": self.cfg.model_dump(), "task": self.task.name})
-        self._emit.sinks.append(store)  # train events join the episodes in events.jsonl
+        config = {"train": self.cfg.model_dump(), "task": self.task.name}
+        store = RunStore(self.run_dir, self.graph.spec, config)
+        trackers = TrackerSink(self.cfg.report_to, self.run_dir, config)  # train.report_to: TensorBoard, W&B, MLflow
+        self._emit.sinks += [store, trackers]  # train events join the episodes in events.jsonl, and the trackers
         last: dict[str, Any] = {}
         try:
             if self.step == 0 and self.cfg.eval_every and not (self.run_dir / METRICS).exists():
@@ -209,6 +212,8 @@ class TrainLoop:
             raise
         finally:
             self._emit.sinks.remove(store)
+            self._emit.sinks.remove(trackers)
+            trackers.close()
             store.close({"step": self.step, **last})
         return last
 

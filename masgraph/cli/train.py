@@ -49,6 +49,9 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=non_negative_int,
                    help="seed of data order, sampling and LoRA init (default: train.seed)")
     t.add_argument("--resume", help="continue a training run directory from its latest checkpoint")
+    t.add_argument("--report-to", nargs="+", choices=["tensorboard", "wandb", "mlflow", "none"], metavar="TRACKER",
+                   help="experiment trackers (tensorboard, wandb, mlflow; offline, in the run dir) or none "
+                        "(default: train.report_to)")
     model_flag(t, "--runs-dir", RunConfig, "runs_dir", help="where run directories go (default %(default)s/)")
     t.add_argument("--watch", action="store_true", help="watch the training live in the TUI (see `masgraph watch`)")
     model_flag(t, "--progress-every", TrainProgress, "every_s", type=positive_float, metavar="SECONDS",
@@ -71,6 +74,8 @@ def train_graph(graph: Graph, registry: Registry, args: argparse.Namespace) -> G
     overrides = {k: v for k, v in {"steps": args.steps, "task": args.task, "queries_per_step": args.queries_per_step,
                                     "eval_n": args.eval_n, "eval_every": args.eval_every, "seed": args.seed,
                                     "max_minutes": args.minutes}.items() if v is not None}
+    if args.report_to is not None:
+        overrides["report_to"] = [t for t in args.report_to if t != "none"]
     model, base = type(train), train.model_dump()
     if args.algorithm is not None and args.algorithm != train.algorithm:
         if args.resume:
