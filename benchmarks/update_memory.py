@@ -46,7 +46,7 @@ def full_vocabulary_logprobs(model, rows, pad_id: int, share_prefix: bool = True
     import torch
 
     from masgraph.backends.hf.layout import left_pad, prefill
-    from masgraph.backends.hf.learner import shared_prefix_len
+    from masgraph.learn.packing import common_prefix as shared_prefix_len
 
     device = model.device
     seqs = [r.prompt_ids + r.completion_ids for r in rows]

@@ -376,7 +376,8 @@ class FlowGRPO(TrainAlgorithm):
         return metrics | {f"{keys.GRAD_NORM}{a}": _mean(g) for a, g in grad_norms.items()} | {
             keys.LOSS_TOTAL: _mean(losses), keys.LOSS_POLICY: totals["pg"] / n_tok, keys.KL_REF: totals["kl"] / n_tok,
             keys.CLIP_FRAC: totals["clip"] / n_tok, keys.KL_OLD: totals["approx_kl"] / n_tok + 0.0,
-            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))}
+            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))
+        } | _pack_metrics(self.learner)
 
     def _alternatives_old_logprobs(self, rows: list[Row]) -> None:
         """Fill the `old_logprobs` of alternative rows (never sampled) under the adapters as the rollouts used them
@@ -491,6 +492,14 @@ def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> 
         f"`train.flow_grpo.batching.micro_batch_tokens` below {budget} (tokens per forward pass) or lower "
         "`batching.micro_batch`, and/or `train.gradient_checkpointing: true`; then resume (--resume RUN): the last "
         "checkpoint is intact")
+
+
+def _pack_metrics(learner: Learner) -> dict[str, float]:
+    """Sequences and tokens the update's gradient passes computed, from a learner that packs (`pack_stats`)."""
+    stats = learner.pack_stats() if hasattr(learner, "pack_stats") else {}
+    names = {"sequences": keys.SEQUENCES, "tokens_received": keys.TOKENS_RECEIVED,
+             "tokens_computed": keys.TOKENS_COMPUTED}
+    return {names[k]: float(v) for k, v in stats.items() if k in names}
 
 
 def _mean(xs: list[float]) -> float:

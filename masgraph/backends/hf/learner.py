@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from masgraph.backends.hf.layout import left_pad, pad_token_id, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
+from masgraph.learn.packing import PackPlan, plan_rows
 
 
 class HFLearner:
@@ -34,6 +36,9 @@ class HFLearner:
         self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
         self._pad_id = pad_token_id(self.weights.tokenizer)
         self._versions: dict[str, int] = {a: 0 for a in self.weights.adapters()}
+        self.merge_turns = True
+        """Read a row from the pass of a row that extends it (off only to compare against the unmerged layout)."""
+        self._pack: Counter[str] = Counter()
         check_head(self.weights.model, model_head(self.weights.model))  # the log-probs' head is the model's own
 
     @property
@@ -70,9 +75,16 @@ class HFLearner:
         """Per-token logprobs of each row's completion under `adapter` (None: the reference, adapters off)."""
         if adapter is not None:
             self._check(adapter)
+        plan = plan_rows(rows, share=not self.weights.gradient_checkpointing, merge=self.merge_turns)
+        if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
+            self._pack.update(plan.stats(rows))
         with self.weights.use(adapter):
-            return sequence_logprobs(self.weights.model, rows, self._pad_id,
-                                     share_prefix=not self.weights.gradient_checkpointing)
+            return sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan)
+
+    def pack_stats(self) -> dict[str, int]:
+        """Rows, sequences and tokens (received, computed) of the gradient passes since the last call; resets."""
+        out, self._pack = dict(self._pack), Counter()
+        return out
 
     def train(self, mode: bool = True) -> None:
         self.weights.model.train(mode)
@@ -143,48 +155,63 @@ class HFAdapterSource:
         return get_peft_model_state_dict(self.home.model, adapter_name=self.adapter)
 
 
-def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
-    """Length of the longest prefix common to all `seqs`, at most `limit`."""
-    n = min([limit, *map(len, seqs)])
-    first = seqs[0]
-    for s in seqs[1:]:
-        k = 0
-        while k < n and s[k] == first[k]:
-            k += 1
-        n = k
-    return n
-
-
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
-                      chunk_tokens: int | None = None) -> list[torch.Tensor]:
+                      chunk_tokens: int | None = None, merge: bool = True,
+                      plan: PackPlan | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
     on the model's device: the backbone's final hidden states at the completion positions go through
     `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
 
-    Rows of one node share a long static prompt (system prompt + few-shot turns). That shared prefix is run
-    once at batch 1 and its KV cache broadcast to the batch (gradients flow back through it, summed), the
-    same layout as generation (`left_pad`): prefix | left-padded suffixes. An AgentFlow update got 2.6x cheaper
-    per row. `share_prefix=False` runs whole sequences (gradient checkpointing cannot recompute a cache)."""
+    No token is computed twice (`masgraph.learn.packing.plan_rows`): a row inside another row's sequence (a node's
+    earlier turn that the next prompt extends) is read from that row's pass (`merge`); the prefix all rows share
+    (system prompt + few-shot turns) is run once at batch 1, and the prompt a group's samples share once per group,
+    their KV caches broadcast to the rows that extend them (gradients flow back through them, summed). Layout, as
+    in generation (`left_pad`): prefix | left-padded middles | left-padded tails. `share_prefix=False` runs whole
+    sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags."""
     device = model.device
     head = model_head(model)
-    seqs = [r.prompt_ids + r.completion_ids for r in rows]
-    # keep at least the last prompt token in every suffix: it predicts the first completion token
-    P = shared_prefix_len(seqs, min(len(r.prompt_ids) for r in rows) - 1) if len(rows) > 1 and share_prefix else 0
-    B = len(seqs)
-    ids, mask, pos = left_pad(P, [s[P:] for s in seqs], pad_id, device)
-    cache = None
-    if P:
-        cache = prefill(model, seqs[0][:P])
-        cache.batch_repeat_interleave(B)
+    plan = plan or plan_rows(rows, share=share_prefix, merge=merge)
+    seqs = [list(rows[h].prompt_ids) + list(rows[h].completion_ids) for h in plan.hosts]
+    P, H = plan.prefix, len(seqs)
+    cache = prefill(model, seqs[0][:P]) if P else None
+    middle_mask = torch.ones((H, P), dtype=torch.long, device=device)
+    if plan.groups:  # each distinct middle once, then its KV picked for every host that extends it
+        firsts = [plan.group.index(g) for g in range(plan.groups)]
+        ids, mask, pos = left_pad(P, [seqs[k][P:plan.start[k]] for k in firsts], pad_id, device)
+        if cache is not None:
+            cache.batch_repeat_interleave(plan.groups)
+        cache = _as_cache(cache)
+        head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        pick = torch.tensor(plan.group, dtype=torch.long, device=device)
+        cache.batch_select_indices(pick)
+        middle_mask = mask.index_select(0, pick)
+    elif cache is not None:
+        cache.batch_repeat_interleave(H)
+    tails = [s[b:] for s, b in zip(seqs, plan.start)]
+    ids, tail_mask, _ = left_pad(0, tails, pad_id, device)
+    mask = torch.cat([middle_mask, tail_mask], dim=1)  # (H, past + S): every position a host's tokens may attend
+    S = ids.shape[1]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -S:]
     hidden = head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=cache is not None).last_hidden_state  # (B, S, H)
-    S = hidden.shape[1]
+                           use_cache=cache is not None).last_hidden_state  # (H, S, hidden)
+    # a row's n completion tokens are predicted by its host's positions p = len(prompt)-1 .. len(prompt)+n-2, which
+    # sit in the host's right-aligned tail at column S - len(tail) + (p - start)
+    where = [k * S + S - len(tails[k]) + p - plan.start[k]
+             for r, k in zip(rows, plan.host_of)
+             for p in range(len(r.prompt_ids) - 1, len(r.prompt_ids) + len(r.completion_ids) - 1)]
     lengths = [len(r.completion_ids) for r in rows]
-    # suffixes are right-aligned: a row's n completion tokens are predicted by positions S-1-n .. S-2
-    where = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(S - 1 - n, S - 1)],
-                         dtype=torch.long, device=device)  # (N,)
     targets = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long, device=device)  # (N,)
     temps = torch.tensor([r.temperature for r, n in zip(rows, lengths) for _ in range(n)], device=device)  # (N,)
-    picked = selected_logprobs(hidden.reshape(B * S, -1).index_select(0, where), head, targets, temps,
+    where_t = torch.tensor(where, dtype=torch.long, device=device)
+    picked = selected_logprobs(hidden.reshape(H * S, -1).index_select(0, where_t), head, targets, temps,
                                chunk_tokens)
     return list(picked.split(lengths))
+
+
+def _as_cache(cache: Any) -> Any:
+    """`cache`, or an empty DynamicCache when there is no prefix to start from."""
+    if cache is not None:
+        return cache
+    from transformers import DynamicCache
+
+    return DynamicCache()

@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from masgraph.backends.hf import logprobs as lp_module
 from masgraph.backends.hf.layout import left_pad, prefill
-from masgraph.backends.hf.learner import sequence_logprobs, shared_prefix_len
+from masgraph.backends.hf.learner import sequence_logprobs
 from masgraph.backends.hf.logprobs import Head, check_head, model_head, selected_logprobs
+from masgraph.learn.packing import common_prefix as shared_prefix_len
 
 V = 4096  # big enough that a (rows x tokens x V) tensor stands out from every other tensor of the update
 VALUE_ATOL = 2e-5

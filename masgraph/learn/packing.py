@@ -1,0 +1,100 @@
+"""How a logprob pass lays out its rows so no token is computed twice: merged turns and shared prompts.
+
+Rows of one adapter repeat each other's tokens in two ways. A node's next turn often extends its previous call's
+prompt + completion token for token (a conversation, a tool loop): that call's completion is already inside the
+next row's sequence, and causal attention gives it the same log-probs there (prime-rl's merged trajectories). And
+the G samples of one question share their whole prompt, computed once per group instead of once per sample.
+
+`plan_rows` is pure token-id arithmetic (no tensors); the hf learner runs the plan (`backends/hf/learner.py`) and
+the trainer reports its counts (`PackPlan.stats`). Loss and advantages stay per row: only the computing is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from masgraph.backends.base import TokenRow
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Which sequences a pass computes and where each row's completion sits in them.
+
+    A pass computes `hosts` (row indices whose whole prompt + completion is run); every row's completion lies in its
+    host's sequence (`host_of`). The host sequences share `prefix` leading tokens (their KV computed once), then a
+    middle segment `[prefix, start)` shared by the hosts of one `group` (their KV computed once per group), then the
+    host's own tail `[start, end)`, which holds every position the host's rows are scored at."""
+
+    hosts: list[int]
+    host_of: list[int]
+    """Per row: the position in `hosts` of the row whose sequence contains it."""
+    prefix: int
+    start: list[int]
+    """Per host: where its own tail begins (its shared middle segment ends)."""
+    group: list[int]
+    """Per host: its middle segment's index among the distinct ones (all 0 when there is no middle pass)."""
+    groups: int
+    """Distinct middle segments (0: no middle pass; the tails start right after the prefix)."""
+
+    def stats(self, rows: Sequence[TokenRow]) -> dict[str, int]:
+        """Rows, sequences computed, and tokens received vs computed by this plan (prefix once, middles once per
+        group, tails once per host)."""
+        seqs = [len(rows[h].prompt_ids) + len(rows[h].completion_ids) for h in self.hosts]
+        middles = {g: s - self.prefix for g, s in zip(self.group, self.start)} if self.groups else {}
+        computed = self.prefix + sum(middles.values()) + sum(n - s for n, s in zip(seqs, self.start))
+        received = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+        return {"rows": len(rows), "sequences": len(self.hosts), "tokens_received": received,
+                "tokens_computed": computed}
+
+
+def merge_hosts(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """Per sequence, the index of the longest sequence it is a token prefix of (itself when none is longer; among
+    identical sequences the first). Transitive: a host is its own host."""
+    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
+    host = list(range(len(seqs)))
+    for rank, i in enumerate(order):
+        n = len(seqs[i])
+        for j in order[:rank]:  # longer (or equal and earlier) sequences first: the first match is the longest
+            if seqs[j][:n] == seqs[i]:
+                host[i] = host[j]
+                break
+    return host
+
+
+def common_prefix(seqs: Sequence[Sequence[int]], limit: int) -> int:
+    """Length of the longest prefix common to all `seqs`, at most `limit`."""
+    n = min([limit, *map(len, seqs)])
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 0)
+
+
+def plan_rows(rows: Sequence[TokenRow], share: bool = True, merge: bool = True) -> PackPlan:
+    """The layout of one logprob pass over `rows` (of one adapter). `merge` folds a row whose prompt + completion is
+    a prefix of another row's sequence into that row; `share` computes the common prefix and each group's shared
+    middle once (off when gradient checkpointing, which cannot recompute a cache)."""
+    seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in rows]
+    hosted = merge_hosts(seqs) if merge else list(range(len(rows)))
+    hosts = sorted(set(hosted))
+    slot = {h: k for k, h in enumerate(hosts)}
+    host_of = [slot[h] for h in hosted]
+    # a host's tail starts at the first position any of its rows is scored from (the last token of that row's prompt)
+    start = [len(seqs[h]) for h in hosts]
+    for i, r in enumerate(rows):
+        start[host_of[i]] = min(start[host_of[i]], len(r.prompt_ids) - 1)
+    host_seqs = [seqs[h] for h in hosts]
+    if not share or len(hosts) < 2:
+        return PackPlan(hosts, host_of, 0, [0] * len(hosts), [0] * len(hosts), 0)
+    # the common prefix stops a token short of every tail, so each middle segment holds at least one token
+    prefix = common_prefix(host_seqs, min(start) - 1)
+    keys = [tuple(s[prefix:b]) for s, b in zip(host_seqs, start)]
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == len(hosts) or min(map(len, distinct)) == 0:  # nothing shared beyond the prefix: one pass
+        return PackPlan(hosts, host_of, prefix, [prefix] * len(hosts), [0] * len(hosts), 0)
+    index = {k: g for g, k in enumerate(distinct)}
+    return PackPlan(hosts, host_of, prefix, start, [index[k] for k in keys], len(distinct))
