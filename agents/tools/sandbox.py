@@ -123,6 +123,7 @@ async def run_sandboxed(argv: list[str], files: dict[str, bytes], limits: Sandbo
         seccomp = stack.enter_context(_memfd("seccomp", _seccomp_filter(platform.machine())))
         status_r, status_w = os.pipe()
         stack.callback(_close, status_r)
+        status = _Status(status_r)
         cgroup = stack.enter_context(_pids_cgroup(limits.max_procs))
         args = _bwrap_args(bwrap, argv, dict(zip(files, fds)), status_w, seccomp, limits)
         try:
@@ -137,8 +138,8 @@ async def run_sandboxed(argv: list[str], files: dict[str, bytes], limits: Sandbo
         try:
             stdout, stderr = await _collect(proc, limits)
         finally:  # also on timeout, output cap and cancellation: the sandbox never outlives the call
-            await _kill(proc, cgroup)
-        exit_code = _exit_code(_read_available(status_r))
+            await _kill(proc, cgroup, status)
+        exit_code = status.get("exit-code")
     if exit_code is None:
         raise ToolError(_setup_error(stderr))
     return SandboxResult(exit_code, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
@@ -353,17 +354,62 @@ class _Output:
         return text[-chars:] or "(none)"
 
 
-async def _kill(proc: asyncio.subprocess.Process, cgroup: Path | None) -> None:
-    """SIGKILL bwrap's process group (its pid namespace dies with it) and the cgroup, then reap bwrap.
-
-    The pipes are drained to EOF: asyncio (3.11) only reports the exit once both are closed.
+async def _kill(proc: asyncio.subprocess.Process, cgroup: Path | None, status: _Status) -> None:
+    """SIGKILL bwrap's process group and the cgroup, reap bwrap, then wait until every process of the sandbox is
+    gone: bwrap's init (`--die-with-parent`) and the rest of its pid namespace die only after bwrap, and children
+    that closed stdout and stderr outlived the call; the init reports its exit once the namespace is empty. The pipes
+    are drained to EOF: asyncio (3.11) only reports the exit once both are closed.
     """
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if cgroup is not None:
-            _kill_members(cgroup)
-    await asyncio.gather(_discard(proc.stdout), _discard(proc.stderr), proc.wait())
+    init = _namespace_init(proc, status) if proc.returncode is None else None
+    try:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if cgroup is not None:
+                _kill_members(cgroup)
+        await asyncio.gather(_discard(proc.stdout), _discard(proc.stderr), proc.wait())
+        if init is not None:
+            await _exited(init, NAMESPACE_EXIT_S)
+    finally:
+        if init is not None:
+            os.close(init)
+
+
+NAMESPACE_EXIT_S = 10.0
+"""How long a call waits for its killed sandbox's processes (one stuck in the kernel holds the init for good)."""
+
+
+def _namespace_init(proc: asyncio.subprocess.Process, status: _Status) -> int | None:
+    """A pidfd of bwrap's child, the init of the sandbox's pid namespace, while it is still bwrap's child (its pid
+    from --json-status-fd); None when it has not started or is gone already."""
+    pid = status.get("child-pid")
+    if pid is None:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already (or a kernel before 5.3)
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+    except (OSError, ValueError, IndexError):
+        parent = None
+    if parent != proc.pid:  # the pid was reused: not ours to wait on
+        os.close(fd)
+        return None
+    return fd
+
+
+async def _exited(pidfd: int, timeout_s: float) -> None:
+    """Wait until the process of `pidfd` has exited (a pidfd reads ready then), for at most `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done, timeout_s)
+    finally:
+        loop.remove_reader(pidfd)
 
 
 async def _discard(stream: asyncio.StreamReader | None) -> None:
@@ -371,24 +417,25 @@ async def _discard(stream: asyncio.StreamReader | None) -> None:
         pass
 
 
-def _read_available(fd: int) -> str:
-    """What bwrap wrote on its status pipe (it has exited, so all of it; never blocks on a leaked writer)."""
-    os.set_blocking(fd, False)
-    chunks = []
-    with contextlib.suppress(BlockingIOError):
-        while chunk := os.read(fd, _CHUNK):
-            chunks.append(chunk)
-    return b"".join(chunks).decode(errors="replace")
+class _Status:
+    """What bwrap writes on its --json-status-fd pipe, one JSON object a line: `child-pid` (the host pid of the
+    sandbox's init) once it started, `exit-code` once the command ended. Never blocks on a leaked writer."""
 
+    def __init__(self, fd: int):
+        self.fd, self._read = fd, b""
 
-def _exit_code(status: str) -> int | None:
-    """The child's exit code from bwrap's --json-status-fd lines; None when the child never ran."""
-    for line in status.splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if "exit-code" in record:
-                return int(record["exit-code"])
-    return None
+    def get(self, key: str) -> int | None:
+        """The first integer `key` written so far (None: not yet, or never: the command did not run)."""
+        os.set_blocking(self.fd, False)
+        with contextlib.suppress(OSError):  # also BlockingIOError: nothing more yet
+            while chunk := os.read(self.fd, _CHUNK):
+                self._read += chunk
+        for line in self._read.splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and type(record.get(key)) is int:
+                    return record[key]
+        return None
 
 
 def _setup_error(stderr: bytes) -> str:
