@@ -33,6 +33,7 @@ from masgraph import metric_keys as keys
 from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import Sink
+from masgraph.learn import data_parallel
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
 from masgraph.runtime.runner import Runner
@@ -290,6 +291,10 @@ class FlowGRPO(TrainAlgorithm):
                 raise MasgraphError(f"adapter {a!r} has no LoRA parameters on the learner's model; add it with "
                                     f"`learner.add_adapter({a!r}, LoraConfigSpec(...))` before building the trainer")
         self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
+        self.dp = data_parallel.current()
+        """The learner ranks this process shares each update with (`masgraph.learn.data_parallel`); None alone."""
+        if self.dp:  # every rank starts from rank 0's adapters
+            self.dp.broadcast_parameters([p for a in sorted(self.params) for p in self.params[a]])
 
     # ---- as the loop drives it (TrainAlgorithm) --------------------------------------------------------
     @classmethod
@@ -341,6 +346,8 @@ class FlowGRPO(TrainAlgorithm):
         """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
         cfg = self.config
+        if self.dp:  # every rank trains on rank 0's rollouts, whatever its own gave
+            traces = self.dp.broadcast(traces)
         rows = build_rows(traces, self.trainable, cfg, self._encode)
         credit: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # what `credit` reports
         for r in rows:
@@ -351,16 +358,16 @@ class FlowGRPO(TrainAlgorithm):
         if not rows:
             return metrics | {keys.LOSS_TOTAL: 0.0}
         rng = random.Random(seed)
+        epochs = [mini_batches(len(rows), cfg.ppo.num_mini_batches, rng) for _ in range(cfg.ppo.epochs)]
+        owned = sorted({b[k] for batch in epochs for b in batch for k in self._own([rows[i] for i in b])})
         totals: dict[str, Any] = defaultdict(float)
         norms: dict[str, list[Any]] = defaultdict(list)
         losses = []
         try:
-            self._alternatives_old_logprobs(rows)
-            ref = self._reference_logprobs(rows)
-            for _ in range(cfg.ppo.epochs):
-                for batch in mini_batches(len(rows), cfg.ppo.num_mini_batches, rng):
-                    losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch],
-                                                       totals, norms))
+            self._alternatives_old_logprobs(rows, owned)
+            ref = self._reference_logprobs(rows, owned)
+            for batch in (b for epoch in epochs for b in epoch):
+                losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch], totals, norms))
         except Exception as exc:
             for adapter in norms:  # weights an optimizer already stepped are a new version, whatever comes next
                 self.learner.new_version(adapter)
@@ -369,27 +376,36 @@ class FlowGRPO(TrainAlgorithm):
             raise
         for adapter in norms:
             self.learner.new_version(adapter)
-        totals = {k: float(v) for k, v in totals.items()}  # the update's host syncs, after its last step
-        grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
+        totals = {k: float(totals[k]) for k in ("pg", "kl", "clip", "approx_kl")}  # host syncs, after the last step
         losses = [float(x) for x in losses]
+        if self.dp:  # each rank summed its share of rows: the step's totals are the sums over ranks
+            sums = self.dp.all_reduce_sum(torch.tensor([*totals.values(), *losses], dtype=torch.float64))
+            totals, losses = dict(zip(totals, sums[:len(totals)].tolist())), sums[len(totals):].tolist()
+        grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
         n_tok = cfg.ppo.epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"{keys.GRAD_NORM}{a}": _mean(g) for a, g in grad_norms.items()} | {
             keys.LOSS_TOTAL: _mean(losses), keys.LOSS_POLICY: totals["pg"] / n_tok, keys.KL_REF: totals["kl"] / n_tok,
             keys.CLIP_FRAC: totals["clip"] / n_tok, keys.KL_OLD: totals["approx_kl"] / n_tok + 0.0,
-            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))
-        } | _pack_metrics(self.learner)
+            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))}
 
-    def _alternatives_old_logprobs(self, rows: list[Row]) -> None:
-        """Fill the `old_logprobs` of alternative rows (never sampled) under the adapters as the rollouts used them
-        (the update has not stepped yet), so their PPO ratio starts at 1."""
-        todo = [i for i, r in enumerate(rows) if r.alternative is not None]
+    def _own(self, rows: list[Row]) -> list[int]:
+        """Positions of `rows` (a mini-batch) this rank computes: all of them alone, else its share by tokens."""
+        if self.dp is None:
+            return list(range(len(rows)))
+        return self.dp.own([len(r.prompt_ids) + len(r.completion_ids) for r in rows])
+
+    def _alternatives_old_logprobs(self, rows: list[Row], positions: list[int] | None = None) -> None:
+        """Fill the `old_logprobs` of alternative rows (never sampled; of `positions`, default all) under the adapters
+        as the rollouts used them (the update has not stepped yet), so their PPO ratio starts at 1."""
+        todo = [i for i in (range(len(rows)) if positions is None else positions) if rows[i].alternative is not None]
         for i, lp in self._frozen_logprobs(rows, todo, reference=False).items():
             rows[i].old_logprobs = lp.float().tolist()
 
-    def _reference_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Each row's logprobs under the base model (adapters off); fixed for the whole update."""
-        out = self._frozen_logprobs(rows, list(range(len(rows))), reference=True)
-        return [out[i] for i in range(len(rows))]
+    def _reference_logprobs(self, rows: list[Row], positions: list[int] | None = None) -> list[torch.Tensor | None]:
+        """Each row's logprobs under the base model (adapters off), for `positions` (default all; None elsewhere);
+        fixed for the whole update."""
+        out = self._frozen_logprobs(rows, list(range(len(rows))) if positions is None else positions, reference=True)
+        return [out.get(i) for i in range(len(rows))]
 
     def _frozen_logprobs(self, rows: list[Row], positions: list[int], reference: bool) -> dict[int, torch.Tensor]:
         """Position -> logprobs of `rows[position]` with no graph kept (only the values are needed), under the base
@@ -406,17 +422,20 @@ class FlowGRPO(TrainAlgorithm):
     def _optimizer_step(self, rows: list[Row], ref: list[torch.Tensor], totals: dict[str, float],
                         grad_norms: dict[str, list[float]]) -> float:
         """One optimizer step per adapter on a mini-batch (its loss aggregated over the mini-batch alone);
-        accumulates token statistics into `totals` and returns the mini-batch's loss."""
+        accumulates token statistics into `totals` and returns the mini-batch's loss. With data parallelism this rank
+        computes its share of the rows under the whole mini-batch's weights, and the gradients are summed over ranks
+        before the step, so every rank steps as one process would (and returns its share of the loss)."""
         cfg = self.config
         weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.ppo.loss_agg)
         adapters = sorted({r.adapter for r in rows})
+        own = set(self._own(rows))
         for a in adapters:
             self.optimizers[a].zero_grad(set_to_none=True)
         total: torch.Tensor | float = 0.0  # on the model's device: one host sync per update, not per pass
         self.learner.train()
         try:
             for adapter in adapters:
-                mine = [k for k, r in enumerate(rows) if r.adapter == adapter]
+                mine = [k for k, r in enumerate(rows) if r.adapter == adapter and k in own]
                 for chunk in self._passes([rows[k] for k in mine], mine):
                     new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
                     loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
@@ -425,6 +444,8 @@ class FlowGRPO(TrainAlgorithm):
                     total = total + loss.detach().double()
         finally:
             self.learner.train(False)
+        if self.dp:  # every adapter of the mini-batch, in order, zeros where this rank had none of its rows
+            self.dp.all_reduce_grads([self.params[a] for a in adapters])
         for a in adapters:
             grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.ppo.max_grad_norm))
             self.optimizers[a].step()
@@ -492,14 +513,6 @@ def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> 
         f"`train.flow_grpo.batching.micro_batch_tokens` below {budget} (tokens per forward pass) or lower "
         "`batching.micro_batch`, and/or `train.gradient_checkpointing: true`; then resume (--resume RUN): the last "
         "checkpoint is intact")
-
-
-def _pack_metrics(learner: Learner) -> dict[str, float]:
-    """Sequences and tokens the update's gradient passes computed, from a learner that packs (`pack_stats`)."""
-    stats = learner.pack_stats() if hasattr(learner, "pack_stats") else {}
-    names = {"sequences": keys.SEQUENCES, "tokens_received": keys.TOKENS_RECEIVED,
-             "tokens_computed": keys.TOKENS_COMPUTED}
-    return {names[k]: float(v) for k, v in stats.items() if k in names}
 
 
 def _mean(xs: list[float]) -> float:

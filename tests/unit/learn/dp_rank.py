@@ -1,0 +1,71 @@
+"""One learner rank for test_data_parallel.py, run as a script under torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): the tiny model's learner with two adapters, one Flow-GRPO update on the traces given,
+and what it left (adapters, their last gradients, the metrics) saved for the test to compare.
+
+    python dp_rank.py MODEL_DIR TRACES.jsonl OUT.pt SEED [SLEEP_S]
+
+SEED draws the adapters' starting values (rank 0's reach every rank); SLEEP_S > 0 makes this rank sleep in its
+backward pass (a rank to kill mid-update)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from masgraph.backends.hf.learner import HFLearner
+from masgraph.learn.data_parallel import PeerLost, init_from_env
+from masgraph.learn.learner import LoraConfigSpec
+from masgraph.trace import Trace
+from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
+
+TRAINABLE = {"planner": "plan", "verifier": "check"}
+LR = 0.01
+
+
+def learner(model: str, seed: int) -> HFLearner:
+    """fp32, one thread; both adapters moved off zero-effect (LoRA's B starts at 0, where A gets no gradient)."""
+    torch.manual_seed(seed)
+    out = HFLearner(model, dtype="float32", threads=1)
+    for a in sorted(set(TRAINABLE.values())):
+        out.add_adapter(a, LoraConfigSpec())
+    with torch.no_grad():
+        for a in out.adapters():
+            for p in out.parameters(a):
+                p.add_(0.1 * torch.randn_like(p))
+    return out
+
+
+def trainer(learn: HFLearner) -> FlowGRPO:
+    return FlowGRPO(learn, TRAINABLE, FlowGRPOConfig(lr=LR))
+
+
+def snapshot(algo: FlowGRPO, metrics: dict[str, float]) -> dict[str, Any]:
+    return {"params": {a: [p.detach().clone() for p in ps] for a, ps in algo.params.items()},
+            "grads": {a: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ps]
+                      for a, ps in algo.params.items()}, "metrics": metrics}
+
+
+def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "0") -> int:
+    dp = init_from_env(torch.device("cpu"), timeout_s=60)
+    algo = trainer(learner(model, int(seed)))
+    if float(sleep_s) > 0:  # stall in the first backward pass, for a test to kill this rank mid-update
+        hook = algo.params["plan"][0].register_hook(lambda g: (time.sleep(float(sleep_s)), g)[1])
+        del hook
+    batch = [Trace.model_validate_json(line) for line in Path(traces).read_text().splitlines()]
+    try:
+        metrics = algo.update(batch, seed="0:0")
+    except PeerLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    torch.save(snapshot(algo, metrics), out)
+    if dp:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

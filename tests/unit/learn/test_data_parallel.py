@@ -1,0 +1,102 @@
+"""Data-parallel Flow-GRPO (`masgraph.learn.data_parallel`): the token split is a pure function, and two gloo
+processes, each computing its share of a step's rows, take the optimizer step one process takes on all of them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.learn.data_parallel import token_shards
+from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trainers.flow_grpo import Row
+
+HERE = Path(__file__).resolve().parent
+PER_RANK = {"rows/sequences", "rows/tokens_received", "rows/tokens_computed"}
+"""The learner's packing counts (`pack_stats`): what this rank's own forward passes computed."""
+spec = importlib.util.spec_from_file_location("dp_rank", HERE / "dp_rank.py")
+dp_rank = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(dp_rank)
+
+
+def test_the_split_balances_tokens_and_depends_on_the_lengths_alone():
+    lengths = [12, 3, 10, 9, 8]
+    assert token_shards(lengths, 2) == [[0, 4], [1, 2, 3]]  # 20 and 22 tokens, longest first
+    assert token_shards(lengths, 2) == token_shards(list(lengths), 2)
+    assert token_shards([5], 3) == [[0], [], []]  # a rank may get no row (it still joins every collective)
+    assert sorted(i for s in token_shards(lengths, 3) for i in s) == list(range(5))
+    even = [7, 7, 7, 7, 1, 1]
+    assert [sum(even[i] for i in s) for s in token_shards(even, 2)] == [15, 15]
+
+
+def _traces(model: str) -> list[Trace]:
+    """One group of 4 trajectories: a planner call each (long rows), and a short verifier call in the first only,
+    with logprobs recorded under the adapters as the update starts (ratios start at 1, so nothing is clipped)."""
+    learn = dp_rank.learner(model, 0)
+    prompts = [[1, 4, 5, 6, 7, 8, 9], [1, 4, 5, 6, 10, 11], [1, 4, 5, 12, 13], [1, 4, 14]]
+    completions = [[16, 17, 18, 19, 2], [20, 21, 22, 2], [23, 24, 25, 2], [26, 27, 2]]
+    traces = []
+    for i, (reward, prompt, completion) in enumerate(zip([1.0, 0.0, 1.0, 0.5], prompts, completions)):
+        calls = [("planner", "plan", prompt, completion)] + ([("verifier", "check", [1, 5], [29, 2])] if i == 0 else [])
+        steps = []
+        for k, (node, adapter, p, c) in enumerate(calls):
+            with torch.no_grad():
+                [lp] = learn.sequence_logprobs([Row(i, node, adapter, p, c, [], 0.0, 0)], adapter)
+            call = LLMCall(policy=node, adapter=adapter, prompt_ids=p, completion_ids=c, logprobs=lp.tolist(),
+                           text="x", temperature=1.0)
+            steps.append(Step(episode_id=f"e{i}", index=k, node=node, role="planner", turn=1, llm=[call]))
+        traces.append(Trace(episode_id=f"e{i}", item_id="q", query="q", steps=steps, reward=reward))
+    return traces
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: float = 120) -> list[int]:
+    """Run one dp_rank.py process per seed as torchrun would (env:// rendezvous on localhost); their exit codes."""
+    port = _free_port()
+    procs = []
+    for rank, seed in enumerate(seeds):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(seeds)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "dp_rank.py"), str(model), str(traces),
+                                       str(out / f"rank{rank}.pt"), str(seed)], env=env))
+    return [p.wait(timeout) for p in procs]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
+    traces = _traces(str(tiny))
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
+    # rank 1 never holds a verifier ("check") row: its share is the two middle-length planner rows
+    lengths = [len(c.prompt_ids) + len(c.completion_ids) for t in traces for s in t.steps for c in s.llm]
+    assert lengths == [12, 4, 10, 9, 6] and token_shards(lengths, 2) == [[0, 1, 4], [2, 3]]
+    one = dp_rank.trainer(dp_rank.learner(str(tiny), 0))
+    metrics = one.update(traces, seed="0:0")
+    want = dp_rank.snapshot(one, metrics)
+
+    assert _ranks(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 1]) == [0, 0]  # rank 1 starts elsewhere
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for a in ("check", "plan"):
+            for g, w in zip(got["grads"][a], want["grads"][a]):
+                # fp32 (eps 1.2e-7): each rank's forward passes hold other rows (other packing, other batch shapes)
+                # and the gradient is a sum of two partial sums, which moves the last bits of each token's term;
+                # measured here up to 7e-7 of a tensor's largest entry. 1e-5 of it: a lost rank's share is ~50%
+                assert torch.allclose(g, w, rtol=1e-4, atol=1e-5 * w.abs().max().item()), (rank, a)
+            for p, w in zip(got["params"][a], want["params"][a]):
+                # Adam's first step is lr * g / (|g| + eps), ~lr per element whatever the gradient's scale, and
+                # sensitive where |g| nears eps (1e-8): measured up to 1.6e-4 lr (an entry with g = 2.5e-7); 1e-3 lr
+                assert torch.allclose(p, w, rtol=0, atol=1e-3 * dp_rank.LR), (rank, a)
+        assert got["metrics"].keys() == want["metrics"].keys()
+        for k in want["metrics"].keys() - PER_RANK:  # loss, KL, clip fraction, grad norms: over both ranks' rows
+            assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-5, abs=1e-9), (rank, k)
