@@ -15,7 +15,7 @@ def register(registry) -> None:
     from masgraph.agents import executor, generator, memory, planner, verifier  # noqa: F401
     from masgraph.agents.prompting import judge_messages, prompt_names
     from masgraph.agents.registry import BUILTIN_AGENTS
-    from masgraph.agents.tools import calculator, python, search, web_search  # noqa: F401
+    from masgraph.agents.tools import calculator, mcp_tool, python, search, web_search  # noqa: F401
     from masgraph.agents.tools.registry import BUILTIN_TOOLS
 
     registry.agents.update(BUILTIN_AGENTS)

@@ -33,6 +33,9 @@ class ToolKind:
     schema: dict[str, Any]
     options: type[ToolOptions] = ToolOptions
     """The pydantic model that `tools.<name>.options` is validated against (at compile time)."""
+    describe: Callable[[Any], str] | None = None
+    """The description of one instance, from its validated options (a kind whose tools come from elsewhere, e.g. an
+    MCP server's); None: `description` for every instance."""
 
 
 def build_tools(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) -> dict[str, ToolFn]:
@@ -54,8 +57,12 @@ def build_tools(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) ->
 
 
 def tool_descriptions(kinds: Mapping[str, ToolKind], specs: Mapping[str, ToolSpec]) -> dict[str, str]:
-    """Tool name -> the description shown to the model (the spec's override, else the kind's)."""
-    return {n: s.description or kinds[s.kind].description for n, s in specs.items() if s.kind in kinds}
+    """Tool name -> the description shown to the model (the spec's override, else the instance's or the kind's)."""
+    def text(spec: ToolSpec, kind: ToolKind) -> str:
+        if spec.description or kind.describe is None:
+            return spec.description or kind.description
+        return kind.describe(kind.options.model_validate(spec.options))
+    return {n: text(s, kinds[s.kind]) for n, s in specs.items() if s.kind in kinds}
 
 
 def with_timeout(fn: ToolFn, timeout_s: float, name: str) -> ToolFn:
