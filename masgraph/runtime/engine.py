@@ -150,15 +150,17 @@ class Engine(EngineLike):
 
     async def episode(self, query: str, *, item_id: str | None = None, topology: Topology | None = None,
                       choice: TopologyChoice | None = None, sinks: Sequence[Sink] = (), seed: int = 0,
-                      meta: dict[str, Any] | None = None, stream: AnswerStream | None = None) -> Trace:
+                      meta: dict[str, Any] | None = None, stream: AnswerStream | None = None,
+                      sample: int | None = None, sampling: dict[str, dict[str, Any]] | None = None) -> Trace:
         """Run one episode now (concurrent calls batch their LLM calls together); its id is unique. `topology`
         is the sub-graph to run, `choice` the topology policy's decisions behind it (kept in the trace).
         `stream` receives the answer node's text as it decodes (see masgraph/streaming.py); it is closed when
-        the episode ends."""
+        the episode ends. The calls' seeds derive from `seed`, `item_id` and `sample` (default: a fresh index,
+        so repeated queries sample afresh); `sampling` replaces some nodes' sampling settings (EpisodeInput)."""
         episode_id = uuid.uuid4().hex[:16]
-        self._started += 1  # the sample index: repeated queries sample afresh (seeds derive from it)
-        ep = EpisodeInput(item_id or episode_id, query, sample=self._started, meta=meta or {}, topology=topology,
-                          choice=choice, episode_id=episode_id)
+        self._started += 1
+        ep = EpisodeInput(item_id or episode_id, query, sample=self._started if sample is None else sample,
+                          meta=meta or {}, topology=topology, choice=choice, episode_id=episode_id, sampling=sampling)
         run = self.scheduler(sinks, seed=seed).run_episode(ep)
         if stream is None:
             return await run

@@ -58,6 +58,9 @@ class EpisodeInput:
     replay: dict[tuple[str, int, int], LLMCall] | None = None
     """Calls answered from this record instead of the backend, by (node, turn, call index in the step): a branched
     sibling's shared prefix (masgraph/branching.py)."""
+    sampling: dict[str, dict[str, Any]] | None = None
+    """Sampling settings of this episode's calls that replace their policy's, by node (a served request's
+    `temperature`, `top_p`, `max_tokens` on its answering node)."""
 
 
 @dataclass
@@ -392,12 +395,14 @@ class Scheduler:
                 made.append((replayed(calls[-1]), calls[-1]))
                 return made[-1][0]
             seed = zlib.crc32(f"{self.seed}|{ep.item_id}|{ep.sample}|{node}|{turn}|{k}".encode())
-            req = Request(messages, policy_name, policy.spec.adapter, policy.spec.sampling, seed,
-                          key=(index, node, turn, k))
+            sampling = policy.spec.sampling
+            if ep.sampling and node in ep.sampling:
+                sampling = sampling.model_copy(update=ep.sampling[node])
+            req = Request(messages, policy_name, policy.spec.adapter, sampling, seed, key=(index, node, turn, k))
             t0 = time.perf_counter()
             wait = CallWait(clock)  # the backend's queue charges the call's wait to it, not to the node's clock
             WAITER.set(wait)  # (not reset: this may resume in another context, see eager.py; a stale one is inert)
-            if self._memo is not None and not policy.spec.sampling.temperature:
+            if self._memo is not None and not sampling.temperature:
                 [c] = await self._memoised((policy_name, policy.spec.adapter, repr(messages)), policy.backend, req)
             else:
                 [c] = await policy.backend.complete([req])

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from masgraph.errors import MasgraphError
 from masgraph.events import Sink
@@ -87,17 +87,26 @@ class Agent:
         return self.graph.spec.name
 
     async def aask(self, question: str, *, sinks: Sequence[Sink] = (), meta: dict | None = None,
-                   stream: AnswerStream | None = None) -> Answer:
+                   stream: AnswerStream | None = None, sampling: dict[str, Any] | None = None,
+                   seed: int | None = None, sample: int = 0) -> Answer:
         """Answer one question (an episode on this agent's engine); never raises for a failed episode — the
-        trace says what failed. `stream` (`self.answer_stream()`) receives the answer as it decodes."""
+        trace says what failed. `stream` (`self.answer_stream()`) receives the answer as it decodes. `sampling`
+        replaces settings of the answering node's policy (`temperature`, `top_p`, `max_tokens`) for this
+        episode; `seed` makes it repeatable: the topology's draw and every call's seed derive from it and
+        `sample` (which of several answers to one question this is)."""
         if not isinstance(question, str) or not question.strip():
             raise MasgraphError("the question is empty; ask something")
         topology = choice = None
         if self.topology is not None:
             greedy = self.mode == "greedy"
-            picked = self.topology.sample(question, seed=None if greedy else random.getrandbits(31), greedy=greedy)
+            draw = random.getrandbits(31) if seed is None else (seed + sample) % 2 ** 31
+            picked = self.topology.sample(question, seed=None if greedy else draw, greedy=greedy)
             topology, choice = picked.topology, picked.choice
-        extra = {} if stream is None else {"stream": stream}  # an engine without streaming takes no `stream`
+        extra: dict[str, Any] = {} if stream is None else {"stream": stream}  # an engine without streaming
+        if sampling:  # (or a custom engine) takes only the arguments it is given
+            extra["sampling"] = {self.graph.spec.exit: sampling}
+        if seed is not None:
+            extra.update(item_id=f"seed-{seed}", sample=sample)
         trace = await self.engine.episode(question, topology=topology, choice=choice, sinks=sinks, meta=meta,
                                           **extra)
         return Answer(trace.answer if trace.status == "ok" else None, trace)

@@ -1,12 +1,14 @@
 """`masgraph serve`: an agent behind an OpenAI-compatible HTTP endpoint (FastAPI on uvicorn).
 
     POST /v1/chat/completions   the last user message is the question; non-streaming or `stream: true` (SSE: the
-                                built-in generator's answer streams as it decodes, see masgraph/streaming.py)
-    GET  /v1/models             the one model served (the graph's name)
+                                built-in generator's answer streams as it decodes, see masgraph/streaming.py);
+                                each field honoured or refused with a 400 naming it (masgraph/serve/fields.py)
+    GET  /v1/models[/{id}]      the one model served (the graph's name)
     GET  /health                liveness, load and the trace store's state (no auth)
     GET  /metrics               Prometheus text: requests by code, latency, episodes by status, tokens, queue
 
-Every request runs one episode on a shared engine, so concurrent requests batch their LLM calls together.
+Every request runs one episode per choice (`n`) on a shared engine, so concurrent requests batch their LLM calls
+together.
 
 Admission: at most `max_concurrency` episodes run and `max_queue` more requests wait for a slot (each at most
 `max_wait_s`: 503 beyond); a request beyond those is refused at once with 429 and Retry-After. A request's
@@ -30,13 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from masgraph.events import EpisodeFinished, EpisodeStarted, Event
 from masgraph.rundir.store import RunStore
 from masgraph.serve.agent import Agent, Answer
+from masgraph.serve.fields import Plan, check_context, plan
 from masgraph.serve.guards import (
     _RETRY,
     ApiError,
@@ -61,15 +63,8 @@ from masgraph.serve.guards import (
     _Ticket,
     check_bind,
 )
-from masgraph.serve.openai_api import (
-    ChatRequest,
-    chunk,
-    completion,
-    error_body,
-    extension,
-    question_of,
-    usage,
-)
+from masgraph.serve.openai_api import error_body, question_of, usage
+from masgraph.serve.replies import Reply
 from masgraph.serve.wire import failed, parse, read_body, require_json
 from masgraph.streaming import AnswerStream
 from masgraph.trace import Trace
@@ -178,11 +173,20 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         return {"status": "ok" if sound else "degraded", "model": model, "in_flight": gate.admitted,
                 "running": gate.running, "queued": gate.admitted - gate.running, "trace_store": trace_store}
 
+    served_model = {"id": model, "object": "model", "created": started, "owned_by": "masgraph"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": started,
-                                            "owned_by": "masgraph"}]}
+        return {"object": "list", "data": [served_model]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str, request: Request) -> dict[str, Any]:
+        authorize(request)
+        if model_id != model:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {model!r}",
+                           "not_found_error", param="model", code="model_not_found")
+        return served_model
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:
@@ -201,74 +205,49 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         if question is None:
             raise ApiError(400, "messages: no user message with text content (the question is the last user "
                                 "message)", param="messages")
-        ticket, rid = gate.admit(), uuid.uuid4().hex[:24]
-        stream = agent.answer_stream() if req.stream else None
-        episode = _start(question, rid, ticket, stream, req.masgraph.conversation)
-        if stream is not None:  # the background task ends the episode of a stream cut before its generator started
-            return StreamingResponse(_stream(req, rid, episode, stream), media_type="text/event-stream",
+        asked = plan(req, agent)
+        await check_context(question, agent, asked, req.masgraph.truncate)
+        tickets = []
+        try:
+            tickets.extend(gate.admit() for _ in range(asked.n))
+        except ApiError:
+            for ticket in tickets:
+                ticket.release()
+            raise
+        rid = uuid.uuid4().hex[:24]
+        streams = [agent.answer_stream() for _ in tickets] if req.stream else [None] * len(tickets)
+        episodes = [_start(question, rid, ticket, stream, req.masgraph.conversation, asked, i)
+                    for i, (ticket, stream) in enumerate(zip(tickets, streams))]
+        reply = Reply(req, asked, rid, model, agent, _store_path())
+        if req.stream:  # the background task ends the episodes of a stream cut before its generator started
+            return StreamingResponse(reply.stream(episodes, streams, _settled),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(_end, episode, ticket))
+                                     background=BackgroundTask(_end, episodes, tickets))
         try:
-            ans = await _answer(episode, request)
+            answers = await _answers(episodes, request)
         finally:
+            for ticket in tickets:
+                ticket.release()
+        return reply.body(answers)
+
+    async def _end(episodes: list[asyncio.Task], tickets: list[_Ticket]) -> None:
+        for episode, ticket in zip(episodes, tickets):
+            episode.cancel()  # done already, unless the stream was cut before its generator started
             ticket.release()
-        return completion(rid, ans.trace, ans.answer or "", model, req.masgraph.trace, _store_path())
 
-    async def _stream(req: ChatRequest, rid: str, episode: asyncio.Task, stream: AnswerStream) -> AsyncIterator[str]:
-        """The SSE events of a streaming request: the role, the answer's text as the answer node decodes it, the
-        rest of the answer when the episode ends (all of it when nothing streamed), the finish chunk, usage if
-        asked, [DONE]. A failure after the first event is an OpenAI-style error event, then [DONE]."""
-        answering = asyncio.ensure_future(_answer(episode, None))
-        try:
-            yield _sse(chunk(rid, model, {"role": "assistant", "content": ""}))
-            async for text in stream:  # a disconnect cancels this generator (Starlette listens for it) and the episode
-                yield _sse(chunk(rid, model, {"content": text}))
-            try:
-                ans = await answering
-            except ApiError as exc:
-                yield _sse(exc.body)
-                yield "data: [DONE]\n\n"
-                return
-            except Exception as exc:  # a bug: its traceback in the log, an error event to the client
-                _log.error("POST /v1/chat/completions (stream): unexpected error", exc_info=exc)
-                yield _sse(error_body(f"internal server error ({type(exc).__name__}); the server log has the "
-                                      "details", "server_error", code="internal_error"))
-                yield "data: [DONE]\n\n"
-                return
-            rest = stream.rest(ans.answer or "")
-            if rest is None:
-                _log.warning("stream %s (trace %s): the answer node's final answer does not continue the text "
-                             "streamed (it wrote a second answer, or its step was retried); the stream kept what "
-                             "it had sent", rid, ans.trace.episode_id)
-            elif rest:
-                yield _sse(chunk(rid, model, {"content": rest}))
-            final = chunk(rid, model, {}, "stop")
-            if req.masgraph.trace:
-                final["masgraph"] = extension(ans.trace, _store_path())
-            yield _sse(final)
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield _sse(chunk(rid, model, {}, usage_=usage(ans.trace), choices=False))
-            yield "data: [DONE]\n\n"
-        finally:
-            answering.cancel()
-            episode.cancel()  # a client gone: the episode is cancelled
-            with suppress(asyncio.CancelledError):
-                await asyncio.gather(answering, return_exceptions=True)
-
-    async def _end(episode: asyncio.Task, ticket: _Ticket) -> None:
-        episode.cancel()  # done already, unless the stream was cut before its generator started
-        ticket.release()
-
-    def _start(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None,
-               conversation: str | None) -> asyncio.Task:
-        """The episode of one request, as its own task, started now: queued, then run within the timeout.
-        `stream` gets the answer's text; `conversation` names the conversation whose memory it continues (`scope:
-        conversation` memory nodes). A request cancelled before its episode began (its client went away while it
-        was queued) is stored as a `cancelled` episode, as one cancelled while it runs is."""
-        meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {})}
+    def _start(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None, conversation: str | None,
+               asked: Plan, index: int) -> asyncio.Task:
+        """Episode `index` of a request (its choice `index`), as its own task, started now: queued, then run
+        within the timeout. `stream` gets the answer's text; `conversation` names the conversation whose memory it
+        continues (`scope: conversation` memory nodes). A request cancelled before its episode began (its client
+        went away while it was queued) is stored as a `cancelled` episode, as one cancelled while it runs is."""
+        meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {}),
+                **({"choice": index} if asked.n > 1 else {}), **asked.meta}
         seen = _Seen(sinks)
         queued = time.perf_counter()
-        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream, seen))
+        ask = {"sampling": asked.sampling, "seed": asked.seed, "sample": index}
+        episode = asyncio.ensure_future(_episode(question, meta, ticket, stream, seen, ask))
 
         def ended(task: asyncio.Future) -> None:
             if stream is not None:
@@ -280,33 +259,45 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
         episode.add_done_callback(ended)
         return episode
 
-    async def _answer(episode: asyncio.Task, request: Request | None) -> Answer:
-        """The answer of a request's episode; the episode is cancelled when the client goes away (watched here
-        for a non-streaming `request`)."""
+    async def _answers(episodes: list[asyncio.Task], request: Request | None) -> list[Answer]:
+        """The answers of a request's episodes (the first failure's error when one failed); the episodes are
+        cancelled when the client goes away (watched here for a non-streaming `request`)."""
         t0 = time.perf_counter()
-        waits: set[asyncio.Future] = {episode}
+        every = asyncio.ensure_future(asyncio.wait(episodes))
+        waits: set[asyncio.Future] = {every}
         if request is not None:
             waits.add(asyncio.ensure_future(_disconnected(request)))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if not episode.done():
+            if not every.done():
                 raise ApiError(499, "client closed the request", code="client_closed")
         finally:
-            for task in waits:
+            for task in (*waits, *episodes):
                 task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+            await asyncio.gather(*waits, *episodes, return_exceptions=True)
             metrics.latency.observe(time.perf_counter() - t0)
-        return _outcome(episode)
+        answers, errors = [], []
+        for episode in episodes:
+            try:
+                answers.append(_outcome(episode))
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return answers
 
-    async def _episode(question: str, meta: dict[str, str], ticket: _Ticket, stream: AnswerStream | None,
-                       seen: _Seen) -> Answer:
+    async def _settled(episode: asyncio.Task) -> Answer:
+        return (await _answers([episode], None))[0]
+
+    async def _episode(question: str, meta: dict[str, Any], ticket: _Ticket, stream: AnswerStream | None,
+                       seen: _Seen, ask: dict[str, Any]) -> Answer:
         """Wait for a slot, then run the episode within `timeout_s` of its start (504 beyond)."""
         try:
             await ticket.start()
             limit = asyncio.timeout(config.timeout_s)  # its deadline is set now: the wait for a slot is not counted
             try:
                 async with limit:
-                    return await agent.aask(question, sinks=[seen], meta=meta, stream=stream)
+                    return await agent.aask(question, sinks=[seen], meta=meta, stream=stream, **ask)
             except TimeoutError:
                 if not limit.expired():
                     raise
@@ -403,10 +394,6 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body)}\n\n"
 
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:

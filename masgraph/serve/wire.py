@@ -126,8 +126,8 @@ def parse(body: bytes) -> ChatRequest:
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise ApiError(400, message, param=param) from None
+        message, param, code = validation_message(exc)
+        raise ApiError(400, message, param=param, code=code) from None
 
 
 def failed(trace: Trace, spec: GraphSpec) -> ApiError:

@@ -164,7 +164,7 @@ def test_a_conversation_memory_node_continues_its_conversation_and_nothing_else(
 
 
 def test_over_http_requests_that_name_a_conversation_share_its_memory(tmp_path):
-    from tests.unit.serve.test_server import serving  # a real uvicorn server in a thread
+    from tests.unit.serve.serving import serving  # a real uvicorn server in a thread
 
     engine = _engine()
     engine.conversations = ConversationStores(tmp_path / "conv")

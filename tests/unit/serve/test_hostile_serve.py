@@ -5,14 +5,9 @@ fails with a Python error; and what the server keeps or shows about itself (the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
-import http.client
 import json
-import socket
 import sys
 import threading
-import time
 from collections import Counter
 
 import httpx
@@ -28,17 +23,9 @@ from masgraph.rundir import store as store_module
 from masgraph.rundir.store import RunStore, read_traces
 from masgraph.runtime.engine import Engine
 from masgraph.serve.agent import Agent
-from masgraph.serve.server import ServeConfig, create_app, uvicorn_options
-
-GRAPH = """\
-name: echo
-policies:
-  main: {backend: scripted, model: none}
-nodes:
-  answer: {role: generator, policy: main}
-entry: answer
-exit: answer
-"""
+from masgraph.serve.server import ServeConfig
+from tests.unit.serve.serving import GRAPH, ask, post_raw, raw, scripted_agent, serving, until, until_closed
+from tests.unit.serve.serving import Disk as _Disk
 
 GATED = "name: gated\nnodes:\n  answer: {role: custom, agent: gated-hostile}\nentry: answer\nexit: answer\n"
 
@@ -56,91 +43,6 @@ async def _gated(ctx):
 
 def open_gate(name: str) -> None:
     GATES.setdefault(name, threading.Event()).set()
-
-
-def scripted_agent(text: str = GRAPH) -> Agent:
-    graph = compile_spec(parse_spec(text, "serve.yaml"))
-    backend = ScriptedBackend(default=lambda req: f"Answer: {len(req.messages[-1]['content'])}")
-    return Agent(graph, engine=Engine(graph, backends={"scripted": backend}))
-
-
-@contextlib.contextmanager
-def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"):
-    """A real uvicorn server in a thread, on a port the OS picks; yields its base URL."""
-    import uvicorn
-
-    config = config or ServeConfig()
-    server = uvicorn.Server(uvicorn.Config(create_app(agent, model, config), host="127.0.0.1", port=0,
-                                           log_level="warning", log_config=None, **uvicorn_options(config)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def ask(text: str, model: str = "echo", **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
-
-
-JSON = {"Content-Type": "application/json"}
-
-
-async def until(condition, seconds: float = 60) -> None:
-    """Wait (polling in a thread) until `condition()` holds; fail after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
-def raw(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=60)
-
-
-def until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a 60 s socket timeout fails the test)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    sock.close()
-    return data
-
-
-class _Disk:
-    """A run dir's file whose writes fail while `full` is set (a full disk)."""
-
-    full = False
-
-    def __init__(self, file):
-        self.file = file
-
-    def write(self, data: bytes) -> int:
-        if _Disk.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return self.file.write(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-
-def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """POST `body` byte for byte (http.client: no client-side encoding or escaping)."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        conn.request("POST", "/v1/chat/completions", body, {**JSON, **(headers or {})})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
 
 
 # --- bodies: raw surrogate bytes, numbers JSON should not carry, a `stream` that is not a boolean -------------

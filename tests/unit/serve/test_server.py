@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,6 @@ import pytest
 import torch
 
 from masgraph.agents.registry import register_agent
-from masgraph.backends.scripted import ScriptedBackend
 from masgraph.errors import MasgraphError
 from masgraph.graph import compile_spec
 from masgraph.loader import parse_spec
@@ -36,17 +34,9 @@ from masgraph.rundir import store as store_module
 from masgraph.rundir.store import INDEX, RunStore, read_jsonl, read_traces
 from masgraph.runtime.engine import Engine
 from masgraph.serve.agent import Agent
-from masgraph.serve.server import ServeConfig, check_bind, create_app, serve, uvicorn_options
-
-GRAPH = """\
-name: echo
-policies:
-  main: {backend: scripted, model: none}
-nodes:
-  answer: {role: generator, policy: main}
-entry: answer
-exit: answer
-"""
+from masgraph.serve.server import ServeConfig, check_bind, serve
+from tests.unit.serve.serving import JSON, ask, raw, scripted_agent, serving, tracebacks, until, until_closed
+from tests.unit.serve.serving import Disk as _Disk
 
 SLOW = """\
 name: slow
@@ -91,56 +81,6 @@ async def _sleepy(ctx):
         raise
     EVENTS.append(f"finished {ctx.query}")
     return NodeOutput(text="slept", answer="slept")
-
-
-def scripted_agent(text: str = GRAPH) -> Agent:
-    graph = compile_spec(parse_spec(text, "serve.yaml"))
-    backend = ScriptedBackend(default=lambda req: f"Answer: {len(req.messages[-1]['content'])}")
-    return Agent(graph, engine=Engine(graph, backends={"scripted": backend}))
-
-
-@contextlib.contextmanager
-def serving(agent: Agent, config: ServeConfig | None = None, model: str = "echo"):
-    """A real uvicorn server in a thread, on a port the OS picks; yields its base URL."""
-    import uvicorn
-
-    config = config or ServeConfig()
-    app = create_app(agent, model, config)
-    # log_config=None: uvicorn's records reach the root logger, so `caplog` sees them (tracebacks included)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None,
-                                           **uvicorn_options(config)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def ask(text: str, model: str = "echo", **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
-
-
-JSON = {"Content-Type": "application/json"}
-
-
-def tracebacks(caplog) -> list[str]:
-    """Log records that carry a traceback (a leaked exception), as text."""
-    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info is not None]
-
-
-async def until(condition, seconds: float = 60) -> None:
-    """Wait (polling, without blocking the loop for long) until `condition()` holds; fail after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.slow
@@ -330,7 +270,7 @@ SERVE_SCRIPT = textwrap.dedent("""\
     from masgraph.graph import compile_spec
     from masgraph.loader import parse_spec
     from masgraph.serve.server import ServeConfig, serve
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {root!r}]  # test_server imports tests.unit.serve.serving from the repo root
     import test_server  # registers the `sleepy` agent
     agent = Agent(compile_spec(parse_spec(test_server.SLOW, "slow.yaml")))
     serve(agent, "slow", "127.0.0.1", {port}, ServeConfig(timeout_s=30, store={store!r}), log_level="warning")
@@ -342,7 +282,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, free_port, wait_
     port = free_port()
     script = tmp_path / "serve.py"
     store = tmp_path / "traces"
-    script.write_text(SERVE_SCRIPT.format(here=str(Path(__file__).parent), port=port, store=str(store)))
+    script.write_text(SERVE_SCRIPT.format(here=str(Path(__file__).parent), root=str(Path(__file__).parents[3]),
+                                          port=port, store=str(store)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -463,23 +404,6 @@ def test_one_record_the_store_cannot_serialise_loses_nothing_after_it(tmp_path, 
     assert any(r.name == "masgraph.store" and r.levelno == logging.ERROR for r in caplog.records)
 
 
-class _Disk:
-    """A run dir's file whose writes fail while `full` is set (a full disk)."""
-
-    full = False
-
-    def __init__(self, file):
-        self.file = file
-
-    def write(self, data: bytes) -> int:
-        if _Disk.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return self.file.write(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-
 def _agent_recording_close():
     """A scripted agent whose `aclose` calls are recorded in the returned list (then run as usual)."""
     agent, closed = scripted_agent(), []
@@ -532,20 +456,6 @@ def test_shutdown_closes_the_agent_even_when_the_store_cannot_close(tmp_path, ca
 
 
 # --- connections and hostile input: 400/408/415/503 with OpenAI-style bodies, never a 500 or a held socket ----
-
-
-def raw(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=60)
-
-
-def until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a 60 s socket timeout fails the test)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    sock.close()
-    return data
 
 
 @pytest.mark.parametrize("body", [
