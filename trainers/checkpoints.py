@@ -14,7 +14,6 @@ data, and loading one never runs code from the run directory.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -30,6 +29,7 @@ from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
 from masgraph.rundir.checkpoint import Dtype, checkpoint_adapters, read_state
 from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, step_dir
+from masgraph.rundir.read import parse_json
 from masgraph.trainers.algorithm import TrainAlgorithm
 
 __all__ = ["Checkpoints", "TrainState", "check_lora_shapes", "read_train_state", "truncate_metrics"]
@@ -179,7 +179,7 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 def _after(line: str, step: int) -> bool:
     try:
-        record = json.loads(line)
+        record = parse_json(line)
     except ValueError:
         return False
     s = record.get("step") if isinstance(record, dict) else None

@@ -1,7 +1,8 @@
 """Readers of a run directory: finished traces (`read_traces`), a run followed live from another process
 (`follow`), and bounded, crash-tolerant reading for a viewer that polls a run (`Lines`: new whole lines of a
 growing file in bounded chunks; `read_small` / `read_json` / `read_spec_outline`: small files, size-capped;
-`open_regular`: never blocks on a FIFO). A cut last line is left out everywhere."""
+`open_regular`: never blocks on a FIFO). A cut last line is left out everywhere, and every JSON line or file of a
+run directory is parsed by `parse_json`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ from masgraph.events import (
 from masgraph.rundir.layout import EVENTS, SUMMARY
 from masgraph.trace import Step, Trace
 from masgraph.yaml_read import read_yaml
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """json.loads for what a run directory holds (anything may have written it): a value nested deeper than the
+    parser recurses (a line of 100k `[`: RecursionError) is a ValueError like any other bad JSON, so each reader
+    treats it as it treats a cut line."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read") from None
 
 
 def follow(path: str | Path, poll_s: float = 0.1, stop: threading.Event | None = None,
@@ -142,7 +153,7 @@ class Parser:
     def __call__(self, raw: bytes) -> Event | None:
         """The event of one line, or None when the line is not one (or its trace's steps were lost)."""
         try:
-            rec = json.loads(raw)
+            rec = parse_json(raw)
             if not isinstance(rec, dict):
                 return None
             rec.pop("v", None)
@@ -166,7 +177,7 @@ def _numbered_records(file: Path) -> Iterator[tuple[int, dict[str, Any] | None]]
             if not raw.endswith(b"\n"):
                 return  # a line still being written
             try:
-                rec = json.loads(raw)
+                rec = parse_json(raw)
             except ValueError:  # also UnicodeDecodeError
                 rec = None
             yield number, rec if isinstance(rec, dict) else None
@@ -327,7 +338,7 @@ def read_small(path: Path) -> bytes | None:
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
-        rec = json.loads(read_small(path) or b"")
+        rec = parse_json(read_small(path) or b"")
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None

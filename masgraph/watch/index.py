@@ -34,6 +34,7 @@ from masgraph.rundir.read import (
     Lines,
     check_regular,
     open_regular,
+    parse_json,
     read_json,
     read_spec_outline,
 )
@@ -549,7 +550,7 @@ def _summary(trace: dict[str, Any], digest: list[list[Any]], start: int, end: in
 
 def _loads(raw: bytes) -> dict[str, Any] | None:
     try:
-        rec = json.loads(raw)
+        rec = parse_json(raw)
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
