@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from masgraph.rundir.store import read_traces
+
 pytestmark = [pytest.mark.integration, pytest.mark.gpu]  # the GPU tier runs these on CUDA (device: auto)
 
 QUESTIONS = [f"What is {a} + {b}?" for a, b in [(2, 3), (12, 7), (40, 2), (9, 9)]]
@@ -102,3 +104,26 @@ def test_100_concurrent_requests_complete_with_zero_errors(server):
     assert all(r.choices[0].message.content for r in results)
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer test-key"}).text
     assert 'masgraph_episodes_total{status="ok"}' in metrics
+
+
+def test_the_answering_nodes_fields_on_the_real_model(server):
+    """max_tokens cuts the generator's call (finish_reason length, one token in the stored trace), stop cuts the
+    answer a seeded greedy request repeats, logprobs are the real model's for the answer's tokens, and a question
+    over the context is a 400 before any episode runs (issue 57, findings 4, 5, 8)."""
+    url, runs = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0)
+    ask = {"model": "agentflow", "messages": [{"role": "user", "content": QUESTIONS[0]}], "seed": 5, "temperature": 0}
+    r = client.chat.completions.create(**ask, logprobs=True)
+    answer, tokens = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert answer and answer in "".join(t.token for t in tokens) and all(t.logprob <= 0 for t in tokens)
+    cut = client.chat.completions.create(**ask, stop=[answer[-1]]).choices[0]
+    assert cut.message.content == answer[:answer.index(answer[-1])] and cut.finish_reason == "stop"
+    short = client.chat.completions.create(**ask, max_tokens=1, extra_body={"masgraph": {"trace": True}})
+    assert short.choices[0].finish_reason == "length"
+    [run_dir] = list(runs.iterdir())
+    [trace] = [t for t in read_traces(run_dir) if t.episode_id == short.model_extra["masgraph"]["trace_id"]]
+    [generator] = [s for s in trace.steps if s.node == "generator"]
+    assert [len(c.completion_ids) for c in generator.llm] == [1]  # the stored call: one token decoded
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="agentflow", messages=[{"role": "user", "content": "seven " * 5000}])
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
