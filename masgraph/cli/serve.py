@@ -7,12 +7,16 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from masgraph.cli.common import plural, print_topology, removed_if_left_empty, with_device
 from masgraph.cli.flags import device_arg, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.port import STARTUP_FAILURE, check_port, port_fix
 from masgraph.errors import MasgraphError
 from masgraph.rundir.layout import CONFIG, EVENTS, SPEC, SUMMARY
+
+if TYPE_CHECKING:
+    from masgraph.serve.agent import Agent
 
 HELP = "serve a graph behind an OpenAI-compatible endpoint (/v1/chat/completions)"
 
@@ -56,6 +60,10 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
                "at once (503 beyond; default: --max-concurrency + --max-queue + 64)")
     model_flag(sv, "--max-body-kb", ServeConfig, "max_body_bytes", to_flag=kib, type=positive_int,
                help="largest request body (413; default %(default)s)")
+    sv.add_argument("--mcp", nargs="?", const="stdio", choices=["stdio", "http"],
+                    help="serve the agent as an MCP server with one tool, ask(question) -> answer and trace id: over "
+                         "stdio (`--mcp`, for a client that starts this command) or streamable HTTP "
+                         "(`--mcp http`: http://HOST:PORT/mcp), instead of the OpenAI endpoint")
     sv.add_argument("--no-store", action="store_true", help="keep no traces (default: a run dir under --runs-dir)")
     sv.add_argument("--conversations", metavar="DIR", help="keep the fact stores of `scope: conversation` memory "
                     "nodes in DIR (one file per conversation; a restart continues them; default: in memory only)")
@@ -71,8 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from masgraph.serve.server import ServeConfig, check_bind, serve
 
     api_key = args.api_key or os.environ.get("MASGRAPH_API_KEY") or None
-    check_bind(args.host, api_key, args.allow_public_without_key)
-    check_port(args.host, args.port)  # a port in use: an error line now, not after the model has loaded
+    if args.mcp != "stdio":  # (a stdio MCP server binds nothing)
+        check_bind(args.host, api_key, args.allow_public_without_key)
+        check_port(args.host, args.port)  # a port in use: an error line now, not after the model has loaded
     conversations = None
     if args.conversations:  # an unusable directory fails now, not after the model has loaded
         from masgraph.memory.conversations import ConversationStores
@@ -101,6 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if store is not None:
         print(f"traces go to {store} (--no-store to keep none)", file=sys.stderr)
     host = f"[{args.host}]" if ":" in args.host else args.host
+    if args.mcp:
+        return _serve_mcp(agent, args, api_key, store, host)
     print(f"serving model {graph.spec.name!r} at http://{host}:{args.port}/v1 (OpenAI-compatible chat completions"
           f"{'; bearer key required' if api_key else ''}); Ctrl-C stops", file=sys.stderr)
     try:
@@ -112,6 +123,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             remove_unused_store(store)
         raise MasgraphError(f"the server could not start at http://{host}:{args.port} (uvicorn's message above; "
                             f"{port_fix(args.port)})") from None
+    return 0
+
+
+def _serve_mcp(agent: Agent, args: argparse.Namespace, api_key: str | None, store: Path | None, host: str) -> int:
+    from masgraph.serve.mcp import PATH, serve_mcp
+
+    where = "stdio" if args.mcp == "stdio" else f"http://{host}:{args.port}{PATH} (streamable HTTP" + (
+        "; bearer key required)" if api_key else ")")
+    print(f"serving {agent.name!r} as an MCP server (tool: ask) on {where}", file=sys.stderr)
+    serve_mcp(agent, args.mcp, host=args.host, port=args.port, api_key=api_key, timeout_s=args.timeout,
+              store=store, log_level=args.log_level)
     return 0
 
 
