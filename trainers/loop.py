@@ -17,6 +17,7 @@ from masgraph.device import deterministic_kernels, resolve_device
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import CheckpointSaved, Credited, Emitter, EvalFinished, Sink, TrainStep
 from masgraph.graph import Graph, compile_spec
+from masgraph.learn import data_parallel
 from masgraph.learn.counterfactual import META
 from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
@@ -273,6 +274,8 @@ class TrainLoop:
         t_roll = time.perf_counter() - t0
         self._phase("update", self.step + 1, len(traces))
         self._updating = True  # no await until the commit: a cancellation cannot land in between
+        if (dp := data_parallel.current()) is not None:  # the other learner ranks join this update (cli/learners.py)
+            dp.broadcast(self.step, "the next update's step")
         metrics = self.algo.train_step(traces, self.step)
         scored = {t.episode_id: t.meta[META] for t in traces if t.meta.get(META)}  # kept for inspection
         for episode_id, calls in self.algo.credit().items():

@@ -19,6 +19,7 @@ from masgraph.cli.common import (
 )
 from masgraph.cli.flags import backend_args, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.interrupt import drive_then_close
+from masgraph.cli.learners import follow, join, leading, learner_args, relaunch, shared_run_dir, writes
 from masgraph.cli.progress import TrainProgress
 from masgraph.cli.ray_setup import ray_args, ray_config
 from masgraph.errors import MasgraphError, SpecError
@@ -59,6 +60,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
                     "step's rollouts, update and evaluation (default %(default)g; a terminal gets one live line)")
     backend_args(t)
     ray_args(t)
+    learner_args(t)
     t.set_defaults(fn=cmd_train)
 
 
@@ -103,6 +105,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from masgraph.rundir.checkpoint import checkpoint_adapters, checkpoint_dtype, resolve_checkpoint
     from masgraph.rundir.store import new_run_dir
 
+    if (code := relaunch(args, sys.argv[1:])) is not None:  # --learners N: this same command under torchrun
+        return code
     require_terminal_if(args.watch)  # before the model loads
     ray = ray_config(args)
     graph = with_device(load_graph(args.graph), args.device, args.graph)
@@ -114,7 +118,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if train.task is None:
         raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
     task = load_task(train.task)
-    run_dir = Path(args.resume) if args.resume else new_run_dir(args.runs_dir, f"{spec.name}-train")
+    dp, graph = join(args, graph)  # under torchrun: this learner rank (rank 0 trains, the others join updates)
+    run_dir = Path(args.resume) if args.resume else shared_run_dir(
+        dp, lambda: new_run_dir(args.runs_dir, f"{spec.name}-train"))
     print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
     if checkpoint is not None:
@@ -122,21 +128,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     dtype = checkpoint_dtype(checkpoint) if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
-    progress = None if args.watch else TrainProgress(train.steps, every_s=args.progress_every,
+    progress = None if args.watch or not writes(dp) else TrainProgress(train.steps, every_s=args.progress_every,
                                                      algorithm=train.algorithm)
-    with nullcontext() if args.resume else removed_if_left_empty(run_dir):
+    with nullcontext() if args.resume or not writes(dp) else removed_if_left_empty(run_dir):
         loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[progress] if progress else [], ray=ray)
     learner = loop.learner
     if hasattr(learner, "device"):
         from masgraph.device import describe
 
         print(f"learner on {describe(learner.device)}, {learner.dtype}", file=sys.stderr)
+    if not writes(dp):
+        return follow(loop, dp, checkpoint, run_dir)
     if checkpoint is not None:
         loop.load(checkpoint)
         print(f"resumed from {checkpoint} (step {loop.step})", file=sys.stderr)
 
     # an interrupted run saves its last completed step before loop.run returns; aclose stops a vLLM server it started
-    code = drive_then_close(loop.run, loop.aclose, run_dir, args.watch, progress)
+    with leading(dp, run_dir):
+        code = drive_then_close(loop.run, loop.aclose, run_dir, args.watch, progress)
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)

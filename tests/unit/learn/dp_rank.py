@@ -4,8 +4,8 @@ and what it left (adapters, their last gradients, the metrics) saved for the tes
 
     python dp_rank.py MODEL_DIR TRACES.jsonl OUT.pt SEED [SLEEP_S]
 
-SEED draws the adapters' starting values (rank 0's reach every rank); SLEEP_S > 0 makes this rank sleep in its
-backward pass (a rank to kill mid-update)."""
+SEED draws the adapters' starting values (rank 0's reach every rank); with SLEEP_S >= 0 this rank touches OUT.busy
+when it reaches the gradient all-reduce, then waits SLEEP_S before joining it (a rank to kill mid-update)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.hf.learner import HFLearner
-from masgraph.learn.data_parallel import PeerLost, init_from_env
+from masgraph.learn.data_parallel import DataParallel, PeerLost, init_from_env
 from masgraph.learn.learner import LoraConfigSpec
 from masgraph.trace import Trace
 from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
@@ -49,12 +49,18 @@ def snapshot(algo: FlowGRPO, metrics: dict[str, float]) -> dict[str, Any]:
                       for a, ps in algo.params.items()}, "metrics": metrics}
 
 
-def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "0") -> int:
+def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "-1") -> int:
     dp = init_from_env(torch.device("cpu"), timeout_s=60)
     algo = trainer(learner(model, int(seed)))
-    if float(sleep_s) > 0:  # stall in the first backward pass, for a test to kill this rank mid-update
-        hook = algo.params["plan"][0].register_hook(lambda g: (time.sleep(float(sleep_s)), g)[1])
-        del hook
+    if float(sleep_s) >= 0:  # touch OUT.busy on reaching the gradient all-reduce, and stall there SLEEP_S first
+        reduce = DataParallel.all_reduce_grads
+
+        def stalled(self: DataParallel, *args: Any, **kw: Any) -> None:
+            Path(out + ".busy").touch()
+            time.sleep(float(sleep_s))
+            reduce(self, *args, **kw)
+
+        DataParallel.all_reduce_grads = stalled  # type: ignore[method-assign]
     batch = [Trace.model_validate_json(line) for line in Path(traces).read_text().splitlines()]
     try:
         metrics = algo.update(batch, seed="0:0")

@@ -4,10 +4,13 @@ processes, each computing its share of a step's rows, take the optimizer step on
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,16 +64,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: float = 120) -> list[int]:
-    """Run one dp_rank.py process per seed as torchrun would (env:// rendezvous on localhost); their exit codes."""
-    port = _free_port()
+def _start(model: Path, traces: Path, out: Path, seeds: list[int], sleep_s: list[float] | None = None,
+           **kw) -> list[subprocess.Popen]:
+    """One dp_rank.py process per seed, started as torchrun would (env:// rendezvous on localhost)."""
+    port, sleep_s = _free_port(), sleep_s or [-1.0] * len(seeds)
     procs = []
     for rank, seed in enumerate(seeds):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(seeds)),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(HERE / "dp_rank.py"), str(model), str(traces),
-                                       str(out / f"rank{rank}.pt"), str(seed)], env=env))
-    return [p.wait(timeout) for p in procs]
+                                       str(out / f"rank{rank}.pt"), str(seed), str(sleep_s[rank])], env=env, **kw))
+    return procs
+
+
+def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: float = 180) -> list[int]:
+    """Run one dp_rank.py process per seed to the end; their exit codes."""
+    return [p.wait(timeout) for p in _start(model, traces, out, seeds)]
 
 
 @pytest.mark.slow
@@ -100,3 +109,68 @@ def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
         assert got["metrics"].keys() == want["metrics"].keys()
         for k in want["metrics"].keys() - PER_RANK:  # loss, KL, clip fraction, grad norms: over both ranks' rows
             assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-5, abs=1e-9), (rank, k)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_update_stops_the_other_at_once_with_one_error_line(tiny, tmp_path):
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in _traces(str(tiny))))
+    rank0, rank1 = _start(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 0], sleep_s=[0, 600],
+                          stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not all((tmp_path / f"rank{r}.pt.busy").exists() for r in (0, 1)):  # both reached the all-reduce
+        assert time.monotonic() - t0 < 240 and rank0.poll() is None and rank1.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)  # rank 0 waits inside it for rank 1, which stalls before joining
+    rank1.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = rank0.wait(60)  # the dead rank's connections close: seen at once, not after the 60 s group timeout
+    waited = time.monotonic() - killed
+    errors = [line for line in rank0.stderr.read().splitlines() if line.startswith("error:")]
+    assert code == 1 and waited < 30, waited
+    assert len(errors) == 1 and "learner rank 0 of 2" in errors[0] and "rank 1 stopped" in errors[0], errors
+    assert "gradient all-reduce" in errors[0]
+    assert not (tmp_path / "rank0.pt").exists()  # no half-updated adapters were saved
+
+
+GRAPH = """\
+name: one-node
+policies:
+  main: {{model: "{model}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3, flow_grpo: {{group_size: 2, lr: 0.01}}}}
+"""
+ALTERNATING = ("from masgraph.tasks import BasicArithmetic\n\n\nclass Alternating(BasicArithmetic):\n"
+               "    name = 'alternating'\n\n    def reward(self, item, trace):\n"
+               "        return float(trace.meta['sample'] % 2)\n")  # every group informative
+
+
+@pytest.mark.slow
+def test_masgraph_train_with_two_learners_trains_what_one_learner_does(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from masgraph.cli import main
+
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny))
+    (tmp_path / "alt.py").write_text(ALTERNATING)
+    args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
+    assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as this process: the same rollouts on rank 0
+    two = subprocess.run([sys.executable, "-m", "masgraph", *args, "--runs-dir", str(tmp_path / "two"),
+                          "--learners", "2"], env=env, capture_output=True, text=True, timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
+    [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
+    [a] = (one_run / "checkpoints" / "step-1").rglob("adapter_model.safetensors")
+    [b] = (two_run / "checkpoints" / "step-1").rglob("adapter_model.safetensors")
+    want, got = load_file(a), load_file(b)
+    assert want.keys() == got.keys()
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-3 * dp_rank.LR) for k in want)  # as above
+    assert any("lora_B" in k and want[k].abs().max() > 0 for k in want)  # the step moved B off its zero init
+    [m1], [m2] = [[json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()]
+                  for r in (one_run, two_run)]
+    assert m2["rows/trained"] == m1["rows/trained"] > 0
+    for k in ("loss/total", "loss/policy", "kl/ref_k3", "grad_norm/answer"):  # the loss sums +-A: near 0 here
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k

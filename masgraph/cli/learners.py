@@ -1,0 +1,148 @@
+"""`masgraph train` with several learner ranks (`--learners N`, or under `torchrun --nproc-per-node N`).
+
+Rank 0 runs the whole training loop: rollouts, evaluation, checkpoints, metrics, events, publishing. Every other
+rank only joins each Flow-GRPO update (`masgraph.learn.data_parallel`): it receives the step number, then rank 0's
+traces inside the update, computes its share of the rows and takes the same optimizer step. Rollouts are not
+repeated on the other ranks: they would only be thrown away (the update trains on rank 0's traces whatever they
+gave), and on one machine they would take cores from rank 0's own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from masgraph.errors import MasgraphError
+from masgraph.learn.data_parallel import TIMEOUT_S, DataParallel, PeerLost, init_from_env, world_from_env
+
+if TYPE_CHECKING:
+    from masgraph.graph import Graph
+
+
+def learner_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--learners", type=int, metavar="N",
+                   help="learner ranks for the update (data parallel; Flow-GRPO, hf rollouts): starts them with "
+                        "torchrun on this machine; under torchrun it must match the ranks it started "
+                        "(docs/scale-out.md)")
+    t.add_argument("--learner-timeout", type=float, default=TIMEOUT_S, metavar="SECONDS",
+                   help="how long a learner rank waits for a silent one (a hung rank) before the run stops "
+                        "(default %(default)g; a rank that dies is seen at once); it must cover rank 0's rollouts, "
+                        "evaluation and checkpoint between two updates")
+
+
+def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """`--learners N` outside torchrun: run this same command under `torchrun --standalone --nproc-per-node N` (its
+    exit code); None when there is nothing to start (one learner, or already under torchrun)."""
+    _, world, _ = world_from_env()
+    n = args.learners
+    if n is None or n == 1 and world == 1:
+        return None
+    if n < 1:
+        raise MasgraphError(f"--learners {n}: give 1 or more")
+    if "WORLD_SIZE" in os.environ:
+        if n != world:
+            raise MasgraphError(f"--learners {n} but torchrun started {world} ranks; drop --learners under torchrun "
+                                "or make it match --nproc-per-node x --nnodes")
+        return None
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "masgraph", *argv]
+    return subprocess.call(command)
+
+
+def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, Graph]:
+    """Join the learner ranks torchrun started (None in a single process), after checking this run can be split:
+    Flow-GRPO with in-process hf rollouts (Ray workers and vLLM servers would be started once per rank). On CUDA
+    each rank's policies move to its own GPU (LOCAL_RANK)."""
+    _, world, local = world_from_env()
+    if world <= 1:
+        return None, graph
+    spec, problems = graph.spec, []
+    if spec.train.algorithm != "flow_grpo":
+        problems.append(f"train.algorithm is {spec.train.algorithm!r}")
+    if getattr(args, "ray", False):
+        problems.append("--ray is given (Ray learners are not built yet)")
+    kinds = {p.backend for p in spec.policies.values() if p.trainable}
+    if kinds - {"hf"}:
+        problems.append(f"the trainable policies roll out on {sorted(kinds)}")
+    if problems:
+        raise MasgraphError(f"{world} learner ranks need Flow-GRPO with in-process hf rollouts, but "
+                            f"{'; '.join(problems)}; run one learner (drop --learners / torchrun)")
+    from masgraph.cli.common import with_device
+    from masgraph.device import resolve_device
+
+    device = resolve_device(next(p.device for p in spec.policies.values() if p.trainable))
+    if device.type == "cuda":
+        graph = with_device(graph, f"cuda:{local}", args.graph)
+    return init_from_env(device, args.learner_timeout), graph
+
+
+def writes(dp: DataParallel | None) -> bool:
+    """Whether this process writes the run directory and prints progress (a single process, or rank 0)."""
+    return dp is None or dp.writes
+
+
+def shared_run_dir(dp: DataParallel | None, make: Any) -> Path:
+    """Rank 0's run directory (`make()` there) on every rank."""
+    if dp is None:
+        return make()
+    return Path(dp.broadcast(str(make()) if dp.writes else None, "the run directory"))
+
+
+def follow(loop: Any, dp: DataParallel, checkpoint: Path | None, run_dir: Path) -> int:
+    """A rank other than 0: load the checkpoint rank 0 resumes from (reading only), then join each update rank 0
+    starts (it sends the step number, then its traces inside the update) until it says training is over (None)."""
+    try:
+        if checkpoint is not None:
+            loop.checkpoints.load(checkpoint, loop.learner, loop.algo, sorted(set(loop.trainable.values())), loop.cfg)
+        while (step := dp.broadcast(None, "rank 0's next step")) is not None:
+            loop.algo.train_step([], step)
+    except PeerLost as exc:
+        raise located(exc, run_dir) from exc
+    finish(dp)
+    return 0
+
+
+@contextmanager
+def leading(dp: DataParallel | None, run_dir: Path) -> Iterator[None]:
+    """Rank 0's training: a lost rank becomes one error naming the last checkpoint; at the end the others exit."""
+    try:
+        yield
+    except PeerLost as exc:
+        raise located(exc, run_dir) from exc
+    finish(dp)
+
+
+def announce(dp: DataParallel | None, step: int | None) -> None:
+    """Rank 0: the other ranks join the update of `step` next (None: training is over, they exit)."""
+    if dp is not None and dp.writes:
+        dp.broadcast(step, "the next update's step" if step is not None else "the end of training")
+
+
+def finish(dp: DataParallel | None) -> None:
+    """Rank 0 tells the others training is over (if they are still there), and every rank leaves the group."""
+    if dp is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        announce(dp, None)
+    except PeerLost:
+        pass
+    dist.destroy_process_group()
+
+
+def located(exc: PeerLost, run_dir: Path) -> MasgraphError:
+    """`exc` with the run's last checkpoint and how to resume from it."""
+    from masgraph.rundir.checkpoint import resolve_checkpoint
+
+    try:
+        last = f"the last checkpoint is {resolve_checkpoint(run_dir)}; resume with --resume {run_dir}"
+    except MasgraphError:
+        last = f"no checkpoint was written in {run_dir}"
+    return MasgraphError(f"{exc}; {last} and the same --learners")

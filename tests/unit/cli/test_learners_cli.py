@@ -1,0 +1,81 @@
+"""`masgraph train --learners N` (masgraph/cli/learners.py): what cannot be split is one error line before any
+process group or model; a lost rank's error names the run's last checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from masgraph.cli import main
+from masgraph.cli.learners import join, located, relaunch
+from masgraph.errors import MasgraphError
+from masgraph.learn.data_parallel import PeerLost
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"learners": None, "ray": False, "graph": "g.yaml", "learner_timeout": 60.0, **kw})
+
+
+def test_learners_must_agree_with_the_ranks_torchrun_started(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MasgraphError, match="--learners 3 but torchrun started 2 ranks"):
+        relaunch(_args(learners=3), [])
+    assert relaunch(_args(learners=2), []) is None  # already the ranks asked for: nothing to start
+    monkeypatch.delenv("WORLD_SIZE")
+    assert relaunch(_args(learners=1), []) is None and relaunch(_args(), []) is None
+
+
+GRAPH = """\
+name: one-node
+policies:
+  main: {{model: smollm2-135m, adapter: answer, trainable: true, backend: {backend}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{algorithm: flow_grpo}}
+"""
+
+
+def _graph(backend: str = "hf"):
+    from masgraph.graph import compile_spec
+    from masgraph.loader import parse_spec
+
+    return compile_spec(parse_spec(GRAPH.format(backend=backend), "g.yaml"))  # loads no model
+
+
+def test_only_flow_grpo_on_in_process_hf_rollouts_splits(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MasgraphError, match=r"2 learner ranks need Flow-GRPO .* train.algorithm is 'joint'"):
+        spec = _graph().spec
+        join(_args(), SimpleNamespace(spec=spec.model_copy(update={"train": spec.train.model_copy(
+            update={"algorithm": "joint"})})))  # join reads the spec alone
+    with pytest.raises(MasgraphError, match=r"--ray is given .*; run one learner"):
+        join(_args(ray=True), _graph())
+    with pytest.raises(MasgraphError, match=r"roll out on \['vllm'\]"):
+        join(_args(), _graph(backend="vllm"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    graph = _graph()
+    assert join(_args(), graph) == (None, graph)  # one process: no group, the graph as it was
+
+
+def test_the_cli_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "g.yaml"
+    path.write_text("name: x\n")  # never read: the torchrun check comes first
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", str(path), "--learners", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --learners 4 but torchrun started 2")
+
+
+def test_a_lost_rank_names_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step}" / "state.json").write_text("{}")
+    (run / "checkpoints" / "step-3.tmp").mkdir()  # half-written: not a checkpoint
+    message = str(located(PeerLost("learner rank 0 of 2: the gradient all-reduce failed"), run))
+    assert message.startswith("learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is ")
+    assert f"{run}/checkpoints/step-2; resume with --resume {run} and the same --learners" in message
+    assert "no checkpoint was written in" in str(located(PeerLost("x"), tmp_path))
