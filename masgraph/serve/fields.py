@@ -88,6 +88,9 @@ def plan(req: ChatRequest, agent: Agent) -> Plan:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only with stream: true", param="stream_options")
+    if req.masgraph.stream_steps and not req.stream:
+        raise ApiError(400, "masgraph.stream_steps: only with stream: true (without a stream, masgraph.trace "
+                            "returns the steps with the answer)", param="masgraph.stream_steps")
     n = req.n or 1
     if n > 1 and req.masgraph.conversation is not None:
         raise ApiError(400, "n: n > 1 in a conversation would add this request's facts to its memory n times; "

@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from masgraph.trace import Trace
+from masgraph.trace import Step, Trace
 
 __all__ = ["ChatRequest", "choice", "chunk", "completion", "error_body", "extension", "locate", "lone_surrogate",
-           "question_of", "usage", "validation_message"]
+           "question_of", "step_view", "usage", "validation_message"]
 
 
 class TextPart(BaseModel):
@@ -51,6 +51,9 @@ class Extension(BaseModel):
     conversation: str | None = Field(None, min_length=1, max_length=256)
     """A conversation id of the client's choosing: memory nodes with `scope: conversation` keep their fact store
     across the requests that name the same one (each request's facts added to what the earlier ones left)."""
+    stream_steps: StrictBool = False
+    """With `stream: true`, also send each node's step as it finishes: a chunk with an empty delta whose `masgraph.step`
+    names the node (role, turn, route, text); the answer's text streams as without it."""
     truncate: StrictBool = False
     """Take a question longer than a model's context, its prompts cut in the middle to fit (without it, such a
     question is a 400 `context_length_exceeded`)."""
@@ -186,11 +189,15 @@ def usage(*traces: Trace) -> dict[str, int]:
 def extension(trace: Trace, store_path: str | None) -> dict[str, Any]:
     return {"trace_id": trace.episode_id, "status": trace.status, "run_dir": store_path,
             "topology": trace.topology.decisions if trace.topology is not None else None,
-            "steps": [{"node": s.node, "role": s.role, "turn": s.turn, "route": s.route, "text": s.text,
-                       "tool": s.tool.model_dump() if s.tool is not None else None, "error": s.error,
-                       "parse_error": s.parse_error, "duration_s": s.duration_s,
-                       **({"memory_ops": [op.model_dump() for op in s.memory_ops]} if s.memory_ops else {})}
-                      for s in trace.steps]}
+            "steps": [step_view(s) for s in trace.steps]}
+
+
+def step_view(s: Step) -> dict[str, Any]:
+    """One step as the trace extension and a `stream_steps` chunk show it."""
+    return {"node": s.node, "role": s.role, "turn": s.turn, "route": s.route, "text": s.text,
+            "tool": s.tool.model_dump() if s.tool is not None else None, "error": s.error,
+            "parse_error": s.parse_error, "duration_s": s.duration_s,
+            **({"memory_ops": [op.model_dump() for op in s.memory_ops]} if s.memory_ops else {})}
 
 
 def choice(index: int, content: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:

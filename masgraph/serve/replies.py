@@ -1,5 +1,6 @@
 """The reply to a chat request from its finished episodes, one per choice: a `chat.completion` body, or the SSE
-events of a stream (each choice's answer as its answering node decodes it, the choices interleaved)."""
+events of a stream (each choice's answer as its answering node decodes it, the choices interleaved; with
+`masgraph.stream_steps`, each node's step as it finishes)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from masgraph.serve.agent import Agent, Answer
 from masgraph.serve.fields import Plan, StopCut, answer_logprobs, answer_tokenizer, cut_at, finish_reason
 from masgraph.serve.guards import ApiError
-from masgraph.serve.openai_api import ChatRequest, choice, chunk, completion, error_body, extension, usage
+from masgraph.serve.openai_api import ChatRequest, choice, chunk, completion, error_body, extension, step_view, usage
 from masgraph.streaming import AnswerStream
+from masgraph.trace import Step
 
 __all__ = ["Reply"]
 
@@ -32,6 +34,12 @@ class Reply:
     model: str
     agent: Agent
     store_path: str | None
+    events: asyncio.Queue[tuple[int, str, Any]] = field(default_factory=asyncio.Queue)
+    """What a stream sends, in order: (choice, "text" | "step" | "end", the text, Step, or Answer or error)."""
+
+    def step_sink(self, index: int) -> Callable[[Step], None]:
+        """Where choice `index`'s episode reports each step as it finishes (`masgraph.stream_steps`)."""
+        return lambda step: self.events.put_nowait((index, "step", step))
 
     def choice_of(self, index: int, ans: Answer) -> tuple[str, str, dict[str, Any] | None]:
         """(content, finish_reason, logprobs) of one choice's answer: cut at a stop sequence, `length` when the
@@ -52,38 +60,44 @@ class Reply:
                      settle: Callable[[asyncio.Task], Awaitable[Answer]]) -> AsyncIterator[str]:
         """The SSE events of a streaming request: each choice's role, its answer's text as the answering node
         decodes it (cut at a stop sequence), the rest of it when its episode ends (all of it when nothing
-        streamed), its finish chunk (with its logprobs when asked); then usage if asked, and [DONE]. A failure
-        after the first event is an OpenAI-style error event, then [DONE]."""
-        queue: asyncio.Queue[tuple[int, str | None, Answer | Exception | None]] = asyncio.Queue()
+        streamed), its finish chunk (with its logprobs when asked); then usage if asked, and [DONE]. With
+        `stream_steps`, each step's chunk as it finishes (the answering node's after its text). A failure after
+        the first event is an OpenAI-style error event, then [DONE]."""
+        queue = self.events
 
         async def pump(i: int) -> None:
             async for text in streams[i]:  # ends when the episode does
-                queue.put_nowait((i, text, None))
+                queue.put_nowait((i, "text", text))
             try:
-                queue.put_nowait((i, None, await settle(episodes[i])))
+                queue.put_nowait((i, "end", await settle(episodes[i])))
             except Exception as exc:
-                queue.put_nowait((i, None, exc))
+                queue.put_nowait((i, "end", exc))
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(episodes))]
         cuts = [StopCut(self.plan.stop) for _ in episodes]
+        held: list[list[Step]] = [[] for _ in episodes]
         answers: list[Answer] = []
         try:
             for i in range(len(episodes)):
                 yield _sse(chunk(self.rid, self.model, {"role": "assistant", "content": ""}, index=i))
             while len(answers) < len(episodes):  # a disconnect cancels this generator (Starlette listens for it)
-                i, text, end = await queue.get()
-                if text is not None:
-                    if piece := cuts[i].feed(text):
+                i, kind, item = await queue.get()
+                if kind == "text":
+                    if piece := cuts[i].feed(item):
                         yield _sse(chunk(self.rid, self.model, {"content": piece}, index=i))
-                    continue
-                if isinstance(end, Exception):
-                    yield _sse(_error_event(end))
+                elif kind == "step":  # the answering node's step waits for the rest of its text
+                    if item.node == self.agent.graph.spec.exit:
+                        held[i].append(item)
+                    else:
+                        yield _sse(self._step(i, item))
+                elif isinstance(item, Exception):
+                    yield _sse(_error_event(item))
                     yield "data: [DONE]\n\n"
                     return
-                assert end is not None
-                answers.append(end)
-                for event in self._ending(i, end, cuts[i]):
-                    yield _sse(event)
+                else:
+                    answers.append(item)
+                    for event in self._ending(i, item, cuts[i], held[i]):
+                        yield _sse(event)
             if self.request.stream_options is not None and self.request.stream_options.include_usage:
                 yield _sse(chunk(self.rid, self.model, {}, usage_=usage(*(a.trace for a in answers)), choices=False))
             yield "data: [DONE]\n\n"
@@ -93,8 +107,15 @@ class Reply:
             with suppress(asyncio.CancelledError):
                 await asyncio.gather(*pumps, return_exceptions=True)
 
-    def _ending(self, i: int, ans: Answer, sent: StopCut) -> list[dict[str, Any]]:
-        """The last chunks of choice `i`: the rest of its answer, and its finish chunk."""
+    def _step(self, i: int, step: Step) -> dict[str, Any]:
+        """A `stream_steps` chunk: an empty delta of choice `i`, the step under `masgraph.step`."""
+        body = chunk(self.rid, self.model, {}, index=i)
+        body["masgraph"] = {"step": step_view(step)}
+        return body
+
+    def _ending(self, i: int, ans: Answer, sent: StopCut, held: list[Step]) -> list[dict[str, Any]]:
+        """The last chunks of choice `i`: the rest of its answer, its answering node's held steps, and its finish
+        chunk."""
         content, reason, logprobs = self.choice_of(i, ans)
         events = []
         if not content.startswith(sent.sent):
@@ -103,6 +124,7 @@ class Reply:
                          "it had sent", self.rid, ans.trace.episode_id)
         elif rest := content[len(sent.sent):]:
             events.append(chunk(self.rid, self.model, {"content": rest}, index=i))
+        events += [self._step(i, step) for step in held]
         final = chunk(self.rid, self.model, {}, reason, index=i, logprobs=logprobs)
         if self.request.masgraph.trace:
             final["masgraph"] = extension(ans.trace, self.store_path)

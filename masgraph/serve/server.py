@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from masgraph.events import EpisodeFinished, EpisodeStarted, Event
+from masgraph.events import EpisodeFinished, EpisodeStarted, Event, StepFinished
 from masgraph.rundir.store import RunStore
 from masgraph.serve.agent import Agent, Answer
 from masgraph.serve.fields import Plan, check_context, plan
@@ -67,7 +67,7 @@ from masgraph.serve.openai_api import error_body, question_of, usage
 from masgraph.serve.replies import Reply
 from masgraph.serve.wire import failed, parse, read_body, require_json
 from masgraph.streaming import AnswerStream
-from masgraph.trace import Trace
+from masgraph.trace import Step, Trace
 
 __all__ = ["ServeConfig", "check_bind", "create_app", "serve", "uvicorn_options"]
 
@@ -215,10 +215,11 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
                 ticket.release()
             raise
         rid = uuid.uuid4().hex[:24]
-        streams = [agent.answer_stream() for _ in tickets] if req.stream else [None] * len(tickets)
-        episodes = [_start(question, rid, ticket, stream, req.masgraph.conversation, asked, i)
-                    for i, (ticket, stream) in enumerate(zip(tickets, streams))]
         reply = Reply(req, asked, rid, model, agent, _store_path())
+        streams = [agent.answer_stream() for _ in tickets] if req.stream else [None] * len(tickets)
+        episodes = [_start(question, rid, ticket, stream, req.masgraph.conversation, asked, i,
+                           reply.step_sink(i) if req.masgraph.stream_steps else None)
+                    for i, (ticket, stream) in enumerate(zip(tickets, streams))]
         if req.stream:  # the background task ends the episodes of a stream cut before its generator started
             return StreamingResponse(reply.stream(episodes, streams, _settled),
                                      media_type="text/event-stream",
@@ -237,14 +238,15 @@ def create_app(agent: Agent, model: str, config: ServeConfig = ServeConfig()) ->
             ticket.release()
 
     def _start(question: str, rid: str, ticket: _Ticket, stream: AnswerStream | None, conversation: str | None,
-               asked: Plan, index: int) -> asyncio.Task:
+               asked: Plan, index: int, on_step: Callable[[Step], None] | None) -> asyncio.Task:
         """Episode `index` of a request (its choice `index`), as its own task, started now: queued, then run
         within the timeout. `stream` gets the answer's text; `conversation` names the conversation whose memory it
         continues (`scope: conversation` memory nodes). A request cancelled before its episode began (its client
-        went away while it was queued) is stored as a `cancelled` episode, as one cancelled while it runs is."""
+        went away while it was queued) is stored as a `cancelled` episode, as one cancelled while it runs is.
+        `on_step` gets each step as it finishes."""
         meta = {"request_id": rid, **({"conversation": conversation} if conversation is not None else {}),
                 **({"choice": index} if asked.n > 1 else {}), **asked.meta}
-        seen = _Seen(sinks)
+        seen = _Seen(sinks, on_step)
         queued = time.perf_counter()
         ask = {"sampling": asked.sampling, "seed": asked.seed, "sample": index}
         episode = asyncio.ensure_future(_episode(question, meta, ticket, stream, seen, ask))
@@ -353,14 +355,17 @@ def _authorized(request: Request, api_key: str) -> bool:
 
 
 class _Seen:
-    """One request's sinks: forwards to the server's, noting whether its episode has begun."""
+    """One request's sinks: forwards to the server's, noting whether its episode has begun (and passing each
+    finished step to `on_step`, for `stream_steps`)."""
 
-    def __init__(self, sinks: list[_WatchedStore]):
-        self.sinks, self.started = sinks, False
+    def __init__(self, sinks: list[_WatchedStore], on_step: Callable[[Step], None] | None = None):
+        self.sinks, self.started, self.on_step = sinks, False, on_step
 
     def emit(self, event: Event) -> None:
         if isinstance(event, EpisodeStarted):
             self.started = True
+        elif self.on_step is not None and isinstance(event, StepFinished):
+            self.on_step(event.step)
         for sink in self.sinks:
             sink.emit(event)
 

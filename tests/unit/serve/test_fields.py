@@ -300,3 +300,22 @@ def test_a_question_over_the_context_is_a_400_unless_truncation_is_asked_for(mod
     refused(client, "messages", "context_length_exceeded", text="x" * 300, max_tokens=200)  # room to answer
     assert create(client, text="x" * 300).choices[0].message.content == "579"
     assert create(client, text="x" * 340, extra_body={"masgraph": {"truncate": True}}).choices[0].message.content
+
+
+# --- masgraph.stream_steps (issue 59): each node's step as it finishes ------------------------------------------
+
+def test_stream_steps_sends_each_nodes_step_in_order_and_the_same_answer(model_like):
+    client, _ = model_like
+    whole = create(client).choices[0].message.content
+    plain_chunks = list(create(client, stream=True))
+    assert not any((c.model_extra or {}).get("masgraph") for c in plain_chunks)  # the plain stream is unchanged
+    chunks = list(create(client, stream=True, extra_body={"masgraph": {"stream_steps": True}}))
+    steps = [(i, c.model_extra["masgraph"]["step"]) for i, c in enumerate(chunks)
+             if (c.model_extra or {}).get("masgraph")]
+    assert [s["node"] for _, s in steps] == ["think", "answer"]
+    assert steps[1][1]["text"] == "Answer: 579" and steps[1][1]["role"] == "generator"
+    texts = [i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.content]
+    assert steps[0][0] < texts[0] and texts[-1] < steps[1][0]  # the answering node's step after its text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole == "579"
+    assert all(c.choices[0].delta.content in (None, "") for _, c in ((i, chunks[i]) for i, _ in steps))
+    refused(client, "masgraph.stream_steps", extra_body={"masgraph": {"stream_steps": True}})  # needs stream

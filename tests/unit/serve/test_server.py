@@ -287,7 +287,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, free_port, wait_
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, 30, lambda: proc.stderr.read() if proc.poll() is not None else "")
+        # 120 s: importing torch and masgraph in a fresh process takes 20-35 s on a loaded 2-core box
+        wait_healthy(url, proc, 120, lambda: proc.stderr.read() if proc.poll() is not None else "")
 
         async def main():
             async with httpx.AsyncClient(timeout=30) as c:
