@@ -18,16 +18,16 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from masgraph.backends.hf.adapter_shape import read_lora_shape
 from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
-from masgraph.rundir.checkpoint import Dtype, checkpoint_adapters, read_state
+from masgraph.rundir.checkpoint import AdapterName, CheckpointState, checkpoint_adapters, load_state
 from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, step_dir
 from masgraph.rundir.read import parse_json
 from masgraph.trainers.algorithm import TrainAlgorithm
@@ -39,23 +39,11 @@ PAUSE_ENV = "MASGRAPH_CHECKPOINT_PAUSE_S"
 EARLIER = "resume from an earlier checkpoint (RUN/checkpoints/step-N) or delete this one"
 
 
-class TrainState(BaseModel):
-    """The loop's position in a run (state.json of a checkpoint)."""
+class TrainState(CheckpointState):
+    """The loop's position in a run (state.json of a checkpoint; the loop always writes `versions`)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    step: int = Field(ge=0)
-    """Completed steps."""
-    cursor: int | None = None
-    """Next unused training item (None in checkpoints older than the cursor: step × queries_per_step)."""
-    train_seconds: float = 0.0
-    """Training time so far on the run's budget clock."""
-    versions: dict[str, int]
+    versions: dict[AdapterName, Annotated[int, Field(ge=0)]]
     """Adapter -> its version (how many updates changed it)."""
-    adapters: list[str]
-    """The trained adapters saved in adapters/."""
-    dtype: Dtype = "auto"
-    """The learner's dtype (a resumed run keeps it)."""
 
 
 class Checkpoints:
@@ -87,17 +75,25 @@ class Checkpoints:
         return final
 
     def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str],
-             config: Any) -> TrainState:
+             config: Any, n_items: int | None = None) -> TrainState:
         """Restore adapters (weights and versions), every algorithm part's state and the RNG states; returns the
-        position to resume from. `config` (the `train:` section) gives the LoRA shape the adapters must have. A
-        checkpoint that is corrupt, incomplete or of another graph is a MasgraphError naming what is wrong (nothing
-        is half-applied to the algorithm's state before its files are read)."""
-        adapters = checkpoint_adapters(checkpoint)
-        check_lora_shapes(adapters, config, learner)
+        position to resume from. `config` (the `train:` section) gives the LoRA shape the adapters must have and
+        the steps the run may reach, `n_items` the training items its data cursor may reach. A checkpoint that is
+        corrupt, incomplete, of another graph or past this run's end is a MasgraphError naming what is wrong
+        (nothing is half-applied to the algorithm's state before its files are read)."""
         state = read_train_state(checkpoint)
+        if state.step > config.steps:
+            raise MasgraphError(f"checkpoint {checkpoint} is at step {state.step}, past this run's {config.steps} "
+                                f"steps; resume with --steps {state.step} or more, or from an earlier checkpoint")
+        if n_items is not None and state.cursor is not None and state.cursor > n_items:
+            raise MasgraphError(f"checkpoint {checkpoint}: state.json's data cursor {state.cursor} is past the "
+                                f"{n_items} training items this run draws; resume with the run's own settings "
+                                f"(steps, queries_per_step), or {EARLIER}")
         if state.adapters != trained:
             raise MasgraphError(f"checkpoint {checkpoint} holds adapters {state.adapters} but this graph trains "
                                 f"{trained}; resume with the graph the run was trained with")
+        adapters = checkpoint_adapters(checkpoint)
+        check_lora_shapes(adapters, config, learner)
         parts = {part.state_file: load_torch(checkpoint / part.state_file) for part in algorithm.parts()}
         rng = load_torch(checkpoint / RNG_FILE)
         for name, path in adapters.items():
@@ -149,13 +145,8 @@ def check_lora_shapes(adapters: dict[str, Path], config: Any, learner: Learner) 
 
 
 def read_train_state(checkpoint: Path) -> TrainState:
-    """A checkpoint's state.json as a `TrainState`, or a MasgraphError with the fix."""
-    try:
-        return TrainState.model_validate(read_state(checkpoint))
-    except ValidationError as exc:
-        bad = sorted({str(e["loc"][0]) for e in exc.errors() if e["loc"]})
-        raise MasgraphError(f"{checkpoint / 'state.json'} is missing or has malformed {' and '.join(bad)}; "
-                            f"{EARLIER}") from None
+    """A checkpoint's state.json as a `TrainState`, or a MasgraphError naming each bad field with the fix."""
+    return load_state(checkpoint, TrainState)
 
 
 def load_torch(path: Path) -> Any:

@@ -350,7 +350,7 @@ class TrainLoop:
         data cursor); a checkpoint that is corrupt, incomplete or of another graph is a MasgraphError naming what
         is wrong."""
         state = self.checkpoints.load(checkpoint, self.learner, self.algo, sorted(set(self.trainable.values())),
-                                      self.cfg)
+                                      self.cfg, n_items=len(self.items))
         self._rng = self.learner.rng_state()
         self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
         self.step = state.step

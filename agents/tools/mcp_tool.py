@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import json
 import os
+import sys
 import threading
 from typing import Any
 
@@ -82,11 +83,12 @@ class McpServer:
             raise MasgraphError(f"MCP server `{self.label}` did not start: {_reason(exc)}") from None
 
     def _transport(self) -> Any:
-        from mcp import StdioServerParameters
+        from mcp import StdioServerParameters, stdio_client
 
         o = self.options
         if o.url is None:
-            return StdioServerParameters(command=o.command[0], args=o.command[1:], cwd=o.cwd)
+            params = StdioServerParameters(command=o.command[0], args=o.command[1:], cwd=o.cwd)
+            return stdio_client(params, errlog=_errlog())
         missing = [v for v in o.headers_env.values() if v not in os.environ]
         if missing:
             raise MasgraphError(f"environment variable(s) {', '.join(missing)} not set (headers_env)")
@@ -187,6 +189,17 @@ def close_all() -> None:
         _SERVERS.clear()
 
 
+def _errlog() -> Any:
+    """Where a stdio server's stderr goes: ours when it is a real file (not a notebook's or pytest's stand-in)."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, OSError, ValueError):
+            continue
+    return open(os.devnull, "w")
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         return _reason(exc.exceptions[0])
@@ -197,7 +210,9 @@ def _reason(exc: BaseException) -> str:
 
 def _listed(s: McpServer, name: str) -> Any:
     if name not in s.tools:
-        raise MasgraphError(f"MCP server `{s.label}` has no tool {name!r}; it has {', '.join(sorted(s.tools))}")
+        listed = "; ".join(f"{t.name} ({(t.description or '').strip().splitlines()[0] if t.description else '-'})"
+                           for t in s.tools.values())
+        raise MasgraphError(f"MCP server `{s.label}` has no tool {name!r}; its tools: {listed}")
     return s.tools[name]
 
 

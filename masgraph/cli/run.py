@@ -72,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MasgraphError(f"{args.graph} is a bundle with its own adapters; drop --checkpoint")
     checkpoint = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None:
-        checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+        checkpoint_adapters(checkpoint, graph.spec)  # a broken or foreign one is reported before the model loads
     learned_from = bundle.path if bundle is not None and bundle.topology_file else checkpoint
     topology, mode = None, args.topology
     if graph.spec.topology is not None:

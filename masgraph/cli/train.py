@@ -124,7 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
     if checkpoint is not None:
-        checkpoint_adapters(checkpoint)  # a broken checkpoint is reported before the model loads
+        checkpoint_adapters(checkpoint, graph.spec)  # a broken or foreign one is reported before the model loads
     dtype = checkpoint_dtype(checkpoint) if checkpoint else "auto"
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()

@@ -131,7 +131,7 @@ class Engine(EngineLike):
         from masgraph.rundir.checkpoint import checkpoint_adapters, resolve_checkpoint
 
         checkpoint = resolve_checkpoint(path)
-        self.load_adapters(checkpoint_adapters(checkpoint))
+        self.load_adapters(checkpoint_adapters(checkpoint, self.graph.spec))
         return checkpoint
 
     def load_adapters(self, adapters: dict[str, Path]) -> None:

@@ -349,7 +349,7 @@ class RayEngine(EngineLike):
         from masgraph.rundir.checkpoint import checkpoint_adapters, resolve_checkpoint
 
         checkpoint = resolve_checkpoint(path)
-        self.pool.load_adapters(checkpoint_adapters(checkpoint))
+        self.pool.load_adapters(checkpoint_adapters(checkpoint, self.graph.spec))
         return checkpoint
 
     def load_adapters(self, adapters: dict[str, Path]) -> None:

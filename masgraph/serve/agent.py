@@ -70,7 +70,8 @@ class Agent:
             raise MasgraphError("a bundle carries its own adapters; do not pass a checkpoint with it")
         self.graph, self.mode, self.bundle = graph, topology, bundle
         self.checkpoint = resolve_checkpoint(checkpoint) if checkpoint is not None else None
-        adapters = checkpoint_adapters(self.checkpoint) if self.checkpoint is not None else {}  # checked early
+        # checked early, and against the graph (every adapter it trains is there)
+        adapters = checkpoint_adapters(self.checkpoint, graph.spec) if self.checkpoint is not None else {}
         if bundle is not None:
             adapters = bundle.adapters
         self.topology = load_policy(graph, bundle.path if bundle is not None and bundle.topology_file

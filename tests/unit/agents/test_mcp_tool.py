@@ -178,3 +178,19 @@ def test_arguments_are_checked_against_the_schema_before_the_call():
     with pytest.raises(ToolError, match='write the arguments as a JSON object: {"a": integer, "b\\?": integer}'):
         arguments("1 2", SCHEMA)
     assert signature(SCHEMA) == '{"a": integer, "b?": integer}'
+
+
+@pytest.mark.slow  # starts an MCP server process (stdio)
+def test_validate_check_tools_lists_what_the_model_sees_and_the_servers_tools(server_file, tmp_path, capsys):
+    from masgraph.cli import main
+
+    path = tmp_path / "g.yaml"
+    command = json.dumps([sys.executable, str(server_file)])
+    path.write_text(f"name: v\npolicies:\n  p: {{backend: scripted}}\ntools:\n"
+                    f"  add: {{kind: mcp, options: {{command: {command}, tool: add}}}}\n"
+                    f"  nope: {{kind: mcp, options: {{command: {command}, tool: nope}}}}\n"
+                    "nodes:\n  a: {role: executor, policy: p, tools: [add, nope]}\nentry: a\nexit: a\n")
+    assert main(["validate", str(path), "--check-tools"]) == 1
+    out, err = capsys.readouterr()
+    assert 'tools.add (mcp): Add two integers. Input: JSON {"a": integer, "b": integer}' in out, err
+    assert "tools.nope: MCP server" in err and "has no tool 'nope'; its tools: add (Add two integers.); boom" in err

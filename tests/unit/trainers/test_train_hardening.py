@@ -229,7 +229,7 @@ def test_a_checkpoint_with_the_old_backend_rng_still_resumes(tiny, tmp_path, che
 
 @pytest.mark.parametrize("damage,match", [
     (lambda c: (c / "state.json").write_text('{"step": 1, "adap'), "unreadable state.json"),
-    (lambda c: (c / "state.json").write_text('{"step": "one", "adapters": ["answer"]}'), "malformed step and versions"),
+    (lambda c: (c / "state.json").write_text('{"step": "one", "adapters": ["answer"]}'), "step 'one'.*; no `versions`"),
     (lambda c: (c / "optimizer.pt").unlink(), "cannot load .*optimizer.pt"),
     (lambda c: (c / "rng.pt").write_bytes(b"not a torch file"), "cannot load .*rng.pt"),
     (lambda c: (c / "adapters" / "answer" / "adapter_model.safetensors").write_bytes(b"\0" * 9), "answer"),
