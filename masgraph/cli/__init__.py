@@ -1,13 +1,31 @@
 """The `masgraph` command line: one module per subcommand; this face re-exports the names callers import."""
 
-from masgraph.cli.common import load_graph as _load_graph
-from masgraph.cli.common import plural, with_backend, with_device
-from masgraph.cli.flags import item_count, non_negative_int, positive_float, positive_int
-from masgraph.cli.main import build_parser, main
-from masgraph.cli.port import check_port
-from masgraph.cli.progress import ProgressBar, TrainProgress
-from masgraph.cli.run import accuracy_line, run_with_progress
-from masgraph.cli.train import train_graph
+import os as _os
+import sys as _sys
+
+
+def _started_as_the_command() -> bool:
+    """Whether this process is the `masgraph` command (its console script, or `python -m masgraph[.cli]`), not a
+    program that imports masgraph.cli."""
+    spec = getattr(_sys.modules.get("__main__"), "__spec__", None)
+    return (_os.path.basename(_sys.argv[0]) == "masgraph" or _sys.argv[:1] == ["-m"]  # -m: while it is located
+            or getattr(spec, "name", "") in ("masgraph.__main__", "masgraph.cli.__main__"))
+
+
+try:  # the command's imports take seconds on a busy machine: Ctrl-C then is one line and exit 130
+    from masgraph.cli.common import load_graph as _load_graph
+    from masgraph.cli.common import plural, with_backend, with_device
+    from masgraph.cli.flags import item_count, non_negative_int, positive_float, positive_int
+    from masgraph.cli.main import build_parser, main
+    from masgraph.cli.port import check_port
+    from masgraph.cli.progress import ProgressBar, TrainProgress
+    from masgraph.cli.run import accuracy_line, run_with_progress
+    from masgraph.cli.train import train_graph
+except KeyboardInterrupt:
+    if not _started_as_the_command():
+        raise
+    print("interrupted", file=_sys.stderr)
+    _os._exit(130)  # a module half imported: nothing to clean up, and nothing else to run
 
 __all__ = ["ProgressBar", "TrainProgress", "_load_graph", "accuracy_line", "build_parser", "check_port",
            "item_count", "main", "non_negative_int", "plural", "positive_float", "positive_int",

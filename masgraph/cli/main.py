@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     """The `masgraph` command. User errors print one `error:` message (exit 2) and Ctrl-C exits 130, never with a
     traceback; a traceback means a bug in masgraph."""
     words = sys.argv[1:] if argv is None else argv
-    args = build_parser(only=words[:1]).parse_args(argv)
+    try:  # building the parser imports the command's modules: seconds on a busy machine
+        args = build_parser(only=words[:1]).parse_args(argv)
+    except KeyboardInterrupt:
+        return _interrupted(argv)
     warnings_as_lines()
     try:
         code = args.fn(args)
@@ -50,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
     except KeyboardInterrupt:  # before or after a run (during one, the run handles it and reports)
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(argv)
     return 2
+
+
+def _interrupted(argv: list[str] | None) -> int:
+    """Ctrl-C outside a run: one line, exit 130 (the `masgraph` command exits at once: a model loading on its
+    threads is not waited for)."""
+    print("interrupted", file=sys.stderr)
+    if argv is None:
+        interrupt.exit_now(130)
+    return 130
