@@ -135,7 +135,10 @@ async def check_context(question: str, agent: Agent, plan: Plan, truncate: bool)
     counted: dict[int, int] = {}
     exit_policy = _answer_policy(agent)
     for name, policy in agent.engine.policies.items():
-        tokenizer, context = getattr(policy.backend, "tokenizer", None), getattr(policy.backend, "max_context", None)
+        backend = policy.backend
+        tokenizer = getattr(backend, "tokenizer", None)
+        layout = getattr(backend, "layout", None)  # vllm's context is its token layout's
+        context = getattr(backend, "max_context", None) or getattr(layout, "max_context", None)
         if tokenizer is None or not isinstance(context, int):
             continue
         if id(tokenizer) not in counted:  # a long question takes a while to tokenize: off the event loop

@@ -319,3 +319,19 @@ def test_stream_steps_sends_each_nodes_step_in_order_and_the_same_answer(model_l
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole == "579"
     assert all(c.choices[0].delta.content in (None, "") for _, c in ((i, chunks[i]) for i, _ in steps))
     refused(client, "masgraph.stream_steps", extra_body={"masgraph": {"stream_steps": True}})  # needs stream
+
+
+def test_the_context_check_reads_a_backends_token_layout_as_vllms_keeps_it():
+    from types import SimpleNamespace
+
+    from masgraph.serve.fields import Plan, check_context
+    from masgraph.serve.guards import ApiError
+
+    class LayoutOnly(ModelLike):  # vllm: a tokenizer, and the context on its token layout
+        layout = SimpleNamespace(max_context=100)
+
+    agent = scripted_agent(TWO_NODES, LayoutOnly(max_context=None))
+    asyncio.run(check_context("x" * 36, agent, Plan(), truncate=False))  # 36 + 64 to answer in fits 100
+    with pytest.raises(ApiError) as info:
+        asyncio.run(check_context("x" * 37, agent, Plan(), truncate=False))
+    assert info.value.body["error"]["code"] == "context_length_exceeded"
