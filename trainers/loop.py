@@ -5,6 +5,7 @@ resume; train-step, evaluation and checkpoint events to sinks (metrics.jsonl is 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from masgraph.learn import data_parallel
 from masgraph.learn.counterfactual import META
 from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
-from masgraph.metric_keys import topology_p
+from masgraph.metric_keys import EPISODES_TEST, topology_p
 from masgraph.registry import default_registry
 from masgraph.rundir.layout import METRICS
 from masgraph.rundir.metrics import MetricsSink
@@ -30,10 +31,10 @@ from masgraph.rundir.trackers import TrackerSink
 from masgraph.runtime.ray_engine import RayConfig
 from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
-from masgraph.tasks import Task
+from masgraph.tasks import Task, TaskSplitWarning, task_ref
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
-from masgraph.trace import Trace
+from masgraph.trace import EVALUATION, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.checkpoints import Checkpoints, TrainState, truncate_metrics
 from masgraph.trainers.checks import LEARNABLE_BACKENDS
@@ -169,15 +170,22 @@ class TrainLoop:
         self.items = task.items("train", wanted, self.cfg.seed)
         if not self.items:
             raise MasgraphError(f"task {task.name!r} gave no train items (seed {self.cfg.seed}); check its generate()")
-        if not task.items("test", self.cfg.eval_n, self.cfg.seed):  # found now, not after the training time
+        self.eval_items = task.items("test", self.cfg.eval_n, self.cfg.seed)  # every evaluation runs these
+        if not self.eval_items:  # found now, not after the training time
             raise MasgraphError(f"task {task.name!r} has no held-out (test) items that differ from its train "
                                 f"questions (seed {self.cfg.seed}); held-out evaluation needs some: make "
                                 "generate('test', ...) ask other questions")
+        if len(self.eval_items) < self.cfg.eval_n:
+            held = len(self.eval_items)
+            warnings.warn(f"task {task.name!r} holds out {held} item{'s' if held > 1 else ''}, fewer than "
+                          f"train.eval_n {self.cfg.eval_n}: each evaluation runs {'those' if held > 1 else 'that'} "
+                          f"{held}", TaskSplitWarning, stacklevel=2)
         self.step = 0
         self.cursor = 0  # next unused training item
         self.train_seconds = 0.0  # rollouts + updates so far, on the `budget_clock` (the `max_minutes` budget)
         self._rng = self.learner.rng_state()  # RNG states as of the last completed step (what a checkpoint stores)
         self._updating = False  # adapters are mid-update: the weights match no step
+        self._store: RunStore | None = None  # the run's store while `run` runs (evaluations write their episodes)
         self.checkpoints = Checkpoints(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[Sink] = [MetricsSink(self.run_dir / METRICS), *sinks]
@@ -190,8 +198,8 @@ class TrainLoop:
     async def run(self) -> dict[str, Any]:
         """Train from the current step to `steps`; checkpoint on schedule, at the end and when interrupted. Each
         step's metrics (and step 0's untrained evaluation) go to the sinks as a `TrainStep`."""
-        config = {"train": self.cfg.model_dump(), "task": self.task.name}
-        store = RunStore(self.run_dir, self.graph.spec, config)
+        config = {"train": self.cfg.model_dump(), "task": task_ref(self.task)}  # loadable again (topology, export)
+        store = self._store = RunStore(self.run_dir, self.graph.spec, config)
         trackers = TrackerSink(self.cfg.report_to, self.run_dir, config)  # train.report_to: TensorBoard, W&B, MLflow
         self._emit.sinks += [store, trackers]  # train events join the episodes in events.jsonl, and the trackers
         last: dict[str, Any] = {}
@@ -212,6 +220,7 @@ class TrainLoop:
                 self.save()  # Ctrl-C (or a failure) keeps the last completed step, not the interrupted one
             raise
         finally:
+            self._store = None
             self._emit.sinks.remove(store)
             self._emit.sinks.remove(trackers)
             trackers.close()
@@ -317,13 +326,17 @@ class TrainLoop:
         score the same; the RNG states are put back afterwards, so evaluating (or not) never changes what training
         samples next. Emits `EvalFinished`."""
         rng = self.learner.rng_state()
-        self._phase("evaluation", self.step, self.cfg.eval_n)
+        self._phase("evaluation", self.step, len(self.eval_items))
+        # stored in the run (events.jsonl, the episode index) marked with the step they evaluated: watch opens them
+        sinks = [*self._progress, *([self._store] if self._store is not None else [])]
         try:
-            result = await self.evaluator.run_task(self.task, sinks=self._progress, store=False)
+            result = await self.evaluator.run_items(self.task, self.eval_items, sinks=sinks, store=False,
+                                                    meta={EVALUATION: self.step}, id_prefix=f"eval{self.step}-")
         finally:
             self.learner.set_rng_state(rng)
         summary = result.summary
         metrics = {"accuracy/test": summary["accuracy"],  # the task's verdict, over every held-out episode
+                   EPISODES_TEST: float(summary["episodes"]),  # how many that is (fewer than eval_n: a small task)
                    "accuracy_finished/test": summary.get("accuracy_finished", summary["accuracy"]),
                    **{f"failures/test/{kind}": float(n) for kind, n in summary.get("failures", {}).items()},
                    "parse_error_rate/test": summary["parse_error_rate"],

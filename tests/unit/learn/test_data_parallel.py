@@ -147,30 +147,44 @@ ALTERNATING = ("from masgraph.tasks import BasicArithmetic\n\n\nclass Alternatin
                "        return float(trace.meta['sample'] % 2)\n")  # every group informative
 
 
-@pytest.mark.slow
-def test_masgraph_train_with_two_learners_trains_what_one_learner_does(tiny, tmp_path):
+def _same_step(one_run: Path, two_run: Path, step: int) -> None:
+    """The two runs' checkpoints of `step` hold the same adapters, and their metrics of it agree."""
     from safetensors.torch import load_file
 
+    [a] = (one_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
+    [b] = (two_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
+    want, got = load_file(a), load_file(b)
+    assert want.keys() == got.keys()
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-3 * dp_rank.LR) for k in want), step  # as above
+    assert any("lora_B" in k and want[k].abs().max() > 0 for k in want)  # the steps moved B off its zero init
+    m1, m2 = [next(m for line in (r / "metrics.jsonl").read_text().splitlines() if (m := json.loads(line))["step"]
+                   == step) for r in (one_run, two_run)]
+    assert m2["rows/trained"] == m1["rows/trained"] > 0
+    for k in ("loss/total", "loss/policy", "kl/ref_k3", "grad_norm/answer"):  # the loss sums +-A: near 0 here
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), (step, k)
+
+
+@pytest.mark.slow
+def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does(tiny, tmp_path):
     from masgraph.cli import main
 
     (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny))
     (tmp_path / "alt.py").write_text(ALTERNATING)
     args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
-    assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as this process: the same rollouts on rank 0
-    two = subprocess.run([sys.executable, "-m", "masgraph", *args, "--runs-dir", str(tmp_path / "two"),
-                          "--learners", "2"], env=env, capture_output=True, text=True, timeout=400)
-    assert two.returncode == 0, two.stderr[-3000:]
+
+    def two_learners(*more: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "masgraph", *args, *more, "--learners", "2"], env=env,
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
+    two = two_learners("--runs-dir", str(tmp_path / "two"))
     assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
     [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
-    [a] = (one_run / "checkpoints" / "step-1").rglob("adapter_model.safetensors")
-    [b] = (two_run / "checkpoints" / "step-1").rglob("adapter_model.safetensors")
-    want, got = load_file(a), load_file(b)
-    assert want.keys() == got.keys()
-    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-3 * dp_rank.LR) for k in want)  # as above
-    assert any("lora_B" in k and want[k].abs().max() > 0 for k in want)  # the step moved B off its zero init
-    [m1], [m2] = [[json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()]
-                  for r in (one_run, two_run)]
-    assert m2["rows/trained"] == m1["rows/trained"] > 0
-    for k in ("loss/total", "loss/policy", "kl/ref_k3", "grad_norm/answer"):  # the loss sums +-A: near 0 here
-        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
+    _same_step(one_run, two_run, 1)
+    # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step
+    assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
+    assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
+    _same_step(one_run, two_run, 2)
