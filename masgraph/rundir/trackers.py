@@ -1,5 +1,6 @@
 """Experiment trackers (TensorBoard, W&B, MLflow) as one more sink on the training metrics: each metrics.jsonl line
-at its step, the resolved config as hyperparameters; offline by default, everything in the run dir.
+at its step, the resolved config as hyperparameters, and at the end the learning-curve and topology pictures;
+offline by default, everything in the run dir.
 
 Each tracker's library is imported only when `train.report_to` names it. A tracker that cannot start or stops
 working (not installed, a server down) is one `warning:` line on stderr and is dropped; training goes on and
@@ -13,12 +14,14 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from masgraph.events import Event, TrainStep
+from masgraph.rundir.layout import METRICS
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The names `train.report_to` / `--report-to` take."""
@@ -28,6 +31,8 @@ class Tracker(Protocol):
     """One experiment tracker's run: metrics by step, closed once at the end."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def image(self, name: str, png: Path, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -70,6 +75,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()  # a live `tensorboard` sees each step as it ends
 
+    def image(self, name: str, png: Path, step: int) -> None:
+        from matplotlib.image import imread
+
+        self.writer.add_image(name, imread(png)[..., :3], step, dataformats="HWC")
+
     def close(self) -> None:
         self.writer.close()
 
@@ -87,6 +97,11 @@ class WandbTracker:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def image(self, name: str, png: Path, step: int) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Image(str(png))}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -125,6 +140,9 @@ class MlflowTracker:
         for i in range(0, len(rows), 1000):  # and at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=rows[i:i + 1000])
 
+    def image(self, name: str, png: Path, step: int) -> None:
+        self.client.log_artifact(self.run_id, str(png), artifact_path="plots")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -148,6 +166,7 @@ class TrackerSink:
     """
 
     def __init__(self, report_to: Iterable[str], run_dir: Path, config: Mapping[str, Any]):
+        self.run_dir, self.step = Path(run_dir), None
         self.trackers: dict[str, Tracker] = {}
         for name in dict.fromkeys(report_to):
             try:
@@ -160,7 +179,7 @@ class TrackerSink:
     def emit(self, event: Event) -> None:
         if not isinstance(event, TrainStep) or not self.trackers:
             return
-        metrics = scalars(event.metrics)
+        metrics, self.step = scalars(event.metrics), event.step
         for name, tracker in list(self.trackers.items()):
             try:
                 tracker.log(event.step, metrics)
@@ -169,9 +188,33 @@ class TrackerSink:
                 del self.trackers[name]
 
     def close(self) -> None:
+        """The learning-curve and topology pictures (`masgraph plot`'s, from RUN/metrics.jsonl) at the last step,
+        then each tracker's run closed."""
+        if self.trackers and self.step is not None:
+            self._plots(self.step)
         for name, tracker in self.trackers.items():
             try:
                 tracker.close()
             except Exception as exc:
                 _warn(name, "could not close", exc)
         self.trackers = {}
+
+    def _plots(self, step: int) -> None:
+        from masgraph.rundir.plot import plot_run, plot_topology
+
+        if not (self.run_dir / METRICS).is_file():  # a sink used without the loop's metrics.jsonl
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                plots = {"learning_curve": plot_run(self.run_dir, Path(tmp) / "learning_curve.png"),
+                         "topology_curve": plot_topology(self.run_dir, Path(tmp) / "topology_curve.png")}
+            except Exception as exc:  # matplotlib missing, an unreadable metrics.jsonl
+                _warn(", ".join(self.trackers), "could not draw the plots", exc)
+                return
+            for name, tracker in list(self.trackers.items()):
+                try:
+                    for key, png in plots.items():
+                        if png is not None:
+                            tracker.image(key, png, step)
+                except Exception as exc:
+                    _warn(name, "could not log the plots", exc)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ def recorded() -> tuple[list[dict], dict]:
 def feed(names: list[str], run_dir: Path) -> dict[int, dict[str, float]]:
     """Every recorded line to a sink (as the loop sends it); the numeric metrics expected per step."""
     rows, config = recorded()
+    shutil.copy(RECORDED / "metrics.jsonl", run_dir / "metrics.jsonl")  # as the loop writes it (the plots' source)
     sink = TrackerSink(names, run_dir, config)
     assert list(sink.trackers) == names
     for row in rows:
@@ -48,6 +51,7 @@ def test_tensorboard_event_files_hold_every_metric_at_every_step(tmp_path):
     for step, metrics in expected.items():
         assert got[step] == pytest.approx(metrics, rel=1e-6), step
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")  # the config, for the HPARAMS tab
+    assert {i.step for tag in ("learning_curve", "topology_curve") for i in acc.Images(tag)} == {max(expected)}
 
 
 def wandb_records(path: Path) -> list:
@@ -61,7 +65,7 @@ def wandb_records(path: Path) -> list:
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a record still being written
             break
         buf += data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -78,16 +82,28 @@ def test_wandb_offline_run_dir_holds_every_metric_and_the_config(tmp_path, monke
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default
     expected = feed(["wandb"], tmp_path)
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    records = wandb_records(log)
-    history = {r.history.step.num: {k: v for k, v in items.items() if not k.startswith("_")}  # _step, _runtime, ...
-               for r in records if r.WhichOneof("record_type") == "history"
-               for items in [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}]}
+    deadline = time.monotonic() + 30
+    while not (records := wandb_records(log)) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the run's log has no exit record"
+        time.sleep(0.2)  # finish() returns while the wandb-core service still writes the log's tail
+    history: dict[int, dict] = {}  # step -> its values (the last step's plots come as a row of their own)
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(r.history.step.num, {}).update({k: v for k, v in items.items() if k[0] != "_"})
+    last = history[max(expected)]
+    images = {k.split("/")[0]: last.pop(k) for k in list(last) if k.endswith("_curve/_type")}  # (nested keys)
+    assert images == {"learning_curve": "image-file", "topology_curve": "image-file"}
+    for k in [k for k in last if k.startswith(("learning_curve/", "topology_curve/"))]:
+        del last[k]
     assert history.keys() == expected.keys()
     for step, metrics in expected.items():
         assert history[step] == pytest.approx(metrics), step
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert config["train"] == recorded()[1]["train"]
+    media = {"_".join(p.name.split("_")[:2]) for p in log.parent.glob("files/media/images/*.png")}
+    assert media == {"learning_curve", "topology_curve"}  # the pictures themselves
 
 
 @pytest.mark.slow  # importing mlflow takes seconds
@@ -108,6 +124,8 @@ def test_mlflow_file_store_holds_every_metric_and_the_config(tmp_path, monkeypat
     config = recorded()[1]
     assert run.data.params == {k: str(v) for k, v in flat_config(config).items()}
     assert run.data.params["train.flow_grpo.clip_eps_low"] == str(config["train"]["flow_grpo"]["clip_eps_low"])
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert plots == {"plots/learning_curve.png", "plots/topology_curve.png"}
 
 
 def test_a_tracker_that_cannot_start_is_one_warning_and_the_others_go_on(tmp_path, monkeypatch, capsys):
