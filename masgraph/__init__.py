@@ -16,7 +16,14 @@ _os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+from os import PathLike as _PathLike
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Literal as _Literal
+
 from masgraph._version import __version__ as __version__
+
+if _TYPE_CHECKING:
+    from masgraph.serve.agent import Agent
 
 _PUBLIC = {
     "GraphBuilder": "masgraph.graph", "Graph": "masgraph.graph", "compile_spec": "masgraph.graph",
@@ -40,9 +47,11 @@ def __getattr__(name: str):  # noqa: ANN202
     raise AttributeError(f"module 'masgraph' has no attribute {name!r}")
 
 
-def load_agent(source, checkpoint=None, topology=None, deterministic=False):  # noqa: ANN001, ANN201
-    """A deployable agent from a graph YAML file (and a training run's checkpoint): `agent.ask(question)` →
-    answer and trace; `await agent.aask(question)` from async code. See `masgraph.serve.agent.load_agent`."""
+def load_agent(source: str | _PathLike[str], checkpoint: str | _PathLike[str] | None = None,
+               topology: _Literal["greedy", "sample"] | None = None, deterministic: bool = False) -> "Agent":
+    """A deployable agent from a bundle (`masgraph export`) or a graph YAML file (and a training run's checkpoint):
+    `agent.ask(question)` → answer and trace; `await agent.aask(question)` from async code. See
+    `masgraph.serve.agent.load_agent`."""
     from masgraph.serve.agent import load_agent as _load
 
     return _load(source, checkpoint, topology, deterministic)

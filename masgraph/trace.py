@@ -176,6 +176,11 @@ class TopologyChoice(Record):
         return sum(self.logprobs.values())
 
 
+EVALUATION = "evaluation"
+"""The key of `Trace.meta` that marks a training run's held-out evaluation episode: the step it evaluated (the
+episode index's `eval`; watch filters on it)."""
+
+
 class Trace(Record):
     """A whole episode: the query, every step, the answer, the reward and how it ended."""
 

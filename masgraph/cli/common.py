@@ -36,6 +36,17 @@ def load_task(name: str) -> Task:
     return resolve_task(name)
 
 
+def check_splits(task: Task, seed: int) -> None:
+    """Training needs train items and held-out ones: checked before a model loads, each missing split one `error:`
+    line (a data task says what it holds out and what to do)."""
+    if not task.items("train", 1, seed):
+        raise MasgraphError(f"task {task.name!r} gave no train items (seed {seed}); check its generate()")
+    if not task.items("test", 1, seed):
+        raise MasgraphError(f"task {task.name!r} has no held-out (test) items that differ from its train questions "
+                            f"(seed {seed}); held-out evaluation needs some: make generate('test', ...) ask other "
+                            "questions")
+
+
 def with_device(graph: Graph, device: str | None, file: str) -> Graph:
     """The graph with every local-model policy (hf; vllm, whose weights a learner trains) on `device`
     (`--device cuda:1`); checked first, so a GPU that is not there is an error line before anything loads."""
@@ -111,6 +122,9 @@ def warnings_as_lines() -> None:
 
     from masgraph.tasks import TaskSplitWarning
 
+    # transformers >= 5.24 warns that `past_key_values` (which masgraph's hf backend passes) goes in 5.40, inside the
+    # progress bar; pyproject keeps transformers below 5.40, so the warning says nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     shown = warnings.showwarning
     if getattr(shown, "masgraph", False):
         return

@@ -8,19 +8,22 @@ import os
 import sys
 from collections.abc import Sequence
 
-from masgraph.cli import export, interrupt, plot, run, schema, serve, topology, train, validate, watch
+from masgraph.cli import export, init, interrupt, plot, run, schema, serve, topology, train, validate, watch
 from masgraph.cli.common import warnings_as_lines
 from masgraph.errors import MasgraphError
 
 COMMANDS = {"run": run, "train": train, "watch": watch, "plot": plot, "topology": topology, "export": export,
-            "serve": serve, "validate": validate, "schema": schema}
+            "serve": serve, "validate": validate, "schema": schema, "init": init}
 """Subcommand -> its module (HELP, add_arguments(parser), which sets `fn`), in the order `--help` lists them."""
 
 
 def build_parser(only: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every subcommand, or, with `only`, of those alone (the others are listed without their flags,
     so a command does not import the config models of the others)."""
+    from masgraph._version import __version__
+
     p = argparse.ArgumentParser(prog="masgraph", description="Multi-agent LLM graphs: run, validate, train.")
+    p.add_argument("--version", action="version", version=f"masgraph {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         parser = sub.add_parser(name, help=module.HELP)

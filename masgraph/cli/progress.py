@@ -11,6 +11,7 @@ from masgraph.events import EpisodeFinished, Event, LLMCallFinished, TrainStep
 from masgraph.metric_keys import (  # the metric keys TrainProgress reads (one table: masgraph/metric_keys.py)
     ACCURACY_TEST,
     ACCURACY_TRAIN,
+    EPISODES_TEST,
     REWARD,
     ROWS,
     TOKENS_PER_S,
@@ -171,6 +172,8 @@ class TrainProgress:
     def _step_line(self, event: Any) -> str:
         m = event.metrics
         test = f"  acc(test) {m[ACCURACY_TEST]:.3f}" if ACCURACY_TEST in m else ""
+        if test and EPISODES_TEST in m:  # how many held-out episodes that is
+            test += f" of {m[EPISODES_TEST]:.0f}"
         if event.step == 0:
             return f"step 0/{self.steps}  (untrained){test}"
         reward = m.get(TOPOLOGY_REWARD if self.topology_only else REWARD, 0)

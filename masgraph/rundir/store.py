@@ -47,7 +47,7 @@ from masgraph.files import atomic_write
 from masgraph.rundir.layout import CONFIG, EVENTS, INDEX, SPEC, SUMMARY
 from masgraph.rundir.read import _ACCOUNTED, Parser, _SentSteps, follow, read_jsonl, read_traces
 from masgraph.spec import GraphSpec
-from masgraph.trace import Step, Trace
+from masgraph.trace import EVALUATION, Step, Trace
 
 _log = logging.getLogger("masgraph.store")
 
@@ -252,7 +252,8 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
     that holds its lines, so a watcher opens a run of 100k episodes without parsing every step line and reads one
     episode back without scanning the file. `correct` is the task's verdict recorded with the reward
     (`Task.correct`; None when no task scored the episode). `steps` holds [node, route, flag (0 ok, 1 parse error,
-    2 error), completion tokens, seconds, source nodes] per step. A cache: events.jsonl stays the record."""
+    2 error), completion tokens, seconds, source nodes] per step; `eval`, only on a training run's evaluation
+    episode, the step it evaluated. A cache: events.jsonl stays the record."""
     steps, tokens = [], 0
     for s in trace.steps:
         tok = sum(c.n_completion for c in s.llm) if s.llm else 0
@@ -264,7 +265,8 @@ def index_line(trace: Trace, start: int, end: int, ended: float) -> bytes:
         "answer": None if trace.answer is None else trace.answer[:_CLIP],
         "error": None if trace.error is None else trace.error[:_CLIP], "tokens": tokens, "turns": trace.turns,
         "duration_s": round(trace.duration_s, 4), "ended": round(ended, 3), "start": start, "end": end,
-        "steps": steps}, ensure_ascii=False, separators=(",", ":")) + "\n")
+        "steps": steps, **({"eval": trace.meta[EVALUATION]} if EVALUATION in trace.meta else {})},
+        ensure_ascii=False, separators=(",", ":")) + "\n")
     try:
         return line.encode()
     except UnicodeEncodeError:  # a lone surrogate in the query or answer

@@ -19,7 +19,7 @@ from masgraph.registry import Registry
 from masgraph.rundir.store import RunStore, new_run_dir
 from masgraph.runtime.engine import BackendOptions, Engine, EngineLike
 from masgraph.runtime.scheduler import EpisodeInput, Policy, Scheduler
-from masgraph.tasks import CORRECT, Item, Task, is_correct
+from masgraph.tasks import CORRECT, Item, Task, is_correct, task_ref
 from masgraph.trace import Trace
 
 
@@ -133,24 +133,30 @@ class Runner:
 
     async def run_items(self, task: Task, items: list[Item], sinks: Sequence[Sink] = (),
                         store: bool = True, run_dir: Path | None = None,
-                        extension: RunExtension | None = None) -> RunResult:
+                        extension: RunExtension | None = None, meta: dict[str, Any] | None = None,
+                        id_prefix: str = "") -> RunResult:
         """Run items × samples; store the run directory (a new one under `runs_dir`, or `run_dir`) unless
         store=False. When the run is cancelled, the summary (summary.json, and `last_result`) still counts every
         episode that finished. An `extension` (training's rollout shaping, `masgraph.learn.rollouts`) decides how
-        many of an item's samples start as independent episodes and runs more episodes after them."""
+        many of an item's samples start as independent episodes and runs more episodes after them. `meta` goes
+        into every episode's `Trace.meta` and `id_prefix` before its id (a training run's evaluation marks its
+        episodes so)."""
         by_id = {it.id: it for it in items}
         finished = ListSink()  # the traces that ended, also when the run is cancelled before gather returns
         all_sinks: list[Sink] = [*sinks, finished]
         run_store = None
         if store:
             run_store = RunStore(run_dir or new_run_dir(self.config.runs_dir, self.graph.spec.name), self.graph.spec,
-                                 {"run": asdict(self.config), "task": task.name})
+                                 {"run": asdict(self.config), "task": task_ref(task)})
             all_sinks.append(run_store)
         samples = self.config.samples
         sched = self.scheduler(all_sinks, score=self.scorer(task, by_id))
         starts = extension.starts(samples) if extension is not None else samples
-        episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it)})
+        episodes = [EpisodeInput(it.id, it.question, s, {"gold": it.answer, **_type_of(it), **(meta or {})})
                     for it in items for s in range(starts)]
+        if id_prefix:
+            episodes = [replace(ep, episode_id=f"{id_prefix}{k:06d}-{ep.item_id}-{ep.sample}")
+                        for k, ep in enumerate(episodes)]
         if self.topology is not None:
             greedy = self.config.topology == "greedy"
             episodes = [self._with_topology(ep, greedy) for ep in episodes]

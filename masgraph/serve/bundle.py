@@ -117,7 +117,9 @@ def _evaluation(run: Path, step: int | None) -> dict[str, Any] | None:
     config = run / CONFIG
     if config.is_file():
         cfg = json.loads(config.read_text()).get("config", {})
-    task, n = cfg.get("task"), (cfg.get("train") or {}).get("eval_n")
+    # the episodes the evaluation ran (fewer than eval_n when the task holds out fewer items; older runs: eval_n)
+    task, n = cfg.get("task"), at[-1].get("episodes/test", (cfg.get("train") or {}).get("eval_n"))
+    n = int(n) if isinstance(n, float) and n.is_integer() else n
     return {"step": step, "accuracy": at[-1]["accuracy/test"], "task": task, "n": n, "split": "test",
             "source": "the training run's held-out evaluation (metrics.jsonl)",
             "command": f"masgraph run BUNDLE --task {task} --n {n} --deterministic" if task else None}

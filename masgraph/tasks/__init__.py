@@ -22,6 +22,7 @@ from masgraph.tasks.base import (
     numbers_equal,
     register_task,
     split_seed,
+    task_ref,
 )
 from masgraph.tasks.builtin import (
     BasicArithmetic,
@@ -44,5 +45,5 @@ __all__ = [
     "Item", "LongArithmetic", "Lookup", "MemoryUpdates", "MixedRoutes", "MixedSkills", "PartitionedTask",
     "ReasoningGymTask", "Task", "TaskSplitWarning", "_digest", "as_number", "full_reward", "get_task", "is_correct",
     "is_test_question", "load_kb", "load_task_file", "make_kb", "numbers_equal", "register_task", "resolve_task",
-    "split_seed",
+    "split_seed", "task_ref",
 ]

@@ -40,6 +40,10 @@ class Task:
     """
 
     name: ClassVar[str] = ""
+    ref: str | None = None
+    """The reference the task was loaded by when it is not `name` (`data:/abs/path.jsonl`, `/abs/file.py:Class`;
+    set by `resolve_task`): what a run's config.json records, so `masgraph topology RUN` and a bundle's re-measure
+    command load the same task again (see `task_ref`)."""
     judge: Any = None
     """A `masgraph.tasks.judge.JudgeSpec` when an LLM judge scores this task's answers (a data task's `scorer: judge`):
     runs then reward each episode by the judge's verdict instead of `score`. None: `score` does."""
@@ -98,6 +102,11 @@ class Task:
         `counterfactual_probes` scores each decision on them too, not only on the item's own question (a memory
         manager's choice about one person matters to a question about that person). Default: none."""
         return []
+
+
+def task_ref(task: Task) -> str:
+    """How to load `task` again with `resolve_task` (`--task`): its `ref`, else its registered `name`."""
+    return task.ref or task.name or type(task).__name__
 
 
 class TaskSplitWarning(UserWarning):

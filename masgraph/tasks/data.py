@@ -15,10 +15,12 @@ task file (`.yaml` / `.yml`) that says how to read one:
     type: category                        # optional: a field whose value types each item (per-type metrics)
 
 The split rule. `hash`: an item is held out when a hash of its question falls in the `test_fraction` (default 0.2)
-share, so train and test never share a question whatever the seeds; train items are shuffled by the seed, test
-items keep the file's order. `test`: every item is held out (an evaluation set: `masgraph run` only). `file`: the
-items of `file` are the train split and those of `test_file` the test split, each in its file's order (train
-shuffled by the seed). `--n N` takes the first N of a split.
+share, so train and test never share a question whatever the seeds; a file too small for that share to be sure to
+hit holds out at least one item per 1/test_fraction (one per five) all the same, and at least one: the items
+whose hashes come next. Train items are shuffled by the seed, test items keep the file's order. `test`: every item
+is held out (an evaluation set: `masgraph run` only; `masgraph train` refuses it before loading a model). `file`:
+the items of `file` are the train split and those of `test_file` the test split, each in its file's order (train
+shuffled by the seed). `--n N` takes the first N of a split; `DataTask.split_note` says what is held out.
 """
 
 from __future__ import annotations
@@ -95,9 +97,7 @@ class DataTask(PartitionedTask):
         elif spec.split == "test":
             self._test = items
         else:
-            for it in items:
-                held_out = _digest(it.question) % 10_000 < spec.test_fraction * 10_000
-                (self._test if held_out else self._train).append(it)
+            self._train, self._test = hash_split(items, spec.test_fraction)
 
     def _item(self, record: Any, index: int, file: str | None) -> Item:
         where = f"{file}: item {index + 1}"
@@ -117,9 +117,24 @@ class DataTask(PartitionedTask):
         ident = str(record.get("pid", record.get("id", index)))
         return Item(f"{self.name}-{ident}", question, meta["gold"][0] if meta["gold"] else "", meta)
 
+    @property
+    def split_note(self) -> str:
+        """What is held out, in words: '3 of 12 items held out (split: hash, ...)'."""
+        held, total = len(self._test), len(self._test) + len(self._train)
+        how = {"hash": f"by question hash, test_fraction {self.spec.test_fraction:g}; a small file still holds out "
+                       f"1 in {round(1 / self.spec.test_fraction)}, at least 1",
+               "test": "all of them: an evaluation set", "file": f"the items of {self.spec.test_file}"}[self.spec.split]
+        return f"{held} of {total} items held out (split: {self.spec.split}, {how})"
+
     def generate(self, split: str, n: int, seed: int) -> list[Item]:
         if split == "test":
             return self._test[:n]
+        if n and not self._train:
+            fix = ("it is an evaluation set for `masgraph run`; to train on it, write a task file with split: hash (a "
+                   "share held out by question hash) or split: file with a test_file:"
+                   if self.spec.split == "test" else "add items (a file of 5 or more trains on 4 in 5 of them), or "
+                   "give the train and test items in two files (a task file with split: file and test_file:)")
+            raise MasgraphError(f"task {self.name!r} has no train items: {self.split_note}; {fix}")
         train = list(self._train)
         random.Random(split_seed(self.name, split, seed)).shuffle(train)
         return train[:n]
@@ -129,6 +144,19 @@ class DataTask(PartitionedTask):
             raise MasgraphError(f"task {self.name!r} is scored by an LLM judge, which needs a model call: run it "
                                 "through masgraph run / train (a Runner), or call masgraph.tasks.judge.Judge yourself")
         return SCORERS[self.spec.scorer](answer, item.meta["gold"], {**item.meta["fields"], "question": item.question})
+
+
+def hash_split(items: list[Item], test_fraction: float) -> tuple[list[Item], list[Item]]:
+    """(train, test) of `split: hash`: an item is held out when its question's hash falls in the `test_fraction`
+    share; when fewer than max(1, ⌊N × test_fraction⌋) are (a small file), the items whose hashes come next are held
+    out too, so a file of N ≥ 1 items always has held-out items. Both keep the file's order."""
+    buckets = [_digest(it.question) % 10_000 for it in items]
+    held = {i for i, b in enumerate(buckets) if b < test_fraction * 10_000}
+    least = max(1, int(len(items) * test_fraction))
+    if len(held) < least:
+        nearest = sorted((i for i in range(len(items)) if i not in held), key=lambda i: (buckets[i], i))
+        held.update(nearest[:least - len(held)])
+    return ([it for i, it in enumerate(items) if i not in held], [it for i, it in enumerate(items) if i in held])
 
 
 def _read(path: Path) -> list[Any]:

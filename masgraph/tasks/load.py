@@ -22,8 +22,15 @@ def resolve_task(ref: str) -> Task:
     """The task a `--task` / `train.task` value names: `data:PATH` (a data or task file, masgraph/datatask.py),
     `FILE.py:ClassName`, or a registered name."""
     if ref.startswith("data:"):
-        return load_data_task(ref.removeprefix("data:"))
-    return load_task_file(ref) if ":" in ref else get_task(ref)
+        task: Task = load_data_task(ref.removeprefix("data:"))
+        task.ref = f"data:{Path(ref.removeprefix('data:')).resolve()}"  # loadable again from another directory
+        return task
+    if ":" not in ref:
+        return get_task(ref)
+    task = load_task_file(ref)
+    path, _, cls_name = ref.rpartition(":")
+    task.ref = f"{Path(path).resolve()}:{cls_name}"
+    return task
 
 
 def load_task_file(ref: str) -> Task:

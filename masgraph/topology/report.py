@@ -26,11 +26,16 @@ def edge_probabilities(policy: TopologyPolicy, queries: Sequence[str], samples: 
     return [c / samples for c in kept]
 
 
-def describe(policy: TopologyPolicy, queries: Sequence[str] = ()) -> str:
-    """Each decision's option probabilities (the prior, and per query when conditioned) and the greedy topology."""
-    lines = [f"topology policy v{policy.version} ({'query-conditioned' if policy.conditioned else 'unconditioned'}); "
+def describe(policy: TopologyPolicy, queries: Sequence[str] = (), source: str = "") -> str:
+    """Each decision's option probabilities and the greedy topology, each block labelled with what it is: the
+    policy at no query (its prior; the policy itself when unconditioned) or at each held-out query given.
+    `source` says where the policy came from (`checkpoint step-N`)."""
+    kind = "query-conditioned" if policy.conditioned else "unconditioned"
+    lines = [f"topology policy v{policy.version} ({kind}){' from ' + source if source else ''}; "
              f"{policy.space.valid_count} of {policy.space.total} combinations are valid graphs"]
-    rows = [("(prior)", None)] if not policy.conditioned else [(q, q) for q in queries] or [("(prior)", None)]
+    prior = "prior (no query)" if policy.conditioned else "probabilities (the same for every query)"
+    rows = [(prior, None)] if not policy.conditioned else [(f"held-out query {q!r}", q) for q in queries] or [
+        (prior, None)]
     for label, q in rows:
         lines.append(f"{label}:")
         for d, opts in policy.probabilities(q).items():
@@ -39,6 +44,8 @@ def describe(policy: TopologyPolicy, queries: Sequence[str] = ()) -> str:
             greedy = policy.sample(q, greedy=True).choice
             lines.append("  greedy: " + ", ".join(f"{d}={o}" for d, o in greedy.decisions.items()
                                                    if d in greedy.logprobs))
+    if policy.conditioned:
+        lines.append("(`masgraph watch` shows another number: the mean over a training step's queries)")
     return "\n".join(lines)
 
 

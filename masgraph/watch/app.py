@@ -24,6 +24,7 @@ from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, Tab
 
 from masgraph.errors import MasgraphError
 from masgraph.watch import render
+from masgraph.watch import table as episode_table
 from masgraph.watch.index import Row, RunIndex
 
 READ_BUDGET = 16 << 20
@@ -38,6 +39,7 @@ KEYS = """\
   ↑ ↓ PgUp PgDn Home End   move      Enter / click   open the episode
   /   search (id, item, query, answer; Enter applies, Esc clears)
   f   filter: all → failed → correct → wrong
+  v   training runs: all → rollouts → evaluation (held-out episodes)
   n   only episodes where a node failed: next node
   s   sort: finished → reward → tokens → turns → time      r   reverse
 [b]Episode[/b]
@@ -74,11 +76,11 @@ class EpisodeTable(ScrollView, can_focus=True):
         """Line 0 is the column header (it stays put); line y > 0 is row scroll_y + y - 1."""
         width = self.scrollable_content_region.width
         if y == 0:
-            return self._strip(render.header_text(width), width)
+            return self._strip(episode_table.header_text(width), width)
         i = self.scroll_offset.y + y - 1
         if i >= len(self.rows):
             return Strip.blank(width)
-        text = render.row_text(self.rows[i], width)
+        text = episode_table.row_text(self.rows[i], width)
         if i == self.cursor:
             text.stylize(Style(reverse=True, bold=self.has_focus))
         return self._strip(text, width)
@@ -159,7 +161,8 @@ class EpisodeScreen(Screen):
         self.counterfactual = index.counterfactuals.get(row.id)
         self.show = {"prompts": False, "colours": False}
         self.decode: Any = None
-        self.tokenizer_note = ""
+        self.tokenizer_note = "loading the tokenizer…"
+        """Why prompts are not shown as text yet: the tokenizer is loading, or (once it is known) not available."""
 
     def compose(self) -> ComposeResult:
         yield Static(render.episode_header(self.row, self.trace), id="episode-header")
@@ -171,11 +174,14 @@ class EpisodeScreen(Screen):
                 for step in self.trace.steps:
                     yield Static(render.step_text(step, credit=self.credit, counterfactual=self.counterfactual),
                                  classes="step")
-        yield Static("", id="episode-note")
+        yield Static(Text(self.tokenizer_note, style="dim") if self._has_tokens() else "", id="episode-note")
         yield Footer()
 
+    def _has_tokens(self) -> bool:
+        return self.trace is not None and any(c.prompt_ids for s in self.trace.steps for c in s.llm)
+
     def on_mount(self) -> None:
-        if self.trace is not None and any(s.llm for s in self.trace.steps):
+        if self._has_tokens():
             self.load_tokenizer()
 
     @work(thread=True, exclusive=True)
@@ -197,7 +203,7 @@ class EpisodeScreen(Screen):
             return
         for widget, step in zip(self.query(".step"), self.trace.steps, strict=False):
             widget.update(render.step_text(step, self.decode, self.show["prompts"], self.show["colours"],  # type: ignore[attr-defined]
-                                           self.credit, self.counterfactual))
+                                           self.credit, self.counterfactual, no_decode=self.tokenizer_note))
 
 
 class HelpScreen(ModalScreen):
@@ -231,6 +237,7 @@ class WatchApp(App):
                 Binding("3,t", "tab('training')", "training"),
                 Binding("slash", "search", "search", show=False), Binding("f", "filter", "filter", show=False),
                 Binding("n", "node_filter", "node errors", show=False), Binding("s", "sort", "sort", show=False),
+                Binding("v", "kind", "evaluation", show=False),
                 Binding("r", "reverse", "reverse", show=False)]
 
     def __init__(self, run_dir: str | Path, poll_s: float = 0.25, index: RunIndex | None = None):
@@ -238,6 +245,8 @@ class WatchApp(App):
         self.index = index or RunIndex(run_dir)
         self.poll_s = poll_s
         self.outcome, self.node_error, self.search_text, self.sort, self.reverse = "all", None, "", "finished", False
+        self.kind = "all"
+        """Which episodes: all, training rollouts or held-out evaluations (table.KINDS)."""
         self.error: MasgraphError | None = None
         """Why the app stopped reading the run (a run file became unreadable); the app then exits with code 2."""
         self._shown = 0
@@ -299,19 +308,21 @@ class WatchApp(App):
         table = self.query_one(EpisodeTable)
         rows, done = self.index.rows, self.index.n_done
         first = rows[0].seq if rows else 0
-        plain = self.outcome == "all" and not self.node_error and not self.search_text
+        plain = self.outcome == "all" and self.kind == "all" and not self.node_error and not self.search_text
         if not full and plain and self.sort == "finished" and not self.reverse and first == self._first:
             if done > self._shown:  # live, in finishing order: append the new rows only
                 table.set_rows(table.rows + rows[self._shown - first:])
         else:
-            table.set_rows(render.select(rows, self.outcome, self.node_error, self.search_text, self.sort,
-                                         self.reverse))
+            table.set_rows(episode_table.select(rows, self.outcome, self.node_error, self.search_text, self.sort,
+                                         self.reverse, self.kind))
         self._shown, self._first = done, first
         bar = Text()
         bar.append(f"{len(table.rows):,}/{len(rows):,} episodes", style="bold")
         if done > len(rows):
             bar.append(f" (the last {len(rows):,} of {done:,})", style="dim")
         bar.append(f" · filter {self.outcome}" + (f" · {self.node_error} failed" if self.node_error else ""))
+        if self.kind != "all":
+            bar.append(f" · {self.kind} only", style="cyan")
         bar.append(f" · sort {self.sort}{' ↓' if self.reverse else ''}")
         if self.search_text:
             bar.append(f" · search “{self.search_text}”", style="cyan")
@@ -376,7 +387,11 @@ class WatchApp(App):
         self._refresh_table(full=True)
 
     def action_filter(self) -> None:
-        self.outcome = render.FILTERS[(render.FILTERS.index(self.outcome) + 1) % len(render.FILTERS)]
+        self.outcome = episode_table.after(episode_table.FILTERS, self.outcome)
+        self._refresh_table(full=True)
+
+    def action_kind(self) -> None:
+        self.kind = episode_table.after(episode_table.KINDS, self.kind)
         self._refresh_table(full=True)
 
     def action_node_filter(self) -> None:
@@ -387,7 +402,7 @@ class WatchApp(App):
         self._refresh_table(full=True)
 
     def action_sort(self) -> None:
-        self.sort = render.SORTS[(render.SORTS.index(self.sort) + 1) % len(render.SORTS)]
+        self.sort = episode_table.after(episode_table.SORTS, self.sort)
         self.reverse = self.sort != "finished"  # biggest first for values, oldest first for finishing order
         self._refresh_table(full=True)
 

@@ -84,6 +84,8 @@ class Row:
     """The task's verdict recorded with the reward (`Task.correct`); None in runs from before it was recorded."""
     failure: str | None = None
     """How the episode failed (runner.FAILURE_KINDS), None when it finished cleanly."""
+    evaluation: int | None = None
+    """A training run's held-out evaluation episode: the step it evaluated (None: a rollout or a run's episode)."""
 
     @property
     def correct(self) -> bool:
@@ -191,7 +193,8 @@ class RunIndex:
         self._metrics = Lines(path / METRICS)
         self._events_started = False
         self._indexed_end = 0
-        """Where the last indexed episode's lines end in events.jsonl."""
+        """Where the last indexed episode's lines end in events.jsonl, evaluation episodes left out: a training
+        run's evaluation follows its step's credit lines, which the episode view shows."""
         self._ckpt_mtime = 0.0
 
     # -- reading -----------------------------------------------------------------------------------------------
@@ -319,7 +322,8 @@ class RunIndex:
         self.n_correct += row.correct
         if row.failure:
             self.failures[row.failure] += 1
-        self._indexed_end = max(self._indexed_end, row.end)
+        if row.evaluation is None:
+            self._indexed_end = max(self._indexed_end, row.end)
         if len(self.rows) > MAX_ROWS + MAX_ROWS // 10:  # dropped in batches: amortised O(1) a row
             del self.rows[:len(self.rows) - MAX_ROWS]
 
@@ -526,6 +530,8 @@ def _row(rec: Any, seq: int) -> tuple[Row, list[list[Any]]]:
               float(_number(rec.get("ended"), none=True) or 0.0), int(_number(rec["start"])),
               int(_number(rec["end"])), failed, seq, verdict if isinstance(verdict, bool) else None)
     row.failure = _failure(row.status, row.error, steps)
+    step = rec.get("eval")
+    row.evaluation = step if isinstance(step, int) and not isinstance(step, bool) else None
     return row, steps
 
 

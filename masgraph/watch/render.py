@@ -110,7 +110,11 @@ def graph_text(index: RunIndex) -> Text:
         out.append("\nother traversals: " + ", ".join(f"{a}→{b} ×{n:,}" for (a, b), n in extra) + "\n", style="dim")
     probs = index.decision_probs()
     if probs:
-        out.append("\nTopology (current decision probabilities)\n", style="bold")
+        step = next((r.get("step") for r in reversed(index.metrics) if any(map(mk.topology_key, r))), "?")
+        out.append(f"\nTopology after step {step}", style="bold")
+        out.append(" (metrics.jsonl: each option's probability, a query-conditioned policy's averaged over the "
+                   "step's training queries; `masgraph topology RUN` shows the checkpoint per held-out query)\n",
+                   style="dim")
         for decision, options in probs.items():
             out.append(f"  {decision}\n")
             for option, p in sorted(options.items(), key=lambda kv: -kv[1]):
@@ -148,70 +152,13 @@ def _node_block(out: Text, depth: int, node: str, spec: Any, s: NodeStats, spec_
         out.append("\n")
 
 
-# -- episodes table -------------------------------------------------------------------------------------------
-
-COLUMNS: list[tuple[str, int]] = [("#", 7), ("status", 9), ("reward", 7), ("turns", 6), ("tokens", 7), ("time", 8)]
-"""Fixed-width columns after the flexible id column."""
-
-
-def row_cells(row: Row) -> list[tuple[str, str]]:
-    """(text, style) of each fixed column."""
-    outcome = row.outcome
-    status = row.status if row.status != "ok" else outcome
-    style = {"correct": "green", "wrong": "yellow"}.get(status, STATUS_STYLE.get(row.status, ""))
-    reward = "-" if row.reward is None else f"{row.reward:.2f}"
-    return [(str(row.seq + 1), "dim"), (status, style), (reward, ""), (str(row.turns), ""), (human(row.tokens), ""),
-            (f"{row.duration_s:.2f}s", "")]
-
-
-def header_text(width: int) -> Text:
-    text = Text(style="bold")
-    id_width = max(8, width - sum(w for _, w in COLUMNS) - 1)
-    text.append(f"{'episode':<{id_width}} ")
-    for name, w in COLUMNS:
-        text.append(f"{name:>{w}}")
-    return text
-
-
-def row_text(row: Row, width: int) -> Text:
-    text = Text(no_wrap=True)
-    id_width = max(8, width - sum(w for _, w in COLUMNS) - 1)
-    ident = row.id if len(row.id) <= id_width else row.id[: id_width - 1] + "…"
-    text.append(f"{ident:<{id_width}} ")
-    for (cell, style), (_, w) in zip(row_cells(row), COLUMNS, strict=True):
-        text.append(f"{cell:>{w}}", style=style)
-    return text
-
-
-FILTERS = ("all", "failed", "correct", "wrong")
-SORTS = ("finished", "reward", "tokens", "turns", "time")
-
-
-def select(rows: Sequence[Row], outcome: str = "all", node_error: str | None = None, search: str = "",
-           sort: str = "finished", reverse: bool = False) -> list[Row]:
-    """The rows a table shows: filtered by outcome, by a node that failed in them, by a search string (in the id,
-    item, query or answer; case-insensitive), then sorted."""
-    out: list[Row] = list(rows) if outcome == "all" else [r for r in rows if r.outcome == outcome]
-    if node_error:
-        out = [r for r in out if node_error in r.failed_nodes]
-    if search:
-        needle = search.lower()
-        out = [r for r in out if needle in r.id.lower() or needle in r.item.lower() or needle in r.query.lower()
-               or (r.answer is not None and needle in r.answer.lower())]
-    if sort != "finished":
-        key = {"reward": lambda r: -math.inf if r.reward is None else r.reward, "tokens": lambda r: r.tokens,
-               "turns": lambda r: r.turns, "time": lambda r: r.duration_s}[sort]
-        out.sort(key=key, reverse=reverse)
-    elif reverse:
-        out.reverse()
-    return out
-
-
 # -- episode detail -------------------------------------------------------------------------------------------
 
 def episode_header(row: Row, trace: Trace | None) -> Text:
     text = Text()
     text.append(f"{row.id}\n", style="bold")
+    if row.evaluation is not None:
+        text.append(f"held-out evaluation at step {row.evaluation}\n", style="cyan")
     text.append("status ")
     text.append(row.status, style=STATUS_STYLE.get(row.status, ""))
     text.append(f" · reward {'-' if row.reward is None else f'{row.reward:.2f}'} · {row.turns} turns · "
@@ -235,12 +182,13 @@ def episode_header(row: Row, trace: Trace | None) -> Text:
 
 def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob_colours: bool = False,
               credit: dict[tuple[int, int], float] | None = None,
-              counterfactual: dict[tuple[int, int], list[tuple[str, float]]] | None = None) -> Text:
+              counterfactual: dict[tuple[int, int], list[tuple[str, float]]] | None = None,
+              no_decode: str = "no tokenizer to show it") -> Text:
     """One step of the timeline: node, role, turn, route, timing; prompt (folded unless `show_prompt`), completion
     (coloured by per-token log-prob when `logprob_colours` and a tokenizer's `decode` is given) with the advantage a
     training update pushed it by (`credit`: (step index, call index) -> advantage) and, with counterfactual credit,
     the episode's score with each alternative in the call's place (`counterfactual`), memory operations, tool call,
-    errors."""
+    errors. `no_decode`: why a prompt asked for is not shown as text (no `decode`: still loading, or none here)."""
     text = Text()
     text.append(f"#{step.index} ", style="dim")
     text.append(step.node, style="bold")
@@ -264,7 +212,7 @@ def step_text(step: Step, decode: Any = None, show_prompt: bool = False, logprob
             text.append(f"({call.n_prompt} tokens)\n", style="dim")
             text.append(_indent(decode(call.prompt_ids)) + "\n", style="grey62")
         else:
-            note = "" if decode is not None or not show_prompt else " (no tokenizer to show it)"
+            note = "" if decode is not None or not show_prompt else f" ({no_decode})"
             text.append(f"▸ {call.n_prompt} tokens{note}, p to unfold\n" if not show_prompt else
                         f"{call.n_prompt} tokens{note}\n", style="dim")
         text.append("  output ", style="dim")

@@ -123,7 +123,7 @@ def test_flow_grpo_branch_width_reaches_the_training_rollouts(one_node_graph, tm
     graph = one_node_graph("group_size: 4, lr: 0.01, branch_width: 1, batching: {zero_variance: keep}")
     loop = TrainLoop(graph, BasicArithmetic(), tmp_path / "run", dtype="float32")
     asyncio.run(loop.run())
-    rollouts = list(read_traces(tmp_path / "run"))
+    rollouts = [t for t in read_traces(tmp_path / "run") if "evaluation" not in t.meta]  # held-out ones aside
     assert len(rollouts) == 8 and sum("branch" in t.meta for t in rollouts) == 4  # 2 roots + 2 siblings per query
     for t in rollouts:
         if "branch" in t.meta:  # one node: the fork is the entry step, nothing replayed, a fresh sample

@@ -124,7 +124,8 @@ def test_agentflows_game_of_24_set_reads_and_its_own_reference_answers_score_1(t
     assert task.name == "gameof24" and len(items) == 300 and items[0].question == "[1, 1, 1, 8]"
     scores = [task.score(it, it.answer) for it in items]  # the set's own solutions
     assert sum(scores) == 300, [it.answer for it, s in zip(items, scores) if not s][:5]
-    assert task.items("train", 10, 0) == []
+    with pytest.raises(MasgraphError, match="it is an evaluation set for `masgraph run`"):  # split: test
+        task.items("train", 10, 0)
 
 
 def test_the_task_file_schema_is_printed_with_the_judge(capsys):
@@ -134,3 +135,62 @@ def test_the_task_file_schema_is_printed_with_the_judge(capsys):
     schema = json.loads(capsys.readouterr().out)
     assert "judge" in schema["properties"]["scorer"]["enum"] and "JudgeSpec" in schema["$defs"]
     assert schema["additionalProperties"] is False
+
+
+def _unhashed(n: int) -> list[dict]:
+    """n items none of whose questions falls in the 20 % hash share (the case of issue 57 #9: a 12-line file)."""
+    from masgraph.tasks import _digest
+
+    for offset in range(10_000):
+        qs = [f"What is {i + offset} + {2 * i}?" for i in range(n)]
+        if all(_digest(q) % 10_000 >= 2_000 for q in qs):
+            return [{"question": q, "answer": str(3 * i + offset)} for i, q in enumerate(qs)]
+    raise AssertionError("no such file")
+
+
+def test_a_small_file_holds_out_one_item_in_five_even_when_no_hash_falls_in_the_share(tmp_path):
+    task = resolve_task(f"data:{_write(tmp_path / 'arith.jsonl', _unhashed(12), jsonl=True)}")
+    train, test = task.items("train", 100, 0), task.items("test", 6, 0)  # `--n 6`: the 2 there are
+    assert len(test) == 2 and len(train) == 10 and not {i.question for i in train} & {i.question for i in test}
+    assert [int(i.id.rsplit("-", 1)[1]) for i in test] == sorted(int(i.id.rsplit("-", 1)[1]) for i in test)
+    assert task.items("test", 6, 3) == test  # whatever the seed
+    assert task.split_note.startswith("2 of 12 items held out (split: hash")
+    one = resolve_task(f"data:{_write(tmp_path / 'one.jsonl', _unhashed(1), jsonl=True)}")
+    assert len(one.items("test", 5, 0)) == 1  # `masgraph run` has its item
+    with pytest.raises(MasgraphError, match=r"task 'one' has no train items: 1 of 1 items held out .*add items"):
+        one.items("train", 5, 0)
+
+
+def test_a_hash_split_keeps_every_item_the_share_holds_out(tmp_path):
+    """The minimum only adds items: a file whose share already holds out enough keeps exactly the hash rule."""
+    from masgraph.tasks import _digest
+
+    records = [{"id": i, "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(200)]
+    task = resolve_task(f"data:{_write(tmp_path / 'sums.jsonl', records, jsonl=True)}")
+    hashed = {r["question"] for r in records if _digest(r["question"]) % 10_000 < 2_000}
+    test = {i.question for i in task.items("test", 500, 0)}
+    assert hashed <= test and len(test) == max(len(hashed), 40)
+
+
+def test_a_split_test_file_says_it_cannot_train(tmp_path):
+    _write(tmp_path / "eval.jsonl", _unhashed(3), jsonl=True)
+    (tmp_path / "eval.yaml").write_text("file: eval.jsonl\nsplit: test\n")
+    task = resolve_task(f"data:{tmp_path / 'eval.yaml'}")
+    assert len(task.items("test", 10, 0)) == 3
+    with pytest.raises(MasgraphError, match=r"no train items: 3 of 3 items held out \(split: test, all of them: an "
+                                            r"evaluation set\); it is an evaluation set for `masgraph run`; to train"):
+        task.items("train", 1, 0)
+
+
+def test_a_loaded_task_remembers_the_reference_that_loads_it_again(tmp_path, monkeypatch):
+    """config.json records `task_ref` (issue 57 #11): a data task's absolute path, not its name 'arith'."""
+    from masgraph.tasks import get_task, task_ref
+
+    _write(tmp_path / "arith.jsonl", _unhashed(6), jsonl=True)
+    monkeypatch.chdir(tmp_path)
+    task = resolve_task("data:arith.jsonl")
+    assert task.name == "arith" and task_ref(task) == f"data:{tmp_path / 'arith.jsonl'}"
+    monkeypatch.chdir(tmp_path.parent)  # another directory: the reference still loads the same items
+    again = resolve_task(task_ref(task))
+    assert again.items("test", 5, 0) == task.items("test", 5, 0)
+    assert task_ref(get_task("basic_arithmetic")) == "basic_arithmetic"

@@ -210,8 +210,9 @@ train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 2, seed: 3, flow_
 """
     loop = TrainLoop(compile_spec(parse_spec(text, "judged.yaml")), task, tmp_path / "run", dtype="float32")
     last = asyncio.run(loop.run())
-    rollouts = list(read_traces(tmp_path / "run"))
-    assert len(rollouts) == 8  # 2 queries x 4 samples (the evaluations are not stored with the rollouts)
+    stored = list(read_traces(tmp_path / "run"))
+    rollouts = [t for t in stored if "evaluation" not in t.meta]  # the final evaluation's are marked as such
+    assert len(rollouts) == 8 and [t.meta["evaluation"] for t in stored if t not in rollouts] == [1, 1]
     for t in rollouts:  # an empty answer is 0 without a call
         assert t.reward == t.meta["judge"]["score"] and len(t.judge_calls) == int(bool((t.answer or "").strip()))
     assert {t.reward for t in rollouts} == {0.0, 1.0}

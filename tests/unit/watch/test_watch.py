@@ -298,7 +298,7 @@ async def test_training_view_shows_curves_progress_nodes_checkpoints(train_dir):
         await pilot.press("1")
         await pilot.pause()
         text = screen_text(app)
-        assert "Topology (current decision probabilities)" in text
+        assert "Topology after step 3 (metrics.jsonl: each option's probability" in text  # says what it is
         assert "choice:planner" in text and "python          0.62" in text
 
 

@@ -1,0 +1,7 @@
+"""`python -m masgraph`: the `masgraph` command."""
+
+import sys
+
+from masgraph.cli.main import main
+
+sys.exit(main())
