@@ -5,10 +5,12 @@ and what it left (adapters, their last gradients, the metrics) saved for the tes
     python dp_rank.py MODEL_DIR TRACES.jsonl OUT.pt SEED [SLEEP_S]
 
 SEED draws the adapters' starting values (rank 0's reach every rank); with SLEEP_S >= 0 this rank touches OUT.busy
-when it reaches the gradient all-reduce, then waits SLEEP_S before joining it (a rank to kill mid-update)."""
+when it reaches the gradient all-reduce, then waits SLEEP_S before joining it (a rank to kill mid-update, or a hung
+one). DP_TIMEOUT_S in the environment: the process group's timeout (default 60)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,7 +52,7 @@ def snapshot(algo: FlowGRPO, metrics: dict[str, float]) -> dict[str, Any]:
 
 
 def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "-1") -> int:
-    dp = init_from_env(torch.device("cpu"), timeout_s=60)
+    dp = init_from_env(torch.device("cpu"), timeout_s=float(os.environ.get("DP_TIMEOUT_S", "60")))
     algo = trainer(learner(model, int(seed)))
     if float(sleep_s) >= 0:  # touch OUT.busy on reaching the gradient all-reduce, and stall there SLEEP_S first
         reduce = DataParallel.all_reduce_grads
