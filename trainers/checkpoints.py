@@ -28,7 +28,7 @@ from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
 from masgraph.rundir.checkpoint import AdapterName, CheckpointState, checkpoint_adapters, load_state
-from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, step_dir
+from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, STEP_DIR, step_dir
 from masgraph.rundir.read import parse_json
 from masgraph.trainers.algorithm import TrainAlgorithm
 
@@ -73,6 +73,14 @@ class Checkpoints:
         os.replace(tmp, final)
         atomic_write(self.root / LATEST, final.name)
         return final
+
+    def drop_superseded(self, step: int, keep_every: int) -> None:
+        """Delete the complete checkpoints before `step` that are not every `keep_every`th step: `step`'s
+        checkpoint (written first) supersedes them. Half-written `.tmp` ones are replaced when their step is saved."""
+        for d in self.root.glob("step-*"):
+            named = STEP_DIR.fullmatch(d.name)
+            if named and int(named.group(1)) < step and int(named.group(1)) % keep_every:
+                shutil.rmtree(d, ignore_errors=True)
 
     def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str],
              config: Any, n_items: int | None = None) -> TrainState:

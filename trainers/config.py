@@ -310,7 +310,8 @@ class TrainBase(BaseModel):
     eval_n: int = Field(32, ge=1)
     """Held-out items per evaluation."""
     checkpoint_every: int = Field(5, ge=1)
-    """Checkpoint every N steps (and at the end, and on Ctrl-C)."""
+    """Keep every Nth step's checkpoint. Every finished step is checkpointed (a killed run resumes from its last
+    finished step); the next one replaces it unless N keeps it, so a run holds steps N, 2N, ... and its newest."""
     seed: int = 0
     """Seeds the data order, sampling and LoRA initialisation."""
     deterministic: bool = False

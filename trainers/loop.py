@@ -196,8 +196,8 @@ class TrainLoop:
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        """Train from the current step to `steps`; checkpoint on schedule, at the end and when interrupted. Each
-        step's metrics (and step 0's untrained evaluation) go to the sinks as a `TrainStep`."""
+        """Train from the current step to `steps`, checkpointing each finished step (and the last one when
+        interrupted). Each step's metrics (and step 0's untrained evaluation) go to the sinks as a `TrainStep`."""
         config = {"train": self.cfg.model_dump(), "task": task_ref(self.task)}  # loadable again (topology, export)
         store = self._store = RunStore(self.run_dir, self.graph.spec, config)
         trackers = TrackerSink(self.cfg.report_to, self.run_dir, config)  # train.report_to: TensorBoard, W&B, MLflow
@@ -213,8 +213,7 @@ class TrainLoop:
                         last.update(await self.evaluate())
                 finally:  # an interrupted evaluation still records the step it followed
                     self._record(last)
-                if self.step % self.cfg.checkpoint_every == 0 or self.finished():
-                    self.save()
+                self.save()  # every finished step: a killed run resumes from it (see `save`)
         except BaseException:
             if self.step > 0 and not self._updating and not self._checkpoint_dir(self.step).exists():
                 self.save()  # Ctrl-C (or a failure) keeps the last completed step, not the interrupted one
@@ -349,12 +348,15 @@ class TrainLoop:
         return self.checkpoints.step_dir(step)
 
     def save(self) -> Path:
-        """Checkpoint the last completed step (see `trainers/checkpoints.py`); emits `CheckpointSaved`."""
+        """Checkpoint the last completed step (see `trainers/checkpoints.py`); emits `CheckpointSaved`. Every finished
+        step is saved (a run killed with SIGKILL resumes from its last finished step); once it is whole, the earlier
+        steps `checkpoint_every` does not keep are deleted, so a run keeps every Nth step and its newest one."""
         adapters = sorted(set(self.trainable.values()))
         state = TrainState(step=self.step, cursor=self.cursor, train_seconds=self.train_seconds,
                            versions={a: self.learner.version(a) for a in adapters}, adapters=adapters,
                            dtype=self.learner.dtype)
         final = self.checkpoints.save(state, self.learner, self.algo, self._rng)
+        self.checkpoints.drop_superseded(self.step, self.cfg.checkpoint_every)
         self._emit(CheckpointSaved(step=self.step, path=str(final)))
         return final
 

@@ -117,7 +117,7 @@ def test_cancelled_step_checkpoints_the_last_completed_step_and_resumes_exactly(
     asyncio.run(interrupt_in_step_two())
     assert [e.step for e in events.events if isinstance(e, TrainStep)] == [1]
     assert [(e.step, e.path) for e in events.events if isinstance(e, CheckpointSaved)] == [
-        (1, str(tmp_path / "b" / "checkpoints" / "step-1"))]  # written on the cancellation
+        (1, str(tmp_path / "b" / "checkpoints" / "step-1"))]  # written when step 1 finished, not again
     state = json.loads((tmp_path / "b" / "checkpoints" / "step-1" / "state.json").read_text())
     assert state["step"] == 1 and state["cursor"] == loop.cfg.queries_per_step  # not moved by step 2's take
     resumed = _loop(tiny, tmp_path / "b")
@@ -198,8 +198,10 @@ def test_a_train_run_emits_steps_evaluations_and_checkpoints_and_writes_metrics_
     loop = _loop(tiny, tmp_path / "run", TRAIN.replace("eval_every: 0", "eval_every: 2"), sinks=[events])
     asyncio.run(loop.run())
     kinds = [(type(e).__name__, e.step) for e in events.events if not isinstance(e, Credited)]
-    assert kinds == [("EvalFinished", 0), ("TrainStep", 0), ("TrainStep", 1), ("EvalFinished", 2),
-                     ("TrainStep", 2), ("EvalFinished", 3), ("TrainStep", 3), ("CheckpointSaved", 3)]
+    assert kinds == [("EvalFinished", 0), ("TrainStep", 0), ("TrainStep", 1), ("CheckpointSaved", 1),
+                     ("EvalFinished", 2), ("TrainStep", 2), ("CheckpointSaved", 2), ("EvalFinished", 3),
+                     ("TrainStep", 3), ("CheckpointSaved", 3)]  # every finished step is checkpointed
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-3"]  # the others replaced
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events.events if isinstance(e, TrainStep)]
     for e in steps[1:]:  # each step's rows, one advantage per call, before its metrics
@@ -299,3 +301,16 @@ def test_a_task_without_held_out_items_is_refused_before_training(tiny, tmp_path
     with pytest.raises(MasgraphError, match="no test items left.*PartitionedTask"):
         TrainLoop(_graph(tiny, TRAIN), Leaky(), tmp_path / "run", dtype="float32")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_every_finished_step_is_resumable_and_checkpoint_every_says_which_are_kept(tiny, tmp_path):
+    """Issue 58 #15: with the default checkpoint_every (5), a run of 2 steps killed in step 2 had no checkpoint.
+    Now each finished step is saved; earlier ones that checkpoint_every does not keep go once the next is whole."""
+    loop = _loop(tiny, tmp_path / "run", TRAIN.replace("checkpoint_every: 10", "checkpoint_every: 2"))
+    kept = []
+    loop.checkpoints.save = lambda *a, save=loop.checkpoints.save: kept.append(save(*a)) or kept[-1]
+    asyncio.run(loop.run())
+    assert [p.name for p in kept] == ["step-1", "step-2", "step-3"]
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert steps == ["step-2", "step-3"] and (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-3"
+
