@@ -124,3 +124,23 @@ def test_the_cli_keeps_transformers_past_key_values_notice_out_of_the_progress_b
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "past_key_values" not in out.stderr, out.stderr
     assert "something else is deprecated" in out.stderr
+
+
+def test_the_readme_graph_blocks_are_the_shipped_graph():
+    """README's YAML block is graphs/agentflow.yaml less its `train:` section (as it says), and its Python block builds
+    the same GraphSpec (issue 57 #17: it had no verifier adapter, no memory, no episode_timeout_s)."""
+    import re
+
+    import yaml
+
+    from masgraph.loader import load_spec, parse_spec
+
+    blocks = re.findall(r"```(\w+)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    yaml_block = next(text for lang, text in blocks if lang == "yaml" and text.startswith("name: agentflow"))
+    python_block = next(text for lang, text in blocks if lang == "python" and "GraphBuilder(" in text)
+    shown = parse_spec(yaml_block, "README.md")
+    assert shown == load_spec(ROOT / "graphs" / "agentflow.yaml").model_copy(update={"train": None})
+    scope: dict = {}
+    exec(python_block, scope)  # noqa: S102 (the README's own block)
+    assert scope["graph"].spec == shown
+    assert yaml.safe_load(scope["text"]) == shown.model_dump(mode="json")

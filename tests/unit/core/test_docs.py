@@ -216,13 +216,13 @@ def test_block_runs_or_validates(block, checked):
 
 def _commands(text: str) -> list[list[str]]:
     """Each simple command of a bash block as words: comments, continuations, env assignments and redirections
-    removed, `&&` / `;` / `|` lists split."""
+    removed, `&&` / `;` / `|` / `&` lists split."""
     out = []
     for line in text.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
         current: list[str] = []
         for w in [*words, ";"]:
-            if w in ("&&", "||", ";", "|"):
+            if w in ("&&", "||", ";", "|", "&"):
                 if current:
                     out.append(current)
                 current = []
