@@ -29,6 +29,11 @@ _WORDS_AFTER = re.compile(r"(?:\s+[A-Za-z' ,.]*)?")
 """Prose allowed after it: a space, then words ("please", "now")."""
 MAX_EXPONENT = 100
 MAX_MAGNITUDE = 10**30
+MAX_CHARS = 150_000
+"""Longest text read (prose included): ~0.1 s of parsing at most (10 MB took 9 s of CPU before its error)."""
+_CODE = (ast.Lambda, ast.Attribute, ast.Subscript, ast.NamedExpr, ast.Starred, ast.Await, ast.Yield,
+         ast.YieldFrom, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.IfExp, ast.JoinedStr)
+"""Python constructs that make a text code, not prose around an expression (`lambda: 1` is not `1`)."""
 
 
 def calculate(expression: str) -> int | float:
@@ -37,6 +42,9 @@ def calculate(expression: str) -> int | float:
     Prose around a single expression is tolerated ("compute 12 + 7 please", "12 + 7 ="), but not text glued
     to it ("1000!") nor several expressions or statements ("2 + 3; import os").
     """
+    if len(expression) > MAX_CHARS:
+        raise ArithError(f"expression too long: {len(expression)} characters (max {MAX_CHARS}): give one arithmetic "
+                         "expression")
     text = _normalize(expression)
     if not text:
         raise ArithError("empty expression: give one arithmetic expression, e.g. (12 + 7) * 3")
@@ -44,6 +52,9 @@ def calculate(expression: str) -> int | float:
         tree = _parse(text)
     except SyntaxError:
         tree = None
+    if tree is not None and (code := next((n for n in ast.walk(tree) if isinstance(n, _CODE)), None)):
+        raise ArithError(f"{_short(expression)} is Python code ({type(code).__name__}), not an arithmetic "
+                         "expression: give numbers, + - * / // % ** and parentheses")
     if tree is None or not _is_arithmetic(tree):  # "what is 12 + 7" parses, as a comparison
         span = _lenient_span(expression, text)
         try:
