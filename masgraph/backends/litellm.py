@@ -8,6 +8,7 @@ import asyncio
 import os
 
 from masgraph.backends.base import BackendError, Completion, Request
+from masgraph.errors import shorten
 
 
 class LiteLLMBackend:
@@ -36,15 +37,26 @@ class LiteLLMBackend:
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p,
                 max_tokens=req.sampling.max_tokens, timeout=self.timeout_s, seed=req.seed)
         except Exception as exc:
-            raise BackendError(f"litellm {self.model}: {type(exc).__name__}: {exc}") from None
-        choice = resp.choices[0]
+            raise BackendError(f"litellm {self.model}: {type(exc).__name__}: {_said(exc)}") from None
+        choices = getattr(resp, "choices", None)
+        message = getattr(choices[0], "message", None) if isinstance(choices, list) and choices else None
+        if message is None or not isinstance(getattr(message, "content", None) or "", str):
+            raise BackendError(f"litellm {self.model}: the server{f' at {self.api_base}' if self.api_base else ''} "
+                               f"returned no completion message (choices: {shorten(repr(choices), 200)})")
         prompt, completion = _usage(getattr(resp, "usage", None))
-        return Completion(text=choice.message.content or "", prompt_ids=[], completion_ids=[], logprobs=[],
-                          finish_reason="length" if choice.finish_reason == "length" else "stop",
+        return Completion(text=message.content or "", prompt_ids=[], completion_ids=[], logprobs=[],
+                          finish_reason="length" if choices[0].finish_reason == "length" else "stop",
                           prompt_tokens=prompt, completion_tokens=completion)
 
     async def aclose(self) -> None:
         return None
+
+
+def _said(exc: Exception) -> str:
+    """What litellm's error says, without the traceback some of its messages carry (an invalid response from the
+    server: `Invalid response object Traceback ...`), shortened."""
+    text = str(exc).split("Traceback (most recent call last)")[0].strip()
+    return shorten(text or type(exc).__name__, 400)
 
 
 def _usage(usage: object) -> tuple[int | None, int | None]:
