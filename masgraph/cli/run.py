@@ -96,6 +96,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not items:
         raise MasgraphError(f"task {task.name!r} has no {config.split} items for seed {config.seed}; "
                             "check its generate() or pick the other --split")
+    if len(items) < config.n:  # a small data file: say what the run evaluates
+        held = getattr(task, "split_note", None) if config.split == "test" else None
+        print(f"note: task {task.name!r} has {plural(len(items), config.split + ' item')}, fewer than --n "
+              f"{config.n}{f' ({held})' if held else ''}: the run has {len(items)}", file=sys.stderr)
     Path(config.runs_dir).mkdir(parents=True, exist_ok=True)  # an unwritable --runs-dir fails before the model loads
     print(f"loading {graph.spec.name} ({plural(len(graph.spec.nodes), 'node')}) ...", file=sys.stderr)
     run_dir = new_run_dir(config.runs_dir, graph.spec.name)  # now: a server a backend starts logs into it

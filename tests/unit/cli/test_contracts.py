@@ -144,3 +144,21 @@ def test_the_readme_graph_blocks_are_the_shipped_graph():
     exec(python_block, scope)  # noqa: S102 (the README's own block)
     assert scope["graph"].spec == shown
     assert yaml.safe_load(scope["text"]) == shown.model_dump(mode="json")
+
+
+def test_a_run_of_a_small_data_file_says_how_many_items_it_has(tmp_path, capsys):
+    """`masgraph run G --task data:f.jsonl --n 6` on 12 lines: 2 held out (1 in 5), said before the model loads (the
+    scripted policy stops the run right after)."""
+    from masgraph.tasks import _digest
+
+    candidates = ([f"What is {i + off} + {2 * i}?" for i in range(12)] for off in range(10_000))
+    qs = next(q for q in candidates if all(_digest(x) % 10_000 >= 2_000 for x in q))  # none in the 20 % share
+    (tmp_path / "arith.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in qs))
+    graph = tmp_path / "s.yaml"
+    graph.write_text("name: s\npolicies:\n  main: {backend: scripted}\nnodes:\n  answer: {role: generator, policy: "
+                     "main}\nentry: answer\nexit: answer\n")
+    main(["run", str(graph), "--task", f"data:{tmp_path / 'arith.jsonl'}", "--n", "6", "--runs-dir",
+          str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert "no test items" not in err
+    assert "note: task 'arith' has 2 test items, fewer than --n 6 (2 of 12 items held out (split: hash" in err, err
