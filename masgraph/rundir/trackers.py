@@ -108,6 +108,10 @@ class WandbTracker:
 
 
 _MLFLOW_BAD = re.compile(r"[^\w\-./ :]")  # MLflow's key alphabet
+_MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""Defaults for a remote MLflow (each left as set when it is): MLflow's own (7 retries, factor 2, 120 s) hold a
+training step for minutes when the server is down."""
 
 
 class MlflowTracker:
@@ -123,6 +127,8 @@ class MlflowTracker:
         if not uri:  # the run dir's own file store: MLflow 3 keeps it (in maintenance) behind this opt-in
             uri = (run_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        for var, value in _MLFLOW_HTTP.items():  # a server that is down costs seconds, not minutes of retries
+            os.environ.setdefault(var, value)
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "masgraph")
         found = self.client.get_experiment_by_name(name)

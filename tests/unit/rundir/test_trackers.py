@@ -136,3 +136,16 @@ def test_a_tracker_that_cannot_start_is_one_warning_and_the_others_go_on(tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: report_to wandb: could not start (ModuleNotFoundError")
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow  # importing mlflow takes seconds
+def test_an_mlflow_server_that_is_down_is_one_warning_within_seconds(tmp_path, monkeypatch, capsys, free_port):
+    for var in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)  # (and each restored after: the sink sets its defaults)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    t0 = time.monotonic()
+    sink = TrackerSink(["mlflow"], tmp_path, {"train": {}})
+    assert time.monotonic() - t0 < 60  # MLflow's own retries: 250 s here
+    assert sink.trackers == {}
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: report_to mlflow: could not start (MlflowException: API request to http://")
