@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from masgraph.errors import MasgraphError
-from masgraph.learn.data_parallel import TIMEOUT_S, DataParallel, PeerLost, init_from_env, world_from_env
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # masgraph.learn.data_parallel imports torch: only once a command needs it
     from masgraph.graph import Graph
+    from masgraph.learn.data_parallel import DataParallel, PeerLost
+
+TIMEOUT_MINUTES = 30
+"""`--learner-timeout`'s default (`masgraph.learn.data_parallel.TIMEOUT_S`, which a test holds equal)."""
 
 
 def learner_args(t: argparse.ArgumentParser) -> None:
@@ -28,7 +31,7 @@ def learner_args(t: argparse.ArgumentParser) -> None:
                    help="learner ranks for the update (data parallel; Flow-GRPO, hf rollouts): starts them with "
                         "torchrun on this machine; under torchrun it must match the ranks it started "
                         "(docs/scale-out.md)")
-    t.add_argument("--learner-timeout", type=float, default=TIMEOUT_S, metavar="SECONDS",
+    t.add_argument("--learner-timeout", type=float, default=60.0 * TIMEOUT_MINUTES, metavar="SECONDS",
                    help="how long a learner rank waits for a silent one (a hung rank) before the run stops "
                         "(default %(default)g; a rank that dies is seen at once); it must cover rank 0's rollouts, "
                         "evaluation and checkpoint between two updates")
@@ -37,7 +40,7 @@ def learner_args(t: argparse.ArgumentParser) -> None:
 def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
     """`--learners N` outside torchrun: run this same command under `torchrun --standalone --nproc-per-node N` (its
     exit code); None when there is nothing to start (one learner, or already under torchrun)."""
-    _, world, _ = world_from_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     n = args.learners
     if n is None or n == 1 and world == 1:
         return None
@@ -59,9 +62,11 @@ def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, G
     """Join the learner ranks torchrun started (None in a single process), after checking this run can be split:
     Flow-GRPO with in-process hf rollouts (Ray workers and vLLM servers would be started once per rank). On CUDA
     each rank's policies move to its own GPU (LOCAL_RANK)."""
-    _, world, local = world_from_env()
-    if world <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None, graph
+    from masgraph.learn.data_parallel import init_from_env, world_from_env
+
+    _, world, local = world_from_env()
     spec, problems = graph.spec, []
     if spec.train.algorithm != "flow_grpo":
         problems.append(f"train.algorithm is {spec.train.algorithm!r}")
@@ -97,6 +102,8 @@ def shared_run_dir(dp: DataParallel | None, make: Any) -> Path:
 def follow(loop: Any, dp: DataParallel, checkpoint: Path | None, run_dir: Path) -> int:
     """A rank other than 0: load the checkpoint rank 0 resumes from (reading only), then join each update rank 0
     starts (it sends the step number, then its traces inside the update) until it says training is over (None)."""
+    from masgraph.learn.data_parallel import PeerLost
+
     try:
         if checkpoint is not None:
             loop.checkpoints.load(checkpoint, loop.learner, loop.algo, sorted(set(loop.trainable.values())), loop.cfg)
@@ -111,6 +118,8 @@ def follow(loop: Any, dp: DataParallel, checkpoint: Path | None, run_dir: Path) 
 @contextmanager
 def leading(dp: DataParallel | None, run_dir: Path) -> Iterator[None]:
     """Rank 0's training: a lost rank becomes one error naming the last checkpoint; at the end the others exit."""
+    from masgraph.learn.data_parallel import PeerLost
+
     try:
         yield
     except PeerLost as exc:
@@ -129,6 +138,8 @@ def finish(dp: DataParallel | None) -> None:
     if dp is None:
         return
     import torch.distributed as dist
+
+    from masgraph.learn.data_parallel import PeerLost
 
     try:
         announce(dp, None)

@@ -79,3 +79,15 @@ def test_a_lost_rank_names_the_last_checkpoint(tmp_path):
     assert message.startswith("learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is ")
     assert f"{run}/checkpoints/step-2; resume with --resume {run} and the same --learners" in message
     assert "no checkpoint was written in" in str(located(PeerLost("x"), tmp_path))
+
+
+def test_the_train_command_imports_no_torch_until_it_runs():
+    import subprocess
+    import sys
+
+    from masgraph.cli.learners import TIMEOUT_MINUTES
+    from masgraph.learn.data_parallel import TIMEOUT_S
+
+    assert 60 * TIMEOUT_MINUTES == TIMEOUT_S  # --learner-timeout's default is the group's
+    code = "import sys, masgraph.cli.main, masgraph.cli.train; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

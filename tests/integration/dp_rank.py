@@ -1,4 +1,4 @@
-"""One learner rank for test_data_parallel.py, run as a script under torchrun's environment (RANK, WORLD_SIZE,
+"""One learner rank for test_data_parallel_ranks.py, run as a script under torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT): the tiny model's learner with two adapters, one Flow-GRPO update on the traces given,
 and what it left (adapters, their last gradients, the metrics) saved for the test to compare.
 

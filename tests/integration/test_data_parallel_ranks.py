@@ -1,0 +1,201 @@
+"""Data-parallel Flow-GRPO across processes (`masgraph.learn.data_parallel`, `masgraph.cli.learners`): two gloo
+ranks, each computing its share of a step's rows, take the optimizer step one process takes on all of them; a rank
+killed or hung mid-update stops the other with one error line; `masgraph train --learners 2` trains and resumes as
+one learner does. The model is the unit tests' tiny random Llama (not the embedded one); marked integration and
+slow for the slow tier: each test starts 2-3 Python processes (about a minute each on a busy 2-core machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.learn.data_parallel import token_shards
+from masgraph.trace import LLMCall, Step, Trace
+from masgraph.trainers.flow_grpo import Row
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+PER_RANK = {"rows/sequences", "rows/tokens_received", "rows/tokens_computed"}
+"""The learner's packing counts (`pack_stats`): what this rank's own forward passes computed."""
+
+
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+dp_rank = _module("dp_rank", HERE / "dp_rank.py")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The unit tests' tiny random Llama (tests/unit/conftest.py), built here the same way."""
+    return _module("unit_conftest", HERE.parent / "unit" / "conftest.py").tiny.__wrapped__(tmp_path_factory)
+
+
+def _traces(model: str) -> list[Trace]:
+    """One group of 4 trajectories: a planner call each (long rows), and a short verifier call in the first only,
+    with logprobs recorded under the adapters as the update starts (ratios start at 1, so nothing is clipped)."""
+    learn = dp_rank.learner(model, 0)
+    prompts = [[1, 4, 5, 6, 7, 8, 9], [1, 4, 5, 6, 10, 11], [1, 4, 5, 12, 13], [1, 4, 14]]
+    completions = [[16, 17, 18, 19, 2], [20, 21, 22, 2], [23, 24, 25, 2], [26, 27, 2]]
+    traces = []
+    for i, (reward, prompt, completion) in enumerate(zip([1.0, 0.0, 1.0, 0.5], prompts, completions)):
+        calls = [("planner", "plan", prompt, completion)] + ([("verifier", "check", [1, 5], [29, 2])] if i == 0 else [])
+        steps = []
+        for k, (node, adapter, p, c) in enumerate(calls):
+            with torch.no_grad():
+                [lp] = learn.sequence_logprobs([Row(i, node, adapter, p, c, [], 0.0, 0)], adapter)
+            call = LLMCall(policy=node, adapter=adapter, prompt_ids=p, completion_ids=c, logprobs=lp.tolist(),
+                           text="x", temperature=1.0)
+            steps.append(Step(episode_id=f"e{i}", index=k, node=node, role="planner", turn=1, llm=[call]))
+        traces.append(Trace(episode_id=f"e{i}", item_id="q", query="q", steps=steps, reward=reward))
+    return traces
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: Path, traces: Path, out: Path, seeds: list[int], sleep_s: list[float] | None = None,
+           env_extra: dict[str, str] | None = None, **kw) -> list[subprocess.Popen]:
+    """One dp_rank.py process per seed, started as torchrun would (env:// rendezvous on localhost)."""
+    port, sleep_s = _free_port(), sleep_s or [-1.0] * len(seeds)
+    procs = []
+    for rank, seed in enumerate(seeds):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(seeds)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "dp_rank.py"), str(model), str(traces),
+                                       str(out / f"rank{rank}.pt"), str(seed), str(sleep_s[rank])], env=env, **kw))
+    return procs
+
+
+def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: float = 180) -> list[int]:
+    """Run one dp_rank.py process per seed to the end; their exit codes."""
+    return [p.wait(timeout) for p in _start(model, traces, out, seeds)]
+
+
+def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
+    traces = _traces(str(tiny))
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
+    # rank 1 never holds a verifier ("check") row: its share is the two middle-length planner rows
+    lengths = [len(c.prompt_ids) + len(c.completion_ids) for t in traces for s in t.steps for c in s.llm]
+    assert lengths == [12, 4, 10, 9, 6] and token_shards(lengths, 2) == [[0, 1, 4], [2, 3]]
+    one = dp_rank.trainer(dp_rank.learner(str(tiny), 0))
+    metrics = one.update(traces, seed="0:0")
+    want = dp_rank.snapshot(one, metrics)
+
+    assert _ranks(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 1]) == [0, 0]  # rank 1 starts elsewhere
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for a in ("check", "plan"):
+            for g, w in zip(got["grads"][a], want["grads"][a]):
+                # fp32 (eps 1.2e-7): each rank's forward passes hold other rows (other packing, other batch shapes)
+                # and the gradient is a sum of two partial sums, which moves the last bits of each token's term;
+                # measured here up to 7e-7 of a tensor's largest entry. 1e-5 of it: a lost rank's share is ~50%
+                assert torch.allclose(g, w, rtol=1e-4, atol=1e-5 * w.abs().max().item()), (rank, a)
+            for p, w in zip(got["params"][a], want["params"][a]):
+                # Adam's first step is lr * g / (|g| + eps), ~lr per element whatever the gradient's scale, and
+                # sensitive where |g| nears eps (1e-8): measured up to 1.6e-4 lr (an entry with g = 2.5e-7); 1e-3 lr
+                assert torch.allclose(p, w, rtol=0, atol=1e-3 * dp_rank.LR), (rank, a)
+        assert got["metrics"].keys() == want["metrics"].keys()
+        for k in want["metrics"].keys() - PER_RANK:  # loss, KL, clip fraction, grad norms: over both ranks' rows
+            assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-5, abs=1e-9), (rank, k)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_rank_killed_or_hung_mid_update_stops_the_other_with_one_error_line(tiny, tmp_path, fault):
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in _traces(str(tiny))))
+    timeout_s = 60 if fault == "killed" else 30  # the group's: how long a silent rank is waited for
+    rank0, rank1 = _start(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 0], sleep_s=[0, 600],
+                          stderr=subprocess.PIPE, text=True, env_extra={"DP_TIMEOUT_S": str(timeout_s)})
+    try:
+        t0 = time.monotonic()
+        while not all((tmp_path / f"rank{r}.pt.busy").exists() for r in (0, 1)):  # both reached the all-reduce
+            assert time.monotonic() - t0 < 240 and rank0.poll() is None and rank1.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 waits inside it for rank 1, which stalls before joining
+        if fault == "killed":
+            rank1.send_signal(signal.SIGKILL)
+        since = time.monotonic()
+        code = rank0.wait(90)  # killed: its connections close, seen at once; hung: the group's timeout
+        waited = time.monotonic() - since
+    finally:
+        rank1.kill()
+    errors = [line for line in rank0.stderr.read().splitlines() if line.startswith("error:")]
+    assert code == 1 and waited < (20 if fault == "killed" else timeout_s + 20), waited
+    assert len(errors) == 1 and "learner rank 0 of 2" in errors[0] and "rank 1 stopped" in errors[0], errors
+    assert "gradient all-reduce" in errors[0]
+    assert not (tmp_path / "rank0.pt").exists()  # no half-updated adapters were saved
+
+
+GRAPH = """\
+name: one-node
+policies:
+  main: {{model: "{model}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main, prompt: direct}}
+entry: answer
+exit: answer
+train: {{steps: 1, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3, flow_grpo: {{group_size: 2, lr: 0.01}}}}
+"""
+ALTERNATING = ("from masgraph.tasks import BasicArithmetic\n\n\nclass Alternating(BasicArithmetic):\n"
+               "    name = 'alternating'\n\n    def reward(self, item, trace):\n"
+               "        return float(trace.meta['sample'] % 2)\n")  # every group informative
+
+
+def _same_step(one_run: Path, two_run: Path, step: int) -> None:
+    """The two runs' checkpoints of `step` hold the same adapters, and their metrics of it agree."""
+    from safetensors.torch import load_file
+
+    [a] = (one_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
+    [b] = (two_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
+    want, got = load_file(a), load_file(b)
+    assert want.keys() == got.keys()
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-3 * dp_rank.LR) for k in want), step  # as above
+    assert any("lora_B" in k and want[k].abs().max() > 0 for k in want)  # the steps moved B off its zero init
+    m1, m2 = [next(m for line in (r / "metrics.jsonl").read_text().splitlines() if (m := json.loads(line))["step"]
+                   == step) for r in (one_run, two_run)]
+    assert m2["rows/trained"] == m1["rows/trained"] > 0
+    for k in ("loss/total", "loss/policy", "kl/ref_k3", "grad_norm/answer"):  # the loss sums +-A: near 0 here
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), (step, k)
+
+
+def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does(tiny, tmp_path):
+    from masgraph.cli import main
+
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny))
+    (tmp_path / "alt.py").write_text(ALTERNATING)
+    args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as this process: the same rollouts on rank 0
+
+    def two_learners(*more: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "masgraph", *args, *more, "--learners", "2"], env=env,
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
+    two = two_learners("--runs-dir", str(tmp_path / "two"))
+    assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
+    [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
+    _same_step(one_run, two_run, 1)
+    # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step
+    assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
+    assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
+    _same_step(one_run, two_run, 2)
