@@ -44,6 +44,9 @@ class McpOptions(ToolOptions):
     sits in the graph file: `{Authorization: MY_SERVER_AUTH}`."""
     cwd: str | None = None
     """Working directory of a `command` server (default: the current one)."""
+    pass_env: list[str] = Field(default_factory=list)
+    """Environment variables a `command` server gets from this process (it starts with the SDK's minimal
+    environment: HOME, PATH, USER, ...), e.g. `[GITHUB_TOKEN]`: names here, values never in the graph file."""
     tool: str
     """The server's tool this graph tool calls (`masgraph validate --check-tools` lists them)."""
     connect_timeout_s: float = Field(30.0, gt=0)
@@ -58,6 +61,8 @@ class McpOptions(ToolOptions):
             raise ValueError("`command` is empty; give the program and its arguments")
         if self.headers_env and self.url is None:
             raise ValueError("`headers_env` needs a `url:` server (a stdio server takes no headers)")
+        if self.pass_env and self.url is not None:
+            raise ValueError("`pass_env` is for a `command:` server; an HTTP server takes `headers_env`")
         return self
 
 
@@ -87,7 +92,13 @@ class McpServer:
 
         o = self.options
         if o.url is None:
-            params = StdioServerParameters(command=o.command[0], args=o.command[1:], cwd=o.cwd)
+            missing = [v for v in o.pass_env if v not in os.environ]
+            if missing:
+                raise MasgraphError(f"environment variable(s) {', '.join(missing)} not set (pass_env)")
+            from mcp.client.stdio import get_default_environment
+
+            env = get_default_environment() | {v: os.environ[v] for v in o.pass_env}
+            params = StdioServerParameters(command=o.command[0], args=o.command[1:], cwd=o.cwd, env=env)
             return stdio_client(params, errlog=_errlog())
         missing = [v for v in o.headers_env.values() if v not in os.environ]
         if missing:
@@ -173,7 +184,7 @@ _LOCK = threading.Lock()
 def server(options: McpOptions) -> McpServer:
     """The process's connection to this server (started, and its tools listed, on first use)."""
     key = (os.getpid(), options.url, tuple(options.command or ()), options.cwd,
-           tuple(sorted(options.headers_env.items())))
+           tuple(sorted(options.headers_env.items())), tuple(sorted(options.pass_env)))
     with _LOCK:
         if key not in _SERVERS:
             _SERVERS[key] = McpServer(options)

@@ -47,6 +47,11 @@ def die() -> str:
     os._exit(3)
 
 @mcp.tool()
+def token() -> str:
+    """The MCP_TEST_TOKEN this server was given."""
+    return os.environ.get("MCP_TEST_TOKEN", "unset")
+
+@mcp.tool()
 def whoami(ctx: Context) -> str:
     """The Authorization header this call came with."""
     request = ctx.request_context.request  # the HTTP request (None over stdio)
@@ -60,7 +65,7 @@ if __name__ == "__main__":
 '''
 
 INPUTS = {"add": 'Input: {"a": 2, "b": 3}', "boom": 'Input: {"text": "x"}', "slow": "Input: 30", "die": "Input: {}",
-          "whoami": "Input: {}"}
+          "whoami": "Input: {}", "token": "Input: {}"}
 
 
 def reply(request) -> str:
@@ -98,9 +103,10 @@ def server_file(tmp_path_factory):
 
 
 @pytest.mark.slow  # starts an MCP server process (stdio)
-def test_stdio_server_tools_run_fail_time_out_and_die_only_in_their_steps(server_file, run):
-    nodes = [("s1", "add"), ("s2", "boom"), ("s3", "slow"), ("s4", "die"), ("s5", "add")]
-    g = graph({"command": [sys.executable, str(server_file)]}, nodes)
+def test_stdio_server_tools_run_fail_time_out_and_die_only_in_their_steps(server_file, run, monkeypatch):
+    nodes = [("s1", "add"), ("s2", "boom"), ("s3", "slow"), ("s4", "die"), ("s5", "add"), ("s6", "token")]
+    monkeypatch.setenv("MCP_TEST_TOKEN", "t0ken")
+    g = graph({"command": [sys.executable, str(server_file)], "pass_env": ["MCP_TEST_TOKEN"]}, nodes)
     trace, backend = episode(g, run)
     assert trace.status == "ok" and [s.node for s in trace.steps] == [n for n, _ in nodes]
     got = calls(trace)
@@ -109,6 +115,7 @@ def test_stdio_server_tools_run_fail_time_out_and_die_only_in_their_steps(server
     assert got["s3"][:2] == ("30", None) and "slow timed out after 3.0s" in got["s3"][2]
     assert got["s4"][2].startswith("MCP server `") and "Connection closed" in got["s4"][2]
     assert got["s5"] == ('{"a": 2, "b": 3}', "5", None)  # the dead server was started again
+    assert got["s6"][1:] == ("t0ken", None)  # pass_env reached the server
     assert all(s.tool.duration_s > 0 for s in trace.steps)
     first_prompt = backend.requests[0].messages[0]["content"]  # the server's description and arguments
     assert 'add: Add two integers. Input: JSON {"a": integer, "b": integer}' in first_prompt
