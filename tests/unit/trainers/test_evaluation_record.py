@@ -26,6 +26,19 @@ train: {{steps: 1, queries_per_step: 1, eval_every: 1, eval_n: 4, seed: 0, flow_
 """
 
 
+class Phases:
+    """A progress sink (as the CLI's TrainProgress): the phases the loop announces, with their episode totals."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def phase(self, name: str, step: int, total: int) -> None:
+        self.seen.append((name, step, total))
+
+    def emit(self, event) -> None:
+        pass
+
+
 def _data(tmp_path, n: int):
     """n items none of which the 20 % hash share holds out: the file holds out 1 in 5 all the same."""
     for offset in range(10_000):
@@ -51,9 +64,11 @@ def test_a_training_run_records_the_task_reference_and_stores_its_evaluations(ti
     task = resolve_task("data:arith.jsonl")  # as `--task data:arith.jsonl` gives it
     [held] = task.items("test", 4, 0)
     graph = compile_spec(parse_spec(GRAPH.format(model=tiny), "evaluated.yaml"))
+    phases = Phases()
     with pytest.warns(TaskSplitWarning, match="holds out 1 item, fewer than train.eval_n 4: each evaluation runs"):
-        loop = TrainLoop(graph, task, tmp_path / "run", dtype="float32")
+        loop = TrainLoop(graph, task, tmp_path / "run", dtype="float32", sinks=[phases])
     asyncio.run(loop.run())
+    assert [total for name, _, total in phases.seen if name == "evaluation"] == [1, 1]  # progress: 0/1, not 0/4
     run = tmp_path / "run"
 
     config = json.loads((run / "config.json").read_text())["config"]
