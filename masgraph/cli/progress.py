@@ -177,8 +177,11 @@ class TrainProgress:
         if event.step == 0:
             return f"step 0/{self.steps}  (untrained){test}"
         reward = m.get(TOPOLOGY_REWARD if self.topology_only else REWARD, 0)
+        rows = m.get(ROWS, 0)
+        # a step whose every group scored alike has no advantage to push: say so rather than show a bare 0
+        why = " (each group scored alike: no update)" if not rows else ""
         nodes = "" if self.topology_only else (
-            f"kl {m.get(KL, 0):.4f}  loss {m.get(LOSS, 0):+.4f}  rows {m.get(ROWS, 0):.0f}  ")
+            f"kl {m.get(KL, 0):.4f}  loss {m.get(LOSS, 0):+.4f}  rows {rows:.0f}{why}  ")
         return (f"step {event.step}/{self.steps}  reward {reward:.3f}  acc(train) {m.get(ACCURACY_TRAIN, 0):.3f}"
                 f"{test}  {nodes}{topology_summary(m)}{m[TOKENS_PER_S]:.1f} tok/s  {m[TRAIN_S] / 60:.1f} min")
 

@@ -74,27 +74,56 @@ def common_prefix(seqs: Sequence[Sequence[int]], limit: int) -> int:
     return max(n, 0)
 
 
-def plan_rows(rows: Sequence[TokenRow], share: bool = True, merge: bool = True) -> PackPlan:
-    """The layout of one logprob pass over `rows` (of one adapter). `merge` folds a row whose prompt + completion is
-    a prefix of another row's sequence into that row; `share` computes the common prefix and each group's shared
-    middle once (off when gradient checkpointing, which cannot recompute a cache)."""
+def share_middles(middles: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Cluster the hosts' middle segments so each cluster's common prefix is computed once: per host its cluster and
+    the length of that cluster's shared prefix. In sorted order a host joins the current cluster while that does not
+    lower what the cluster saves ((members - 1) x shared length); a lone host's middle is its own whole segment."""
+    order = sorted(range(len(middles)), key=lambda i: middles[i])
+    cluster, shared = [0] * len(middles), [0] * len(middles)
+    clusters: list[list[int]] = []
+    lcp = 0
+    for i in order:
+        if clusters:
+            members = clusters[-1]
+            joined = common_prefix([middles[members[-1]], middles[i]], lcp)
+            if joined >= 1 and len(members) * joined >= (len(members) - 1) * lcp:
+                members.append(i)
+                lcp = joined
+                for m in members:
+                    shared[m] = lcp
+                continue
+        clusters.append([i])
+        lcp = len(middles[i])
+        shared[i] = lcp
+    for c, members in enumerate(clusters):
+        for m in members:
+            cluster[m] = c
+    return cluster, shared
+
+
+def plan_rows(rows: Sequence[TokenRow], share: bool = True, pack: bool = True) -> PackPlan:
+    """The layout of one logprob pass over `rows` (of one adapter). `share` computes the prefix common to all rows
+    once (off when gradient checkpointing, which cannot recompute a cache); `pack` (off: that prefix alone, the layout
+    before packing) also folds a row whose prompt + completion is a prefix of another row's sequence into that row,
+    and computes the prompt prefix each cluster of rows shares beyond it once (`share_middles`)."""
     seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in rows]
-    hosted = merge_hosts(seqs) if merge else list(range(len(rows)))
+    hosted = merge_hosts(seqs) if pack else list(range(len(rows)))
     hosts = sorted(set(hosted))
     slot = {h: k for k, h in enumerate(hosts)}
     host_of = [slot[h] for h in hosted]
-    # a host's tail starts at the first position any of its rows is scored from (the last token of that row's prompt)
-    start = [len(seqs[h]) for h in hosts]
+    # a host's scored positions begin at the last prompt token of the earliest row it holds
+    first = [len(seqs[h]) for h in hosts]
     for i, r in enumerate(rows):
-        start[host_of[i]] = min(start[host_of[i]], len(r.prompt_ids) - 1)
+        first[host_of[i]] = min(first[host_of[i]], len(r.prompt_ids) - 1)
     host_seqs = [seqs[h] for h in hosts]
     if not share or len(hosts) < 2:
         return PackPlan(hosts, host_of, 0, [0] * len(hosts), [0] * len(hosts), 0)
-    # the common prefix stops a token short of every tail, so each middle segment holds at least one token
-    prefix = common_prefix(host_seqs, min(start) - 1)
-    keys = [tuple(s[prefix:b]) for s, b in zip(host_seqs, start)]
-    distinct = list(dict.fromkeys(keys))
-    if len(distinct) == len(hosts) or min(map(len, distinct)) == 0:  # nothing shared beyond the prefix: one pass
+    # the common prefix stops a token short of every scored position, so each middle segment holds a token or more
+    prefix = common_prefix(host_seqs, min(first) - 1)
+    if not pack or min(first) - prefix < 1:
         return PackPlan(hosts, host_of, prefix, [prefix] * len(hosts), [0] * len(hosts), 0)
-    index = {k: g for g, k in enumerate(distinct)}
-    return PackPlan(hosts, host_of, prefix, start, [index[k] for k in keys], len(distinct))
+    cluster, shared = share_middles([s[prefix:b] for s, b in zip(host_seqs, first)])
+    groups = max(cluster) + 1
+    if groups == len(hosts):  # nothing shared beyond the prefix: one pass, as before packing
+        return PackPlan(hosts, host_of, prefix, [prefix] * len(hosts), [0] * len(hosts), 0)
+    return PackPlan(hosts, host_of, prefix, [prefix + n for n in shared], cluster, groups)

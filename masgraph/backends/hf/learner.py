@@ -36,8 +36,9 @@ class HFLearner:
         self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
         self._pad_id = pad_token_id(self.weights.tokenizer)
         self._versions: dict[str, int] = {a: 0 for a in self.weights.adapters()}
-        self.merge_turns = True
-        """Read a row from the pass of a row that extends it (off only to compare against the unmerged layout)."""
+        self.pack = True
+        """Merge turns and share prompts in a pass (`masgraph.learn.packing`); off only to compare with the layout
+        before packing (the prefix common to all rows alone)."""
         self._pack: Counter[str] = Counter()
         check_head(self.weights.model, model_head(self.weights.model))  # the log-probs' head is the model's own
 
@@ -75,7 +76,7 @@ class HFLearner:
         """Per-token logprobs of each row's completion under `adapter` (None: the reference, adapters off)."""
         if adapter is not None:
             self._check(adapter)
-        plan = plan_rows(rows, share=not self.weights.gradient_checkpointing, merge=self.merge_turns)
+        plan = plan_rows(rows, share=not self.weights.gradient_checkpointing, pack=self.pack)
         if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
             self._pack.update(plan.stats(rows))
         with self.weights.use(adapter):
@@ -156,21 +157,22 @@ class HFAdapterSource:
 
 
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
-                      chunk_tokens: int | None = None, merge: bool = True,
+                      chunk_tokens: int | None = None, pack: bool = True,
                       plan: PackPlan | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
     on the model's device: the backbone's final hidden states at the completion positions go through
     `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
 
-    No token is computed twice (`masgraph.learn.packing.plan_rows`): a row inside another row's sequence (a node's
-    earlier turn that the next prompt extends) is read from that row's pass (`merge`); the prefix all rows share
-    (system prompt + few-shot turns) is run once at batch 1, and the prompt a group's samples share once per group,
-    their KV caches broadcast to the rows that extend them (gradients flow back through them, summed). Layout, as
+    Shared tokens are computed once (`masgraph.learn.packing.plan_rows`): the prefix all rows share (system prompt +
+    few-shot turns) once at batch 1; with `pack`, a row inside another row's sequence (a node's earlier turn that the
+    next prompt extends) is read from that row's pass, and the prompt prefix a cluster of rows shares beyond it (a
+    question's samples, its later turns) once per cluster; their KV caches are broadcast to the rows that extend
+    them (gradients flow back through them, summed). Layout, as
     in generation (`left_pad`): prefix | left-padded middles | left-padded tails. `share_prefix=False` runs whole
     sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags."""
     device = model.device
     head = model_head(model)
-    plan = plan or plan_rows(rows, share=share_prefix, merge=merge)
+    plan = plan or plan_rows(rows, share=share_prefix, pack=pack)
     seqs = [list(rows[h].prompt_ids) + list(rows[h].completion_ids) for h in plan.hosts]
     P, H = plan.prefix, len(seqs)
     cache = prefill(model, seqs[0][:P]) if P else None

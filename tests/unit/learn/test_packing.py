@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from masgraph.backends.hf.learner import sequence_logprobs
-from masgraph.learn.packing import merge_hosts, plan_rows
+from masgraph.learn.packing import merge_hosts, plan_rows, share_middles
 
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 1e-4
@@ -32,6 +32,14 @@ def test_a_row_goes_to_the_longest_sequence_it_is_a_prefix_of():
     assert merge_hosts(seqs) == [2, 2, 2, 3, 2]
     assert merge_hosts([[4, 5], [4, 5]]) == [0, 0]  # identical: the first hosts both
     assert merge_hosts([[1, 2], [2, 1]]) == [0, 1]
+
+
+def test_a_cluster_keeps_sharing_while_it_saves_more():
+    cluster, shared = share_middles([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9], [7, 8]])
+    assert cluster == [0, 0, 0, 1]  # 3 x 2 shared tokens beat 2 x 3; [7, 8] shares nothing
+    assert shared == [2, 2, 2, 2]
+    cluster, shared = share_middles([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 9]])
+    assert cluster == [0, 0, 1] and shared == [5, 5, 2]  # joining [1, 9] would save 2 x 1 < 1 x 5
 
 
 def _episode_rows(system: list[int], question: list[int], first: list[int], user: list[int], second: list[int],
@@ -60,13 +68,15 @@ def test_the_plan_merges_turns_and_shares_each_questions_prompt():
     assert [rows[h] for h in plan.hosts] == [rows[1], rows[3], rows[5], rows[6]]
     assert plan.host_of == [0, 0, 1, 1, 2, 2, 3]
     assert plan.prefix == 9  # the system prompt
-    assert plan.groups == 2 and plan.group == [0, 0, 1, 1]  # q1's two samples share their prompt
+    assert plan.groups == 2  # each question's prompt computed once for its two hosts
+    assert plan.group[0] == plan.group[1] != plan.group[2] == plan.group[3]
+    assert plan.start == [12, 12, 14, 14]  # the last prompt token of each host's first row
     stats = plan.stats(rows)
     assert stats["rows"] == 7 and stats["sequences"] == 4
     # computed: 9 (system) + 3 (q1, once for two samples, up to the last prompt token) + 5 (q2) + the tails
     tails = sum(len(rows[h].prompt_ids) + len(rows[h].completion_ids) - s for h, s in zip(plan.hosts, plan.start))
     assert stats["tokens_computed"] == 9 + 3 + 5 + tails < stats["tokens_received"]
-    plain = plan_rows(rows, share=False, merge=False)
+    plain = plan_rows(rows, share=False, pack=False)
     assert plain.hosts == list(range(7)) and plain.prefix == 0 and plain.groups == 0
     assert plain.stats(rows)["tokens_computed"] == stats["tokens_received"]
 
@@ -158,11 +168,11 @@ def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny):
     _two_turn_agent()
     graph = compile_spec(parse_spec(GRAPH.format(model=tiny), "two.yaml"))
 
-    def learner_after_update(merge: bool):
+    def learner_after_update(pack: bool):
         torch.manual_seed(0)
         learner = HFLearner(str(tiny), dtype="float32")
         learner.add_adapter("answer", LoraConfigSpec())
-        learner.merge_turns = merge
+        learner.pack = pack
         return learner
 
     learner = learner_after_update(True)
@@ -182,10 +192,10 @@ def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny):
     assert extended, "the second call's prompt does not extend the first's: nothing to merge"
 
     results = {}
-    for merge in (True, False):
-        learner = learner_after_update(merge)
+    for pack in (True, False):
+        learner = learner_after_update(pack)
         metrics = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
-        results[merge] = metrics, [p.detach().clone() for p in learner.parameters("answer")]
+        results[pack] = metrics, [p.detach().clone() for p in learner.parameters("answer")]
     (merged, w_merged), (plain, w_plain) = results[True], results[False]
     assert merged["rows/sequences"] < merged["rows/trained"] == plain["rows/sequences"]
     assert merged["rows/tokens_computed"] < plain["rows/tokens_computed"]
