@@ -386,7 +386,8 @@ class FlowGRPO(TrainAlgorithm):
         return metrics | {f"{keys.GRAD_NORM}{a}": _mean(g) for a, g in grad_norms.items()} | {
             keys.LOSS_TOTAL: _mean(losses), keys.LOSS_POLICY: totals["pg"] / n_tok, keys.KL_REF: totals["kl"] / n_tok,
             keys.CLIP_FRAC: totals["clip"] / n_tok, keys.KL_OLD: totals["approx_kl"] / n_tok + 0.0,
-            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))}
+            keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))
+        } | _pack_metrics(self.learner, self.dp)
 
     def _own(self, rows: list[Row]) -> list[int]:
         """Positions of `rows` (a mini-batch) this rank computes: all of them alone, else its share by tokens."""
@@ -513,6 +514,20 @@ def _out_of_memory(exc: BaseException, cfg: FlowGRPOConfig, rows: list[Row]) -> 
         f"`train.flow_grpo.batching.micro_batch_tokens` below {budget} (tokens per forward pass) or lower "
         "`batching.micro_batch`, and/or `train.gradient_checkpointing: true`; then resume (--resume RUN): the last "
         "checkpoint is intact")
+
+
+def _pack_metrics(learner: Learner, dp: data_parallel.DataParallel | None = None) -> dict[str, float]:
+    """Sequences and tokens the update's gradient passes computed, from a learner that packs (`pack_stats`), summed
+    over the learner ranks (each computed its share)."""
+    if not hasattr(learner, "pack_stats"):
+        return {}
+    stats = learner.pack_stats()
+    names = {"sequences": keys.SEQUENCES, "tokens_received": keys.TOKENS_RECEIVED,
+             "tokens_computed": keys.TOKENS_COMPUTED}
+    values = [float(stats.get(k, 0)) for k in names]
+    if dp:
+        values = dp.all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+    return dict(zip(names.values(), values))
 
 
 def _mean(xs: list[float]) -> float:
