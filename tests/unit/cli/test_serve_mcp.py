@@ -1,4 +1,4 @@
-"""`masgraph serve GRAPH --mcp`: the agent as an MCP tool `ask(question) -> {answer, trace_id}`, called by the `mcp`
+"""`masgraph serve BUNDLE --mcp`: the agent as an MCP tool `ask(question) -> {answer, trace_id}`, called by the `mcp`
 SDK's client over stdio (the client starts the command) and over streamable HTTP (with a bearer key); the trace id
 names the episode in the server's trace store. A tiny random model answers (the words do not matter here)."""
 
@@ -50,11 +50,14 @@ async def _ask(client) -> dict:
 
 
 @pytest.mark.slow  # starts `masgraph serve` (a model load) in a subprocess
-def test_stdio_mcp_client_asks_the_served_agent(graph_file, tmp_path, run):
+def test_stdio_mcp_client_asks_the_served_bundle(graph_file, tmp_path, run):
     from mcp import Client, StdioServerParameters
 
+    from masgraph.serve.bundle import export_bundle
+
+    bundle = export_bundle(graph_file, tmp_path / "agent")  # `masgraph export GRAPH --out agent/`
     runs = tmp_path / "runs"
-    params = StdioServerParameters(command=sys.executable, args=["-m", "masgraph.cli", "serve", str(graph_file),
+    params = StdioServerParameters(command=sys.executable, args=["-m", "masgraph.cli", "serve", str(bundle),
                                                                  "--mcp", "--runs-dir", str(runs)], env=_env())
 
     async def session():
