@@ -20,6 +20,8 @@ CLI_OWNED = {
     ("serve", "--host"): "the address to bind: no config model holds it",
     ("serve", "--port"): "the port to bind: no config model holds it",
     ("topology", "--queries"): "queries shown by the report: no config model holds it",
+    ("train", "--learner-timeout"): "the learner ranks' collective timeout: no config model holds it "
+                                    "(masgraph.learn.data_parallel.TIMEOUT_S, held equal by test_learners_cli)",
 }
 """Flags whose literal default is the command line's own."""
 

@@ -254,7 +254,8 @@ def test_train_algorithm_override_keeps_the_shared_knobs(root):
 
     graph = compile_spec(load_spec(root / "graphs" / "mixed_router.yaml"))
     assert graph.spec.train.algorithm == "joint" and graph.spec.train.schedule == "staged"
-    none = dict.fromkeys(["steps", "task", "queries_per_step", "eval_n", "eval_every", "seed", "minutes", "resume"])
+    none = dict.fromkeys(["steps", "task", "queries_per_step", "eval_n", "eval_every", "seed", "minutes", "resume",
+                          "report_to"])
     args = argparse.Namespace(**none, graph="mixed_router.yaml", algorithm="hrpo")
     train = train_graph(graph, default_registry(), args).spec.train
     assert train.algorithm == "hrpo" and not hasattr(train, "schedule")  # joint's own knob is dropped

@@ -69,7 +69,7 @@ def test_a_terminal_gets_one_status_line_redrawn_then_cleared_for_the_step_line(
     assert "\rstep 1/2  rollouts 0/4 episodes  " in text and "\rstep 1/2  rollouts 2/4 episodes  " in text
     assert re.search(r"rollouts 2/4 episodes  \d+\.\d tok/s  0:00\x1b\[K", text), repr(text)
     assert text.endswith("\r\x1b[Kstep 1/2  reward 0.500  acc(train) 0.000  kl 0.0000  loss +0.0000  rows 0 (each "
-                         "group scored alike: no update)  10.0 tok/s  1.0 min\n"), repr(text)  # the status cleared, then the step's line
+                         "group scored alike: no update)  10.0 tok/s  1.0 min\n"), repr(text)  # cleared, then step
 
 
 

@@ -217,4 +217,5 @@ def test_masgraph_train_prints_progress_from_train_step_events():
     progress.emit(TrainStep(step=1, metrics={"reward/mean": 0.5, "tokens_per_s": 10.0, "time/train_s": 60.0}))
     assert out.getvalue().splitlines() == [
         "step 0/2  (untrained)  acc(test) 0.250",
-        "step 1/2  reward 0.500  acc(train) 0.000  kl 0.0000  loss +0.0000  rows 0  10.0 tok/s  1.0 min"]
+        "step 1/2  reward 0.500  acc(train) 0.000  kl 0.0000  loss +0.0000  rows 0 (each group scored alike: "
+        "no update)  10.0 tok/s  1.0 min"]
