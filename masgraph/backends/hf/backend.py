@@ -17,8 +17,9 @@ from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Req
 from masgraph.backends.hf.batcher import Batcher
 from masgraph.backends.hf.decode import decode
 from masgraph.backends.hf.dtype import pick_dtype
-from masgraph.backends.hf.layout import TokenLayout, prefill
+from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill
 from masgraph.backends.hf.model import HFModel
+from masgraph.learn.packing import share_middles
 from masgraph.streaming import TextSink, sink_for
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class HFBackend:
         limit = self.weights.max_positions  # a model built for a shorter context keeps to it
         self.layout = TokenLayout(self.weights.tokenizer, min(max_context, limit) if limit else max_context)
         self.deterministic = deterministic
+        self.share_prompts = True
+        """Prefill a prompt part several rows of a batch share once (off only to compare with the layout before)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -78,7 +81,7 @@ class HFBackend:
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
             error=_generate_error)
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
-                      "prefix_hits": 0, "prefix_misses": 0}
+                      "prefix_hits": 0, "prefix_misses": 0, "prompt_tokens_shared": 0}
 
     # the served model, read-only (tests and benchmarks inspect it; trainers go through a Learner)
     model_name = property(lambda self: self.weights.name)
@@ -245,19 +248,36 @@ class HFBackend:
                 adapter: str | None, stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
         from transformers import DynamicCache
 
+        device = self.weights.device
+        # rows whose prompts share more than the static prefix (a question's samples, an episode's next turn) have
+        # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
+        cluster, shared = (share_middles([x[:-1] for x in suffixes]) if self.share_prompts and len(suffixes) > 1
+                           and min(map(len, suffixes)) > 1 else ([], []))
+        clusters = max(cluster) + 1 if cluster else len(suffixes)
+        width = clusters if clusters < len(suffixes) else len(suffixes)
         if prefix:
             cache = copy.deepcopy(self._prefix_cache(prefix, adapter))
-            if len(suffixes) > 1:
-                cache.batch_repeat_interleave(len(suffixes))
+            if width > 1:
+                cache.batch_repeat_interleave(width)
         else:
             cache = DynamicCache()
-        device = self.weights.device
+        past_mask = None
+        if clusters < len(suffixes):
+            firsts = [cluster.index(c) for c in range(clusters)]
+            ids, past_mask, pos = left_pad(len(prefix), [suffixes[k][:shared[k]] for k in firsts], self.pad_id, device)
+            self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+            pick = torch.tensor(cluster, dtype=torch.long, device=device)
+            cache.batch_select_indices(pick)
+            past_mask = past_mask.index_select(0, pick)
+            suffixes = [x[n:] for x, n in zip(suffixes, shared)]
+            self.stats["prompt_tokens_shared"] += sum(shared) - sum(shared[k] for k in firsts)
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]
         streamed = [self._streamed.get(id(r)) for r in requests]
         on_token = [t.token if t is not None else None for t in streamed] if any(streamed) else None
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
-                      stop, on_token)
+                      stop, on_token, past_mask)
 
 
 class _TokenText:

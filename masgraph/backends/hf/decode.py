@@ -15,7 +15,8 @@ from masgraph.backends.hf.layout import left_pad
 
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
-           on_token: Sequence[Callable[[int], None] | None] | None = None) -> list[tuple[list[int], list[float], str]]:
+           on_token: Sequence[Callable[[int], None] | None] | None = None,
+           past_mask: torch.Tensor | None = None) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
@@ -23,10 +24,17 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     Every tensor lives on the model's device; each step copies its picks to the host once, the only
     device-to-host sync of the step. `stop` set (every caller gave up, or the backend is closing) ends the
     batch before its next step with `Stopped`, so a cancelled batch frees the thread within one step.
-    `on_token[i]`, where given, is called with each token of row i as it is picked (from the host copy)."""
+    `on_token[i]`, where given, is called with each token of row i as it is picked (from the host copy).
+    `past_mask` (B, cached length), where given, says which cached positions each row attends (the cache then holds
+    more than the shared prefix: a prompt part prefilled once for several rows, left-padded)."""
     device = model.device
     B = len(suffixes)
-    ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
+    if past_mask is None:
+        ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
+    else:
+        ids, tail_mask, _ = left_pad(0, suffixes, pad_id, device)
+        mask = torch.cat([past_mask, tail_mask], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     limits = [r.sampling.max_tokens for r in requests]
     temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=device)[:, None]  # (B, 1)
     ones = torch.ones((B, 1), dtype=torch.long, device=device)
