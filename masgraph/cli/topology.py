@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +11,7 @@ from masgraph.cli.common import load_graph, load_task
 from masgraph.cli.flags import positive_int
 from masgraph.errors import MasgraphError
 from masgraph.rundir.layout import CONFIG, SPEC
+from masgraph.rundir.read import parse_json
 
 if TYPE_CHECKING:
     from masgraph.tasks import Task
@@ -61,11 +61,11 @@ def run_task(run: Path) -> Task | None:
     line saying why (the policy is then shown at no query only)."""
     name = None
     try:
-        name = json.loads((run / CONFIG).read_text())["config"].get("task")
+        name = parse_json((run / CONFIG).read_bytes())["config"].get("task")
         if name:
             return load_task(name)
         why = "its config.json names no task"
-    except (OSError, ValueError, KeyError, AttributeError, MasgraphError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, MasgraphError) as exc:
         why = f"its task {name!r} cannot be loaded here ({exc})" if name else f"its config.json is unreadable ({exc})"
     print(f"note: {run}: {why}; showing the policy at no query only (no per-query rows)", file=sys.stderr)
     return None

@@ -105,6 +105,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _evaluation(run: Path, step: int | None) -> dict[str, Any] | None:
     """The training run's held-out evaluation at the exported step (from metrics.jsonl), with its command."""
+    from masgraph.rundir.read import read_json
     from masgraph.rundir.store import read_jsonl
 
     metrics = run / METRICS
@@ -115,8 +116,9 @@ def _evaluation(run: Path, step: int | None) -> dict[str, Any] | None:
         return None
     cfg: dict[str, Any] = {}
     config = run / CONFIG
-    if config.is_file():
-        cfg = json.loads(config.read_text()).get("config", {})
+    if config.is_file():  # read as every run-dir reader reads (a value nested too deep is unreadable, not a crash)
+        cfg = ((read_json(config) or {}).get("config") or {})
+        cfg = cfg if isinstance(cfg, dict) else {}
     # the episodes the evaluation ran (fewer than eval_n when the task holds out fewer items; older runs: eval_n)
     task, n = cfg.get("task"), at[-1].get("episodes/test", (cfg.get("train") or {}).get("eval_n"))
     n = int(n) if isinstance(n, float) and n.is_integer() else n

@@ -60,3 +60,18 @@ def test_plot_and_resume_truncation_read_past_a_deep_line(tmp_path, capsys):
     truncate_metrics(run / METRICS, 2)  # what `train --resume` from step 2 does
     assert (run / METRICS).read_bytes() == (json.dumps(STEPS[0]) + "\n").encode() + DEEP + \
         (json.dumps(STEPS[1]) + "\n").encode()  # the deep line is nobody's to delete
+
+
+def test_export_and_topology_read_a_deep_config_json_without_a_traceback(tmp_path, capsys):
+    from masgraph.cli.topology import run_task
+    from masgraph.rundir.layout import CONFIG
+    from masgraph.serve.bundle import _evaluation
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG).write_bytes(DEEP)
+    (run / METRICS).write_text(json.dumps({"step": 1, "accuracy/test": 0.5, "episodes/test": 4}) + "\n")
+    evaluation = _evaluation(run, 1)  # the bundle's manifest: the metrics stand, the unreadable config adds nothing
+    assert evaluation is not None and evaluation["accuracy"] == 0.5 and evaluation["task"] is None
+    assert run_task(run) is None
+    assert "config.json is unreadable" in capsys.readouterr().err
