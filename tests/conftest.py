@@ -144,7 +144,9 @@ def rollout_versions():
             d = json.loads(line)
             if d["kind"] == "train_step" and d["step"] >= 1:
                 step += 1
-            elif d["kind"] == "step":  # a finished node step, with its LLM calls
+            elif d["kind"] == "step" and not d["step"].get("episode_id", "").startswith("eval"):
+                # a finished node step of a rollout, with its LLM calls (an evaluation's episodes, `eval<step>-...`,
+                # run after the step's update, on the version it made)
                 for call in d["step"].get("llm", []):
                     if call.get("adapter") == adapter:
                         seen.setdefault(step, set()).add(call.get("policy_version", 0))
