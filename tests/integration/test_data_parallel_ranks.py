@@ -190,12 +190,21 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as rank 0 (OMP_NUM_THREADS=1): other thread counts give other fp32 sums, other samples
+    try:
+        assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
+    finally:
+        torch.set_num_threads(threads)
     two = two_learners("--runs-dir", str(tmp_path / "two"))
     assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
     [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
     _same_step(one_run, two_run, 1)
     # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step
-    assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
+    torch.set_num_threads(1)
+    try:
+        assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
