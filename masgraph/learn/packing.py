@@ -79,25 +79,19 @@ def share_middles(middles: Sequence[Sequence[int]]) -> tuple[list[int], list[int
     the length of that cluster's shared prefix. In sorted order a host joins the current cluster while that does not
     lower what the cluster saves ((members - 1) x shared length); a lone host's middle is its own whole segment."""
     order = sorted(range(len(middles)), key=lambda i: middles[i])
-    cluster, shared = [0] * len(middles), [0] * len(middles)
-    clusters: list[list[int]] = []
-    lcp = 0
+    clusters: list[tuple[list[int], int]] = []  # (members, their shared prefix length)
     for i in order:
         if clusters:
-            members = clusters[-1]
+            members, lcp = clusters[-1]
             joined = common_prefix([middles[members[-1]], middles[i]], lcp)
             if joined >= 1 and len(members) * joined >= (len(members) - 1) * lcp:
-                members.append(i)
-                lcp = joined
-                for m in members:
-                    shared[m] = lcp
+                clusters[-1] = (members + [i], joined)
                 continue
-        clusters.append([i])
-        lcp = len(middles[i])
-        shared[i] = lcp
-    for c, members in enumerate(clusters):
+        clusters.append(([i], len(middles[i])))
+    cluster, shared = [0] * len(middles), [0] * len(middles)
+    for c, (members, lcp) in enumerate(clusters):
         for m in members:
-            cluster[m] = c
+            cluster[m], shared[m] = c, lcp
     return cluster, shared
 
 

@@ -253,12 +253,11 @@ class HFBackend:
         # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
         cluster, shared = (share_middles([x[:-1] for x in suffixes]) if self.share_prompts and len(suffixes) > 1
                            and min(map(len, suffixes)) > 1 else ([], []))
-        clusters = max(cluster) + 1 if cluster else len(suffixes)
-        width = clusters if clusters < len(suffixes) else len(suffixes)
+        clusters = max(cluster) + 1 if cluster else len(suffixes)  # the rows the prefix KV is broadcast to
         if prefix:
             cache = copy.deepcopy(self._prefix_cache(prefix, adapter))
-            if width > 1:
-                cache.batch_repeat_interleave(width)
+            if clusters > 1:
+                cache.batch_repeat_interleave(clusters)
         else:
             cache = DynamicCache()
         past_mask = None
