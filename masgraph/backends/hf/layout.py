@@ -126,3 +126,14 @@ def prefill(model: Any, prefix: list[int] | tuple[int, ...]) -> Any:
     model(input_ids=torch.tensor([prefix], device=model.device), past_key_values=cache, use_cache=True,
           logits_to_keep=1)
     return cache
+
+
+def pick_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep batch rows `rows` (repeats allowed) of every layer of a DynamicCache, by `index_select`. Transformers'
+    `batch_select_indices` indexes with `keys[rows]`, whose backward on a CPU accumulates repeated rows with atomic
+    adds in no fixed order, so a gradient through a KV that several rows share changed in its last bits from run to
+    run (and Adam turned that into weight differences of ~lr/10); `index_select`'s backward sums in index order."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import LoraConfigSpec, TokenRow
-from masgraph.backends.hf.layout import left_pad, pad_token_id, prefill
+from masgraph.backends.hf.layout import left_pad, pad_token_id, pick_rows, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
@@ -185,7 +185,7 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
         cache = _as_cache(cache)
         head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         pick = torch.tensor(plan.group, dtype=torch.long, device=device)
-        cache.batch_select_indices(pick)
+        pick_rows(cache, pick)  # deterministic backward (not `batch_select_indices`)
         middle_mask = mask.index_select(0, pick)
     elif cache is not None:
         cache.batch_repeat_interleave(H)

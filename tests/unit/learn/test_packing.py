@@ -203,3 +203,36 @@ def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny):
     moved = max((a - b).abs().max().item() for a, b in zip(w_plain, learner_after_update(True).parameters("answer")))
     assert moved > 1e-3  # the update did move the adapter
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(w_merged, w_plain))
+
+
+def test_a_shared_prompts_gradient_repeats_bit_for_bit():
+    """The samples of two long questions (5 and 11) share their question's KV (picked for each host): the gradient
+    is the same on every run. With transformers' `batch_select_indices` (an indexed gather whose backward adds
+    repeated rows with atomic adds in no fixed order on a CPU's threads) the LoRA gradients changed in their last
+    bits run to run, which Adam turned into adapter differences of ~lr/10 between a resumed and a straight run."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                  max_position_embeddings=256, pad_token_id=0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config).eval(),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), adapter_name="pol")
+    gen = torch.Generator().manual_seed(2)
+    questions = [torch.randint(1, 64, (80,), generator=gen).tolist() for _ in range(2)]
+    rows = [TRow(q, torch.randint(1, 64, (3,), generator=gen).tolist()) for q, n in zip(questions, (5, 11))
+            for _ in range(n)]
+    assert plan_rows(rows).groups == 2  # each question computed once, its KV picked for each of its samples
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two threads split the rows 0-7 | 8-15, so both add into question 2's KV gradient
+    try:
+        grads = set()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            torch.cat(sequence_logprobs(model, rows, 0)).sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in lora))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1
