@@ -160,15 +160,28 @@ ALTERNATING = ("from masgraph.tasks import BasicArithmetic\n\n\nclass Alternatin
 
 
 def _same_step(one_run: Path, two_run: Path, step: int) -> None:
-    """The two runs' checkpoints of `step` hold the same adapters, and their metrics of it agree."""
+    """The two runs' checkpoints of `step` hold the same Adam moments and adapters, and their metrics of it agree.
+
+    The moments are linear in the gradients and compared as the gradients are above (1e-5 of a tensor's largest
+    entry; a lost rank's share is ~50%). The weights are Adam's steps, lr * m / (sqrt(v) + eps), which turn the fp32
+    noise of an entry whose gradient cancels to ~eps (1e-8; this tiny model's LoRA-A gradients are 1e-9..1e-5) into
+    differences of up to ~lr/10, as the sampled rows happen to fall (one run in CI: > 1e-3 lr; locally 1e-4 lr): so
+    99% of each tensor's entries within 1e-3 lr, as above, and every entry within the 2 lr one sign flip moves."""
     from safetensors.torch import load_file
 
-    [a] = (one_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
-    [b] = (two_run / "checkpoints" / f"step-{step}").rglob("adapter_model.safetensors")
-    want, got = load_file(a), load_file(b)
+    ckpts = [run / "checkpoints" / f"step-{step}" for run in (one_run, two_run)]
+    want, got = [load_file(next(c.rglob("adapter_model.safetensors"))) for c in ckpts]
     assert want.keys() == got.keys()
-    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-3 * dp_rank.LR) for k in want), step  # as above
+    for k in want:
+        off = (got[k] - want[k]).abs()
+        assert float((off <= 1e-3 * dp_rank.LR).float().mean()) >= 0.99 and float(off.max()) <= 2 * dp_rank.LR, k
     assert any("lora_B" in k and want[k].abs().max() > 0 for k in want)  # the steps moved B off its zero init
+    m_want, m_got = [torch.load(c / "optimizer.pt")["answer"]["state"] for c in ckpts]
+    assert m_want.keys() == m_got.keys() and m_want
+    for i in m_want:
+        for moment in ("exp_avg", "exp_avg_sq"):
+            w, g = m_want[i][moment], m_got[i][moment]
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-5 * w.abs().max().item()), (step, i, moment)
     m1, m2 = [next(m for line in (r / "metrics.jsonl").read_text().splitlines() if (m := json.loads(line))["step"]
                    == step) for r in (one_run, two_run)]
     assert m2["rows/trained"] == m1["rows/trained"] > 0
