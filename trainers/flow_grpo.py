@@ -36,6 +36,7 @@ from masgraph.events import Sink
 from masgraph.learn import data_parallel
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
+from masgraph.runtime.cancel import raise_if_cancelled
 from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task
@@ -368,7 +369,7 @@ class FlowGRPO(TrainAlgorithm):
             ref = self._reference_logprobs(rows, owned)
             for batch in (b for epoch in epochs for b in epoch):
                 losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch], totals, norms))
-        except Exception as exc:
+        except BaseException as exc:  # also a cancellation (Ctrl-C) between two passes
             for adapter in norms:  # weights an optimizer already stepped are a new version, whatever comes next
                 self.learner.new_version(adapter)
             if is_out_of_memory(exc):
@@ -415,6 +416,7 @@ class FlowGRPO(TrainAlgorithm):
         for adapter in sorted({rows[i].adapter for i in positions}):
             mine = [i for i in positions if rows[i].adapter == adapter]
             for chunk in self._passes([rows[i] for i in mine], mine):
+                raise_if_cancelled()  # Ctrl-C / SIGTERM: the update stops here, uncommitted (trainers/loop.py)
                 with torch.no_grad():
                     lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
                     out.update(zip(chunk, lps))
@@ -438,6 +440,7 @@ class FlowGRPO(TrainAlgorithm):
             for adapter in adapters:
                 mine = [k for k, r in enumerate(rows) if r.adapter == adapter and k in own]
                 for chunk in self._passes([rows[k] for k in mine], mine):
+                    raise_if_cancelled()
                     new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
                     loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
                                for k, lp in zip(chunk, new))

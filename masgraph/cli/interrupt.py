@@ -90,19 +90,23 @@ def run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
         loop, this = asyncio.get_running_loop(), asyncio.current_task()
         loop.set_default_executor(executor)
 
-        def on_sigterm() -> None:
+        def on_sigterm(signum: int, frame: Any) -> None:
             nonlocal terminated
             terminated = executor.abandon = True
             this.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake the loop if it waits in select()
 
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        # a Python-level handler, as asyncio.run's for Ctrl-C: it runs in the main thread at once, also while a
+        # training update holds the loop (which then stops at its next pass: masgraph.runtime.cancel); the loop's
+        # own add_signal_handler would run it only once the loop is back in select()
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             await main()
         except asyncio.CancelledError:
             executor.abandon = True  # Ctrl-C (asyncio.run cancels this task) or SIGTERM
             raise
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
 
     try:
         asyncio.run(guarded())
