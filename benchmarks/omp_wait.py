@@ -10,7 +10,7 @@ libgomp loads): one batch of 8 rows (the batched path) and the same 8 rows one a
 path), `--tokens` new tokens each; the load is `--busy` spinning processes beside it. Arms alternate; every
 repeat is printed; the ratio is default / passive wall time (> 1: passive is faster).
 
-    .venv/bin/python benchmarks/omp_wait.py [--busy 0 2 6] [--repeats 3] [--tokens 16]
+    .venv/bin/python benchmarks/omp_wait.py [--busy 0 2 6] [--repeats 3] [--tokens 16] [--spin 1000 10000]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 
 ARMS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
         "libgomp default": {"GOMP_SPINCOUNT": "300000"}}  # libgomp's default spin; masgraph leaves it alone
+"""The two arms every run has; `--spin N ...` adds an arm per spin count between them (`GOMP_SPINCOUNT=N`)."""
 CHILD = r"""
 import json, sys, time
 from masgraph.backends.base import Request
@@ -62,15 +63,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600, help="seconds before an arm counts as did-not-finish")
+    ap.add_argument("--spin", type=int, nargs="*", default=[], metavar="N",
+                    help="also spin N iterations before sleeping (GOMP_SPINCOUNT=N), one arm per N")
     args = ap.parse_args()
+    arms = {**ARMS, **{f"spin {n}": {"GOMP_SPINCOUNT": str(n)} for n in args.spin}}
     print(f"cores {os.cpu_count()}, {args.tokens} new tokens x 8 rows, embedded model, {args.repeats} repeats")
     for busy in args.busy:
         loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
             time.sleep(1 if busy else 0)
-            walls: dict[str, dict[str, list[float]]] = {arm: {} for arm in ARMS}
+            walls: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
             for r in range(args.repeats):
-                for arm, env in (ARMS.items() if r % 2 == 0 else reversed(ARMS.items())):
+                for arm, env in (arms.items() if r % 2 == 0 else reversed(arms.items())):
                     got = child(env, args.tokens, args.timeout)
                     shown = ({k: round(v, 2) for k, v in got.items()} if got
                              else f"did not finish in {args.timeout:g} s")
@@ -78,9 +82,11 @@ def main() -> None:
                     for k, v in (got or {"batch of 8": args.timeout, "one at a time": args.timeout}).items():
                         walls[arm].setdefault(k, []).append(v)
             for path in ("batch of 8", "one at a time"):
-                p, d = (statistics.median(walls[a][path]) for a in ARMS)
-                print(f"busy {busy}: {path}: passive {p:.2f} s, libgomp default {d:.2f} s (median), "
-                      f"default/passive {d / p:.2f}x")
+                d = statistics.median(walls["libgomp default"][path])
+                shown = ", ".join(f"{arm} {statistics.median(walls[arm][path]):.2f} s "
+                                  f"({d / statistics.median(walls[arm][path]):.2f}x)" for arm in arms)
+                print(f"busy {busy}: {path} (median; in brackets libgomp default / arm, > 1: the arm is faster): "
+                      f"{shown}")
         finally:
             for loop in loops:
                 loop.kill()

@@ -1,14 +1,16 @@
 """Data-parallel Flow-GRPO across processes (`masgraph.learn.data_parallel`, `masgraph.cli.learners`): two gloo
 ranks, each computing its share of a step's rows, take the optimizer step one process takes on all of them; a rank
 killed or hung mid-update stops the other with one error line; `masgraph train --learners 2` trains and resumes as
-one learner does. The model is the unit tests' tiny random Llama (not the embedded one); marked integration and
-slow for the slow tier: each test starts 2-3 Python processes (about a minute each on a busy 2-core machine)."""
+one learner does, and its checkpoint resumes with one learner too. The model is the unit tests' tiny random Llama
+(not the embedded one); marked integration and slow for the slow tier: each test starts 2-3 Python processes (about
+a minute each on a busy 2-core machine)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,11 +215,15 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
     [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
     _same_step(one_run, two_run, 1)
-    # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step
+    # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step;
+    # and the two learners' checkpoint resumed by one learner (another rank count): the same step again
+    shutil.copytree(two_run, tmp_path / "two-then-one" / two_run.name)
     torch.set_num_threads(1)
     try:
         assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
+        assert main([*args, "--resume", str(tmp_path / "two-then-one" / two_run.name), "--steps", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
+    _same_step(one_run, tmp_path / "two-then-one" / two_run.name, 2)
