@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from masgraph.cli.ray_learners import LAUNCHED
 from masgraph.errors import MasgraphError
 
 if TYPE_CHECKING:  # masgraph.learn.data_parallel imports torch: only once a command needs it
@@ -42,7 +43,7 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
     exit code); None when there is nothing to start (one learner, or already under torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = args.learners
-    if n is None or n == 1 and world == 1:
+    if n is None or n == 1 and world == 1 or getattr(args, "ray", False):  # --ray: Ray starts them (ray_learners)
         return None
     if n < 1:
         raise MasgraphError(f"--learners {n}: give 1 or more")
@@ -70,8 +71,9 @@ def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, G
     spec, problems = graph.spec, []
     if spec.train.algorithm != "flow_grpo":
         problems.append(f"train.algorithm is {spec.train.algorithm!r}")
-    if getattr(args, "ray", False):
-        problems.append("--ray is given (Ray learners are not built yet)")
+    if getattr(args, "ray", False) and LAUNCHED not in os.environ:
+        problems.append("--ray is given to ranks torchrun started (each would start its own rollout workers; "
+                        "`masgraph train --ray --learners N` starts the ranks on Ray instead)")
     kinds = {p.backend for p in spec.policies.values() if p.trainable}
     if kinds - {"hf"}:
         problems.append(f"the trainable policies roll out on {sorted(kinds)}")
@@ -79,12 +81,18 @@ def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, G
         raise MasgraphError(f"{world} learner ranks need Flow-GRPO with in-process hf rollouts, but "
                             f"{'; '.join(problems)}; run one learner (drop --learners / torchrun)")
     from masgraph.cli.common import with_device
-    from masgraph.device import resolve_device
 
-    device = resolve_device(next(p.device for p in spec.policies.values() if p.trainable))
+    device = learner_device(graph)
     if device.type == "cuda":
         graph = with_device(graph, f"cuda:{local}", args.graph)
     return init_from_env(device, args.learner_timeout), graph
+
+
+def learner_device(graph: Graph) -> Any:
+    """The torch device the trainable policies (the learner) are on."""
+    from masgraph.device import resolve_device
+
+    return resolve_device(next((p.device for p in graph.spec.policies.values() if p.trainable), "cpu"))
 
 
 def writes(dp: DataParallel | None) -> bool:

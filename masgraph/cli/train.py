@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from masgraph.cli import ray_learners
 from masgraph.cli.common import (
     check_splits,
     load_graph,
@@ -20,7 +21,7 @@ from masgraph.cli.common import (
 )
 from masgraph.cli.flags import backend_args, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.interrupt import drive_then_close
-from masgraph.cli.learners import follow, join, leading, learner_args, relaunch, shared_run_dir, writes
+from masgraph.cli.learners import follow, join, leading, learner_args, learner_device, relaunch, shared_run_dir, writes
 from masgraph.cli.progress import TrainProgress
 from masgraph.cli.ray_setup import ray_args, ray_config
 from masgraph.errors import MasgraphError, SpecError
@@ -121,6 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise MasgraphError("no task: pass --task or set `train: {task: ...}` in the graph")
     task = load_task(train.task)
     check_splits(task, train.seed)  # before the model loads
+    ray_ranks = ray_learners.launch(args, sys.argv[1:], ray, learner_device(graph).type)  # --ray --learners N
     dp, graph = join(args, graph)  # under torchrun: this learner rank (rank 0 trains, the others join updates)
     run_dir = Path(args.resume) if args.resume else shared_run_dir(
         dp, lambda: new_run_dir(args.runs_dir, f"{spec.name}-train"))
@@ -149,6 +151,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # an interrupted run saves its last completed step before loop.run returns; aclose stops a vLLM server it started
     with leading(dp, run_dir):
         code = drive_then_close(loop.run, loop.aclose, run_dir, args.watch, progress)
+    if ray_ranks is not None and (failed := ray_ranks.wait()):
+        raise MasgraphError("; ".join(failed))
     if code:
         print(f"interrupted at step {loop.step}; checkpoint in {run_dir}/checkpoints "
               f"(continue with --resume {run_dir})", file=sys.stderr)

@@ -227,3 +227,34 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
     _same_step(one_run, tmp_path / "two-then-one" / two_run.name, 2)
+
+
+def test_ray_launched_learners_train_as_one_learner_does(tiny, tmp_path):
+    """`masgraph train --ray --learners 2`: rank 1 is a Ray task beside the rollout worker (rank 0 is this
+    command), and the step equals one learner's with the same Ray rollouts (deterministic: the rollouts repeat)."""
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny).replace("seed: 3,", "seed: 3, deterministic: true,"))
+    (tmp_path / "alt.py").write_text(ALTERNATING)
+    args = [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
+            f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu", "--ray", "--workers", "1", "--address", "local"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for learners in (1, 2):
+        done = subprocess.run([*args, "--learners", str(learners), "--runs-dir", str(tmp_path / str(learners))],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("done: 1 steps") == 1
+        assert ("learner rank(s) as Ray tasks" in done.stderr) == (learners == 2)
+        [runs[learners]] = list((tmp_path / str(learners)).iterdir())  # rank 1 made no run directory
+    _same_step(runs[1], runs[2], 1)
+
+    # a rank that fails before the ranks meet: rank 0 says so and stops (not after --learner-timeout's 30 minutes)
+    (tmp_path / "bad.py").write_text("import os\nif os.environ.get('RANK') == '1':\n"
+                                     "    raise SystemExit('rank 1 cannot load this task')\n" + ALTERNATING)
+    t0 = time.monotonic()
+    done = subprocess.run([*args[:6], f"{tmp_path / 'bad.py'}:Alternating", *args[7:], "--learners", "2",
+                           "--runs-dir", str(tmp_path / "bad")], env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and time.monotonic() - t0 < 300, done.stderr[-3000:]
+    assert errors == ["error: learner rank 1 (a Ray task) ended before the ranks met (exit 1: rank 1 cannot load "
+                      "this task); rank 0 stops"]
+

@@ -91,3 +91,11 @@ def test_the_train_command_imports_no_torch_until_it_runs():
     assert 60 * TIMEOUT_MINUTES == TIMEOUT_S  # --learner-timeout's default is the group's
     code = "import sys, masgraph.cli.main, masgraph.cli.train; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_ray_launch_drops_only_the_ray_flags_for_the_other_ranks():
+    from masgraph.cli.ray_learners import rank_argv
+
+    argv = ["train", "g.yaml", "--ray", "--workers", "2", "--address=local", "--gpus-per-worker", "0.5",
+            "--learners", "2", "--steps", "3"]
+    assert rank_argv(argv) == ["train", "g.yaml", "--learners", "2", "--steps", "3"]
