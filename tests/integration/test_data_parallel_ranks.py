@@ -192,41 +192,34 @@ def _same_step(one_run: Path, two_run: Path, step: int) -> None:
 
 
 def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does(tiny, tmp_path):
-    from masgraph.cli import main
-
     (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny))
     (tmp_path / "alt.py").write_text(ALTERNATING)
     args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as this process: the same rollouts on rank 0
+    # one learner in its own process too, at rank 0's one thread (other thread counts give other fp32 sums, other
+    # samples); in this pytest process, after the slow tier's earlier tests, its LoRA init once came out other
+    # than a fresh process's (0.34 apart, CI and a fresh clone; not reproduced alone: see the closing note)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def two_learners(*more: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "masgraph", *args, *more, "--learners", "2"], env=env,
+    def learners(n: int, *more: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "masgraph", *args, *more, "--learners", str(n)], env=env,
                               capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as rank 0 (OMP_NUM_THREADS=1): other thread counts give other fp32 sums, other samples
-    try:
-        assert main([*args, "--runs-dir", str(tmp_path / "one")]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    two = two_learners("--runs-dir", str(tmp_path / "two"))
+    learners(1, "--runs-dir", str(tmp_path / "one"))
+    two = learners(2, "--runs-dir", str(tmp_path / "two"))
     assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
     [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
     _same_step(one_run, two_run, 1)
     # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step;
     # and the two learners' checkpoint resumed by one learner (another rank count): the same step again
-    shutil.copytree(two_run, tmp_path / "two-then-one" / two_run.name)
-    torch.set_num_threads(1)
-    try:
-        assert main([*args, "--resume", str(one_run), "--steps", "2"]) == 0
-        assert main([*args, "--resume", str(tmp_path / "two-then-one" / two_run.name), "--steps", "2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert two_learners("--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
+    two_then_one = tmp_path / "two-then-one" / two_run.name
+    shutil.copytree(two_run, two_then_one)
+    learners(1, "--resume", str(one_run), "--steps", "2")
+    learners(1, "--resume", str(two_then_one), "--steps", "2")
+    assert learners(2, "--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
-    _same_step(one_run, tmp_path / "two-then-one" / two_run.name, 2)
+    _same_step(one_run, two_then_one, 2)
 
 
 def test_ray_launched_learners_train_as_one_learner_does(tiny, tmp_path):
