@@ -16,12 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from masgraph.cli.ray_learners import LAUNCHED
 from masgraph.errors import MasgraphError
 
 if TYPE_CHECKING:  # masgraph.learn.data_parallel imports torch: only once a command needs it
     from masgraph.graph import Graph
     from masgraph.learn.data_parallel import DataParallel, PeerLost
+
+LAUNCHED = "MASGRAPH_RAY_LEARNERS"
+"""Set in every rank `masgraph.cli.ray_learners.launch` makes (rank 0 keeps its `--ray`; the others have none)."""
 
 TIMEOUT_MINUTES = 30
 """`--learner-timeout`'s default (`masgraph.learn.data_parallel.TIMEOUT_S`, which a test holds equal)."""

@@ -1,7 +1,7 @@
 """`masgraph train --ray --learners N`: learner ranks 1..N-1 as Ray tasks on the cluster the rollout workers use.
 
 This process is rank 0 (the training loop, its Ray rollout workers, checkpoints, as under torchrun); each other
-rank is a Ray task that runs the same `masgraph train` command without the Ray flags in its Ray worker, joining
+rank is a Ray task that runs the same `masgraph train` command without the Ray flags (a process of its own), joining
 rank 0's process group (gloo on a CPU, NCCL on CUDA: one GPU each) through the address and port this process
 gives it, exactly as a torchrun rank does (`masgraph.cli.learners`). A rank that fails before the group is formed
 is reported here at once (rank 0 would wait in the rendezvous until `--learner-timeout`); after that, a lost rank
@@ -17,8 +17,7 @@ import sys
 import threading
 from typing import Any
 
-LAUNCHED = "MASGRAPH_RAY_LEARNERS"
-"""Set in every rank `launch` makes (rank 0 keeps its `--ray`; the others have none)."""
+from masgraph.cli.learners import LAUNCHED
 
 RAY_FLAGS = {"--ray": 0, "--workers": 1, "--address": 1, "--gpus-per-worker": 1}
 """The flags a learner rank drops (with how many values each takes): rollouts stay on rank 0's workers."""
@@ -43,28 +42,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str]:
-    """A learner rank inside a Ray worker: `masgraph train` as rank `env["RANK"]`; (exit code, its last `error:`
-    line or exception when it failed: rank 0, which has the terminal, reports it)."""
-    import contextlib
-    import io
-
-    os.environ.update(env)
-    os.chdir(cwd)
-    from masgraph.cli.main import main
-
-    err = io.StringIO()
+def _die_with_parent() -> None:
+    """In the rank's process before it starts (Linux): SIGKILL it when the Ray worker that started it dies (a
+    cancelled task), so no rank is left waiting in the process group for its timeout."""
     try:
-        with contextlib.redirect_stderr(err):
-            code = main(argv)
-    except SystemExit as exc:
-        if not isinstance(exc.code, int):
-            return 1, str(exc.code)
-        code = exc.code
-    except BaseException as exc:
-        return 1, f"{type(exc).__name__}: {exc}"
-    errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
-    return code, errors[-1] if code and errors else ""
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str]:
+    """A learner rank, run by a Ray worker: `masgraph train` as rank `env["RANK"]` in a process of its own (as
+    torchrun starts one); (exit code, its last `error:` line when it failed: rank 0, which has the terminal,
+    reports it)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "masgraph", *argv], env={**os.environ, **env}, cwd=cwd,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    tail = errors[-1] if errors else (done.stderr.strip().splitlines() or [""])[-1]
+    return done.returncode, tail if done.returncode else ""
 
 
 class RayLearners:
