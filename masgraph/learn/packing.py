@@ -85,7 +85,8 @@ def share_middles(middles: Sequence[Sequence[int]]) -> tuple[list[int], list[int
             members, lcp = clusters[-1]
             joined = common_prefix([middles[members[-1]], middles[i]], lcp)
             if joined >= 1 and len(members) * joined >= (len(members) - 1) * lcp:
-                clusters[-1] = (members + [i], joined)
+                members.append(i)
+                clusters[-1] = (members, joined)
                 continue
         clusters.append(([i], len(middles[i])))
     cluster, shared = [0] * len(middles), [0] * len(middles)
