@@ -196,8 +196,8 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     (tmp_path / "alt.py").write_text(ALTERNATING)
     args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
     # one learner in its own process too, at rank 0's one thread (other thread counts give other fp32 sums, other
-    # samples); in this pytest process, after the slow tier's earlier tests, its LoRA init once came out other
-    # than a fresh process's (0.34 apart, CI and a fresh clone; not reproduced alone: see the closing note)
+    # samples). On a fresh machine the first of these runs measures bf16 vs fp32 (`pick_dtype`), which once drew on
+    # torch's global RNG between the seed and the LoRA init: CI's two runs started 0.35 apart (test_dtype_choice)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def learners(n: int, *more: str) -> subprocess.CompletedProcess:

@@ -37,11 +37,14 @@ def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None 
     if key in known:
         return getattr(torch, known[key])
     times = {}
+    # operands from a private generator: drawing them from torch's global one would move the seed the caller set
+    # (the LoRA init of `train.seed`) on the first run on a machine only, and that run would differ from the next
+    gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         # a decode step's matmul on a CPU; on a GPU a batch's (a small one is launch-bound and ties)
         m, k, n = (32, 576, 1536) if device.type == "cpu" else (512, 2048, 2048)
-        x = torch.randn(m, k, dtype=dtype, device=device)
-        w = torch.randn(k, n, dtype=dtype, device=device)
+        x = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
+        w = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
         x @ w  # warm-up
         best = float("inf")
         for _ in range(5):  # best of 5 trials: robust to a busy machine
