@@ -3,6 +3,7 @@
     RUN/checkpoints/step-N/
         state.json        `TrainState`: step, data cursor, training time, adapter names and versions, dtype
         adapters/<name>/  each trained adapter (PEFT format)
+        behaviour/<name>/ with `max_staleness: 1`: each adapter as the next step's rollouts decode with it
         rng.pt            the learner's RNG states as of the step
         <part>.pt         each algorithm part's `state_dict()` (Flow-GRPO: optimizer.pt; HRPO: topology.pt)
     RUN/checkpoints/latest   the name of the newest complete step dir
@@ -28,7 +29,7 @@ from masgraph.errors import MasgraphError
 from masgraph.files import atomic_write
 from masgraph.learn.learner import Learner
 from masgraph.rundir.checkpoint import AdapterName, CheckpointState, checkpoint_adapters, load_state
-from masgraph.rundir.layout import ADAPTERS, CHECKPOINTS, LATEST, RNG_FILE, STATE, STEP_DIR, step_dir
+from masgraph.rundir.layout import ADAPTERS, BEHAVIOUR, CHECKPOINTS, LATEST, RNG_FILE, STATE, STEP_DIR, step_dir
 from masgraph.rundir.read import parse_json
 from masgraph.trainers.algorithm import TrainAlgorithm
 
@@ -44,6 +45,9 @@ class TrainState(CheckpointState):
 
     versions: dict[AdapterName, Annotated[int, Field(ge=0)]]
     """Adapter -> its version (how many updates changed it)."""
+    behaviour: dict[AdapterName, Annotated[int, Field(ge=0)]] | None = None
+    """With rollouts that overlap the update: adapter -> the version the next step's rollouts decode with (saved in
+    behaviour/); None when they decode with `versions`."""
 
 
 class Checkpoints:
@@ -55,14 +59,18 @@ class Checkpoints:
     def step_dir(self, step: int) -> Path:
         return step_dir(self.root.parent, step)
 
-    def save(self, state: TrainState, learner: Learner, algorithm: TrainAlgorithm, rng: dict[str, Any]) -> Path:
+    def save(self, state: TrainState, learner: Learner, algorithm: TrainAlgorithm, rng: dict[str, Any],
+             behaviour: Path | None = None) -> Path:
         """Write step `state.step` (adapters, RNG, every algorithm part's state, then state.json) and point
-        `latest` at it; returns its directory."""
+        `latest` at it; returns its directory. `behaviour`: a directory of the adapters the next step's rollouts
+        decode with (`state.behaviour`'s versions), copied in."""
         final = self.step_dir(state.step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         learner.save(str(tmp / ADAPTERS), state.adapters)
+        if behaviour is not None:
+            shutil.copytree(behaviour, tmp / BEHAVIOUR)
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))
         torch.save(rng, tmp / RNG_FILE)
@@ -81,6 +89,11 @@ class Checkpoints:
             named = STEP_DIR.fullmatch(d.name)
             if named and int(named.group(1)) < step and int(named.group(1)) % keep_every:
                 shutil.rmtree(d, ignore_errors=True)
+
+    def behaviour(self, checkpoint: Path, state: TrainState) -> dict[str, Path]:
+        """The adapters the next step's rollouts decode with, saved in the checkpoint (empty: they decode with the
+        checkpoint's own adapters)."""
+        return checkpoint_adapters(checkpoint, folder=BEHAVIOUR) if state.behaviour is not None else {}
 
     def load(self, checkpoint: Path, learner: Learner, algorithm: TrainAlgorithm, trained: list[str],
              config: Any, n_items: int | None = None) -> TrainState:

@@ -371,6 +371,12 @@ class TrainSpec(LoraTrainBase):
     """The RL algorithm."""
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     """Algorithm knobs."""
+    max_staleness: int = Field(0, ge=0, le=1)
+    """Updates a step's rollouts may lag behind: 0 = on-policy (roll out, then update); 1 = the next step's rollouts
+    decode while this step updates, on the adapters as they were before it (the clip's ratio is taken against the
+    log-probs they recorded). The order of data stays fixed by step, so deterministic runs and resumes stay exact.
+    In process the rollouts get their own copy of the base model (one replica serves one version at a time: hence
+    at most 1)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -462,6 +468,14 @@ class JointTrainSpec(TrainSpec):
     nodes, then both (`stages`; the reasoning is in trainers/joint.py)."""
     stages: StagesConfig = Field(default_factory=StagesConfig)
     """Stage lengths (and the node stage's topology mode) of `schedule: staged`."""
+
+    @model_validator(mode="after")
+    def _topology_rollouts_are_on_policy(self) -> JointTrainSpec:
+        if self.max_staleness:
+            raise ValueError("`max_staleness` overlaps rollouts with the update, but joint training's rollouts sample "
+                             "topologies from the policy that update changes; drop `max_staleness` (or train the "
+                             "nodes alone with `algorithm: flow_grpo`)")
+        return self
 
     @model_validator(mode="after")
     def _stages_need_the_staged_schedule(self) -> JointTrainSpec:

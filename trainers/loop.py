@@ -4,6 +4,8 @@ resume; train-step, evaluation and checkpoint events to sinks (metrics.jsonl is 
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -20,7 +22,7 @@ from masgraph.events import CheckpointSaved, Credited, Emitter, EvalFinished, Si
 from masgraph.graph import Graph, compile_spec
 from masgraph.learn import data_parallel
 from masgraph.learn.counterfactual import META
-from masgraph.learn.learner import Learner, LoraConfigSpec, WeightSync
+from masgraph.learn.learner import Learner, LoraConfigSpec, SavedAdapter, WeightSync
 from masgraph.learn.serving import local_learner, rollout_kind, serve_learner
 from masgraph.metric_keys import EPISODES_TEST, topology_p
 from masgraph.registry import default_registry
@@ -28,6 +30,7 @@ from masgraph.rundir.layout import METRICS
 from masgraph.rundir.metrics import MetricsSink
 from masgraph.rundir.store import RunStore
 from masgraph.rundir.trackers import TrackerSink
+from masgraph.runtime.cancel import in_thread
 from masgraph.runtime.ray_engine import RayConfig
 from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
@@ -148,13 +151,24 @@ class TrainLoop:
         self.group_size = self.algo.group_size
         rollout_spec = self.algo.rollout_spec(spec)
         train_graph = graph if rollout_spec is spec else compile_spec(rollout_spec)
+        self.staleness: int = getattr(self.cfg, "max_staleness", 0)
+        """1: the next step's rollouts decode while this step updates (on a backend apart from the learner)."""
         self.serving = serve_learner(spec, self.learner, train_graph, seed=self.cfg.seed,
                                      deterministic=self.cfg.deterministic, run_dir=self.run_dir,
                                      max_lora_rank=lora.rank, ray=ray, rollouts=backend,
-                                     evaluation=eval_backend)
+                                     evaluation=eval_backend, apart=bool(self.staleness))
         self.backend, self.eval_backend = self.serving.rollouts, self.serving.evaluation
-        self.sync = WeightSync(self.learner, [self.backend, self.eval_backend])
-        self.sync()  # the rollout backends serve every trained adapter from the start
+        # after an update the evaluation backend serves its new versions at once; the rollout backend too, unless
+        # the next step's rollouts are decoding on it: then it gets them as the step after starts its rollouts
+        self.sync = WeightSync(self.learner, [self.eval_backend] if self.staleness else
+                               [self.backend, self.eval_backend])
+        self.rollout_sync = WeightSync(self.learner, [self.backend] if self.staleness else [])
+        self.sync()  # the backends serve every trained adapter from the start
+        self.rollout_sync()
+        self._next: asyncio.Task | None = None
+        """The next step's rollouts (traces, data cursor after them, resampling rounds), decoding during an update."""
+        self._behaviour: dict[str, int] = {}
+        """The adapter versions the next step's rollouts decode with while `_next` runs (saved in `_staged`)."""
         self._kind = kind = rollout_kind(spec)
         common = {"seed": self.cfg.seed, "concurrency": self.cfg.concurrency, "deterministic": self.cfg.deterministic}
         self._rollout_config = RunConfig(split="train", samples=self.group_size, **common)
@@ -187,6 +201,7 @@ class TrainLoop:
         self._updating = False  # adapters are mid-update: the weights match no step
         self._store: RunStore | None = None  # the run's store while `run` runs (evaluations write their episodes)
         self.checkpoints = Checkpoints(self.run_dir)
+        self._staged = self.checkpoints.root / ".behaviour"  # the adapters `_behaviour` names, for the checkpoints
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[Sink] = [MetricsSink(self.run_dir / METRICS), *sinks]
         self._emit = Emitter(self.sinks)
@@ -219,6 +234,11 @@ class TrainLoop:
                 self.save()  # Ctrl-C (or a failure) keeps the last completed step, not the interrupted one
             raise
         finally:
+            if self._next is not None:  # the next step's rollouts (out of time, interrupted): redone on resume
+                self._next.cancel()
+                await asyncio.wait([self._next])
+                self._next = None
+            shutil.rmtree(self._staged, ignore_errors=True)  # each checkpoint holds its own copy
             self._store = None
             self._emit.sinks.remove(store)
             self._emit.sinks.remove(trackers)
@@ -265,26 +285,24 @@ class TrainLoop:
         on_gpu = device is not None and device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        cursor = self.cursor + self.cfg.queries_per_step
-        items = self.items[self.cursor:cursor]
-        rollouts = self._rollouts_at(self.step)
-        self._phase("rollouts", self.step + 1, len(items) * self.group_size)
-        traces = await self.algo.rollouts(rollouts, self.task, items, [store, *self._progress])
-        rounds = 0
-        while (missing := self.algo.extra_queries(traces, rounds)) > 0:
-            extra = self.items[cursor:cursor + missing]
-            if not extra:
-                break
-            cursor += len(extra)
-            self._phase("resampling", self.step + 1, len(extra) * self.group_size)
-            traces += await self.algo.rollouts(rollouts, self.task, extra, [store, *self._progress])
-            rounds += 1
+        if self._next is not None:  # decoded during the last update
+            pending, self._next = self._next, None
+            traces, cursor, rounds = await pending
+        else:
+            traces, cursor, rounds = await self._collect(self.step, self.cursor, [store, *self._progress])
         t_roll = time.perf_counter() - t0
+        overlap = bool(self.staleness) and self.step + 1 < self.cfg.steps
+        if overlap:  # the next step's rollouts decode on the adapters as they are now, while this step updates
+            self._stage_behaviour()
+            self._next = asyncio.create_task(self._collect(self.step + 1, cursor, [store]))
         self._phase("update", self.step + 1, len(traces))
-        self._updating = True  # no await until the commit: a cancellation cannot land in between
+        self._updating = True  # no await until the commit but the update's own: a cancellation stops it uncommitted
+        t_update = time.perf_counter()
         if (dp := data_parallel.current()) is not None:  # the other learner ranks join this update (cli/learners.py)
             dp.broadcast(self.step, "the next update's step")
-        metrics = self.algo.train_step(traces, self.step)
+        metrics = (await in_thread(self.algo.train_step, traces, self.step) if overlap
+                   else self.algo.train_step(traces, self.step))
+        t_update = time.perf_counter() - t_update
         scored = {t.episode_id: t.meta[META] for t in traces if t.meta.get(META)}  # kept for inspection
         for episode_id, calls in self.algo.credit().items():
             self._emit(Credited(step=self.step + 1, episode_id=episode_id, calls=calls,
@@ -298,9 +316,40 @@ class TrainLoop:
         tokens = sum(t.completion_tokens for t in traces)
         return {"step": self.step, **metrics, "accuracy/train": summarize(traces)["accuracy"],
                 **step_diagnostics(traces, set(self.trainable)), "resample_rounds": rounds,
-                "time/rollout_s": t_roll, "time/step_s": elapsed, "time/train_s": self.train_seconds,
+                "time/rollout_s": t_roll, "time/update_s": t_update, "time/step_s": elapsed,
+                "time/train_s": self.train_seconds,
                 "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
                 **({"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if on_gpu else {})}
+
+    async def _collect(self, step: int, cursor: int, sinks: list[Sink]) -> tuple[list[Trace], int, int]:
+        """Step `step`'s rollouts from data cursor `cursor`, with the algorithm's resampling rounds: the traces, the
+        cursor after them, and the rounds. The items depend only on the step's data, never on timing. In the
+        foreground (the progress sinks among `sinks`) each phase is announced."""
+        say = self._phase if any(s in sinks for s in self._progress) else (lambda *_: None)
+        rollouts = self._rollouts_at(step)
+        items = self.items[cursor:cursor + self.cfg.queries_per_step]
+        cursor += len(items)
+        say("rollouts", step + 1, len(items) * self.group_size)
+        traces = await self.algo.rollouts(rollouts, self.task, items, sinks)
+        rounds = 0
+        while (missing := self.algo.extra_queries(traces, rounds)) > 0:
+            extra = self.items[cursor:cursor + missing]
+            if not extra:
+                break
+            cursor += len(extra)
+            say("resampling", step + 1, len(extra) * self.group_size)
+            traces += await self.algo.rollouts(rollouts, self.task, extra, sinks)
+            rounds += 1
+        return traces, cursor, rounds
+
+    def _stage_behaviour(self) -> None:
+        """Publish the adapters as they are to the rollout backend and keep a copy for the checkpoints: the step
+        after this one resumes its rollouts from them."""
+        adapters = sorted(set(self.trainable.values()))
+        shutil.rmtree(self._staged, ignore_errors=True)
+        self.learner.save(str(self._staged), adapters)
+        self._behaviour = {a: self.learner.version(a) for a in adapters}
+        self.rollout_sync()
 
     def _rollouts_at(self, step: int) -> Runner:
         """The runner of the graph the algorithm rolls step `step` out as (one per distinct graph, all on the same
@@ -352,10 +401,11 @@ class TrainLoop:
         step is saved (a run killed with SIGKILL resumes from its last finished step); once it is whole, the earlier
         steps `checkpoint_every` does not keep are deleted, so a run keeps every Nth step and its newest one."""
         adapters = sorted(set(self.trainable.values()))
+        ahead = self._next is not None  # the next step's rollouts decode with `_behaviour`: a resume does too
         state = TrainState(step=self.step, cursor=self.cursor, train_seconds=self.train_seconds,
                            versions={a: self.learner.version(a) for a in adapters}, adapters=adapters,
-                           dtype=self.learner.dtype)
-        final = self.checkpoints.save(state, self.learner, self.algo, self._rng)
+                           dtype=self.learner.dtype, behaviour=self._behaviour if ahead else None)
+        final = self.checkpoints.save(state, self.learner, self.algo, self._rng, self._staged if ahead else None)
         self.checkpoints.drop_superseded(self.step, self.cfg.checkpoint_every)
         self._emit(CheckpointSaved(step=self.step, path=str(final)))
         return final
@@ -368,6 +418,13 @@ class TrainLoop:
                                       self.cfg, n_items=len(self.items))
         self._rng = self.learner.rng_state()
         self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
+        behaviour = self.checkpoints.behaviour(checkpoint, state) if self.staleness else {}
+        for name, path in behaviour.items():  # the next rollouts decode with the adapters the run's would have
+            self.backend.publish(name, state.behaviour[name], SavedAdapter(path))
+        if behaviour:  # the learner's own versions reach the rollouts as the step after starts its rollouts
+            self.rollout_sync.published = dict(state.behaviour)
+        else:
+            self.rollout_sync(force=True)
         self.step = state.step
         self.cursor = state.cursor if state.cursor is not None else self.step * self.cfg.queries_per_step
         self.train_seconds = state.train_seconds

@@ -8,12 +8,15 @@ name, Ray workers would take the state dict. This module imports no torch: tenso
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from masgraph.backends.base import AdapterSource, LoraConfigSpec, SyncedBackend, TokenRow
 
-__all__ = ["AdapterSource", "Learner", "LoraConfigSpec", "TokenRow", "WeightSync", "publish"]
+__all__ = ["AdapterSource", "Learner", "LoraConfigSpec", "SavedAdapter", "TokenRow", "WeightSync", "publish"]
 
 
 class Learner(Protocol):
@@ -70,6 +73,24 @@ class Learner(Protocol):
     def set_rng_state(self, state: dict[str, Any]) -> None:
         """Restore `rng_state()`; keys it does not own are ignored."""
         ...
+
+
+@dataclass
+class SavedAdapter:
+    """An adapter saved as a PEFT directory, offered as an `AdapterSource` (a checkpoint's, to rollout backends)."""
+
+    path: Path
+    home: object = None
+
+    def save(self, path: str) -> str:
+        out = Path(path) / self.path.name
+        shutil.copytree(self.path, out, dirs_exist_ok=True)
+        return str(out)
+
+    def state_dict(self) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(self.path / "adapter_model.safetensors")
 
 
 def publish(learner: Learner, backends: Iterable[SyncedBackend], adapters: Iterable[str]) -> None:

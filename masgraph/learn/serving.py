@@ -61,18 +61,25 @@ def rollout_kind(spec: GraphSpec, registry: Registry | None = None) -> str:
 def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int = 0, deterministic: bool = False,
                   run_dir: str | Path | None = None, max_lora_rank: int = 16, ray: RayConfig | None = None,
                   rollouts: SyncedBackend | None = None, evaluation: SyncedBackend | None = None,
-                  registry: Registry | None = None) -> Serving:
+                  registry: Registry | None = None, apart: bool = False) -> Serving:
     """The backends that serve `learner`'s adapters to a run of `graph` (the graph as training rolls it out).
 
     Given `rollouts` (and optionally `evaluation`), those are used as they are. Otherwise rollouts run on Ray
     workers with `ray`, else on the trained policies' backend kind (its `for_learner` factory: in process on the
     learner's weights for hf, a vLLM server for vllm); evaluation decodes deterministically in process on the
-    learner's own weights when the learner has them, else on the rollout backend."""
+    learner's own weights when the learner has them, else on the rollout backend.
+
+    `apart`: rollouts must not see the learner's weights change under them (they decode while it updates, and each
+    new version reaches them only when published): in process they get their own copy of the base model, and
+    evaluation may not share their backend (it scores the newest version while they decode an older one)."""
     registry = registry or default_registry()
     if rollouts is not None and ray is not None:
         raise MasgraphError("pass either `ray` (rollouts on Ray workers) or a rollout backend, not both")
     if rollouts is not None:
-        return Serving(rollouts, evaluation or rollouts)
+        if apart and getattr(rollouts, "weights", None) is getattr(learner, "weights", rollouts):
+            raise MasgraphError("rollouts that overlap the update (train.max_staleness: 1) cannot decode on the "
+                                "learner's own weights (it changes them meanwhile): give a backend with its own copy")
+        return _apart(Serving(rollouts, evaluation or rollouts), apart)
     in_process = registry.backends["hf"].for_learner
     options = {"deterministic": deterministic, "seed": seed, "log_dir": str(run_dir) if run_dir else None,
                "max_lora_rank": max_lora_rank}
@@ -84,10 +91,17 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])
     else:
         kind = registry.backends[rollout_kind(spec, registry)]
-        built = kind.for_learner(_served_policy(spec, kind.name), learner, **options)
+        built = kind.for_learner(_served_policy(spec, kind.name), learner, **options, replica=apart)
         served = Serving(built, evaluation or built, owned=[] if kind.name == "hf" else [built])
     if evaluation is None and _has_weights(learner):  # the same adapters score the same, whatever the load
         served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True})
+    return _apart(served, apart)
+
+
+def _apart(served: Serving, apart: bool) -> Serving:
+    if apart and served.evaluation is served.rollouts:
+        raise MasgraphError("rollouts that overlap the update (train.max_staleness: 1) need evaluation on another "
+                            "backend than theirs: give an in-process learner (the default), or an `eval_backend`")
     return served
 
 

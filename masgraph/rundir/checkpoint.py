@@ -149,21 +149,22 @@ def checkpoint_dtype(checkpoint: Path) -> str:
     return load_state(checkpoint).dtype
 
 
-def checkpoint_adapters(checkpoint: Path, spec: GraphSpec | None = None) -> dict[str, Path]:
-    """Adapter name -> its saved PEFT directory, each checked to hold its config and weights and to be a directory
-    of the checkpoint (not a link out of it). With the graph that will serve them (`spec`), also that they fit it:
-    every adapter the graph trains is there, else its policies would answer with the untrained base model while
-    the run says it serves trained adapters (the checkpoint of another graph)."""
-    root = (checkpoint / ADAPTERS).resolve()
-    adapters = {name: checkpoint / ADAPTERS / name for name in load_state(checkpoint).adapters}
+def checkpoint_adapters(checkpoint: Path, spec: GraphSpec | None = None, folder: str = ADAPTERS) -> dict[str, Path]:
+    """Adapter name -> its saved PEFT directory (in `folder`: adapters/, or behaviour/ for the next rollouts'), each
+    checked to hold its config and weights and to be a directory of the checkpoint (not a link out of it). With the
+    graph that will serve them (`spec`), also that they fit it: every adapter the graph trains is there, else its
+    policies would answer with the untrained base model while the run says it serves trained adapters (the
+    checkpoint of another graph)."""
+    root = (checkpoint / folder).resolve()
+    adapters = {name: checkpoint / folder / name for name in load_state(checkpoint).adapters}
     for name, path in adapters.items():
         if not path.resolve().is_relative_to(root):
-            raise MasgraphError(f"checkpoint {checkpoint}: adapters/{name} leads to {path.resolve()}, outside the "
+            raise MasgraphError(f"checkpoint {checkpoint}: {folder}/{name} leads to {path.resolve()}, outside the "
                                 f"checkpoint (a checkpoint's adapters are its own directories); {ANOTHER}")
         missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (path / f).is_file()]
         if missing:
             raise MasgraphError(f"checkpoint {checkpoint} is incomplete: adapter {name!r} lacks "
-                                f"{', '.join(f'adapters/{name}/{f}' for f in missing)}; {ANOTHER}")
+                                f"{', '.join(f'{folder}/{name}/{f}' for f in missing)}; {ANOTHER}")
     if spec is not None:
         lacking = set(spec.trainable_adapters().values()) - set(adapters)
         if lacking:

@@ -27,6 +27,9 @@ STATE = "state.json"
 one."""
 ADAPTERS = "adapters"
 """In a checkpoint: one PEFT directory per trained adapter."""
+BEHAVIOUR = "behaviour"
+"""In a checkpoint of a run whose rollouts overlap the update (`train.max_staleness: 1`): one PEFT directory per
+trained adapter, as the next step's rollouts decode with it (the version before the step's own)."""
 RNG_FILE = "rng.pt"
 TOPOLOGY_FILE = "topology.pt"
 """In a checkpoint of topology training: the topology policy's parameters and version, its optimizer state and

@@ -1,0 +1,136 @@
+"""`train.max_staleness: 1`: the next step's rollouts decode while this step updates, on the adapters as they were
+before it (issue 55). On a tiny random Llama in deterministic mode, so runs and resumes compare bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from masgraph.errors import SpecError
+from masgraph.events import CheckpointSaved
+from masgraph.graph import compile_spec
+from masgraph.loader import parse_spec
+from masgraph.rundir.read import read_traces
+from masgraph.tasks import BasicArithmetic
+from masgraph.trainers.loop import TrainLoop
+
+pytestmark = pytest.mark.integration
+
+GRAPH = """\
+name: stale
+policies:
+  main: {{model: "{model}", adapter: answer, trainable: true, sampling: {{temperature: 1.0, max_tokens: 4}}}}
+nodes:
+  answer: {{role: generator, policy: main}}
+entry: answer
+exit: answer
+train: {{steps: 3, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3, deterministic: true,
+         max_staleness: {staleness}, flow_grpo: {{group_size: 2, lr: 0.01}}}}
+"""
+
+
+class Alternating(BasicArithmetic):
+    """Reward by sample parity: every group has variance, so every update changes the adapter."""
+
+    name = "alternating"
+
+    def reward(self, item, trace):
+        return float(trace.meta["sample"] % 2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The unit tests' tiny random Llama (tests/unit/conftest.py), built here the same way."""
+    spec = importlib.util.spec_from_file_location("unit_conftest", Path(__file__).parents[1] / "unit" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tiny.__wrapped__(tmp_path_factory)
+
+
+def _loop(model: Path, run: Path, staleness: int, sinks=()) -> TrainLoop:
+    graph = compile_spec(parse_spec(GRAPH.format(model=model, staleness=staleness), "stale.yaml"))
+    return TrainLoop(graph, Alternating(), run, dtype="float32", sinks=list(sinks))
+
+
+def _adapter(loop: TrainLoop) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in loop.learner.parameters("answer")]
+
+
+def _versions_by_step(loop: TrainLoop, run: Path) -> list[set[int]]:
+    """The adapter versions each step's rollouts decoded with (steps by their items: 2 queries each)."""
+    step_of = {item.id: i // 2 for i, item in enumerate(loop.items)}
+    seen: list[set[int]] = [set() for _ in range(loop.cfg.steps)]
+    for trace in read_traces(run / "events.jsonl"):
+        if trace.item_id in step_of and not trace.meta.get("evaluation"):
+            seen[step_of[trace.item_id]] |= {c.policy_version for s in trace.steps for c in s.llm}
+    return seen
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    """The 3-step run with max_staleness 1: its loop and run directory."""
+    run = tmp_path_factory.mktemp("stale") / "run"
+    loop = _loop(tiny, run, 1)
+    asyncio.run(loop.run())
+    return loop, run
+
+
+def test_each_steps_rollouts_decode_one_version_behind_and_a_second_run_repeats_it(tiny, uninterrupted, tmp_path):
+    loop, run = uninterrupted
+    assert _versions_by_step(loop, run) == [{0}, {0}, {1}]  # on-policy: [{0}, {1}, {2}] (below)
+    assert loop.learner.version("answer") == 3
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rows/trained"] > 0 and m["time/update_s"] > 0 for m in metrics)
+    assert not (run / "checkpoints" / ".behaviour").exists()  # the staging copy goes with the run
+
+    again = _loop(tiny, tmp_path / "again", 1)
+    asyncio.run(again.run())
+    assert all(torch.equal(a, b) for a, b in zip(_adapter(loop), _adapter(again)))
+
+    on_policy = _loop(tiny, tmp_path / "on-policy", 0)
+    asyncio.run(on_policy.run())
+    assert _versions_by_step(on_policy, tmp_path / "on-policy") == [{0}, {1}, {2}]
+    assert not all(torch.equal(a, b) for a, b in zip(_adapter(loop), _adapter(on_policy)))
+
+
+def test_a_run_stopped_while_the_next_rollouts_decode_resumes_into_the_uninterrupted_run(tiny, uninterrupted,
+                                                                                        tmp_path):
+    """Cancelled (as Ctrl-C does) once step 2's checkpoint is written, while step 3's rollouts decode on version 1:
+    the checkpoint keeps version 1 beside its own version 2, and the resumed step 3 decodes with it."""
+    loop, _ = uninterrupted
+    run = tmp_path / "run"
+
+    async def until_step_2() -> None:
+        task = asyncio.current_task()
+
+        class StopAfter2:
+            def emit(self, event):
+                if isinstance(event, CheckpointSaved) and event.step == 2:
+                    task.cancel()
+
+        with pytest.raises(asyncio.CancelledError):
+            await _loop(tiny, run, 1, [StopAfter2()]).run()
+
+    asyncio.run(until_step_2())
+    step2 = run / "checkpoints" / "step-2"
+    state = json.loads((step2 / "state.json").read_text())
+    assert state["versions"] == {"answer": 2} and state["behaviour"] == {"answer": 1}
+    assert (step2 / "behaviour" / "answer" / "adapter_model.safetensors").is_file()
+
+    resumed = _loop(tiny, run, 1)
+    resumed.load(step2)
+    asyncio.run(resumed.run())
+    assert resumed.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(_adapter(loop), _adapter(resumed)))
+
+
+def test_joint_training_refuses_stale_rollouts(tiny):
+    """Its rollouts sample topologies from the policy the update changes; other topology trainers lack the knob."""
+    router = (Path(__file__).parents[2] / "graphs" / "router.yaml").read_text().replace("smollm2-135m", str(tiny))
+    with pytest.raises(SpecError, match="max_staleness"):
+        parse_spec(router.replace("train:\n", "train:\n  max_staleness: 1\n", 1), "router.yaml")
