@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from masgraph.errors import SpecError
 from masgraph.events import CheckpointSaved
@@ -32,6 +38,12 @@ exit: answer
 train: {{steps: 3, queries_per_step: 2, eval_every: 0, eval_n: 1, seed: 3, deterministic: true,
          max_staleness: {staleness}, flow_grpo: {{group_size: 2, lr: 0.01}}}}
 """
+
+
+ALT_PY = ("from masgraph.tasks import BasicArithmetic\n\n\nclass Alternating(BasicArithmetic):\n"
+          "    name = 'alternating'\n\n    def reward(self, item, trace):\n"
+          "        return float(trace.meta['sample'] % 2)\n")
+"""`Alternating` below as a task file, for `masgraph train --task FILE:Alternating`."""
 
 
 class Alternating(BasicArithmetic):
@@ -134,3 +146,34 @@ def test_joint_training_refuses_stale_rollouts(tiny):
     router = (Path(__file__).parents[2] / "graphs" / "router.yaml").read_text().replace("smollm2-135m", str(tiny))
     with pytest.raises(SpecError, match="max_staleness"):
         parse_spec(router.replace("train:\n", "train:\n  max_staleness: 1\n", 1), "router.yaml")
+
+
+def test_kill_9_while_the_last_checkpoint_is_written_resumes_exactly(tiny, tmp_path):
+    """`masgraph train` SIGKILLed while it writes step 3's checkpoint (held open by the fault-injection pause):
+    `--resume` starts from step 2's, decodes step 3's rollouts with the version-1 adapters that checkpoint kept,
+    and ends with the uninterrupted run's adapters, bit for bit."""
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny, staleness=1))
+    (tmp_path / "alt.py").write_text(ALT_PY)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
+           f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
+    done = subprocess.run([*cmd, "--runs-dir", str(tmp_path / "a")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [whole] = list((tmp_path / "a").iterdir())
+
+    proc = subprocess.Popen([*cmd, "--runs-dir", str(tmp_path / "b")], env={**env, "MASGRAPH_CHECKPOINT_PAUSE_S": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("b/*/checkpoints/step-3.tmp/adapters")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    [killed] = list((tmp_path / "b").iterdir())
+    assert json.loads((killed / "checkpoints" / "step-2" / "state.json").read_text())["behaviour"] == {"answer": 1}
+    done = subprocess.run([*cmd, "--resume", str(killed)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "(step 2)" in done.stderr, done.stderr[-3000:]
+    want, got = [load_file(run / "checkpoints" / "step-3" / "adapters" / "answer" / "adapter_model.safetensors")
+                 for run in (whole, killed)]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

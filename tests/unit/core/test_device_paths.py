@@ -40,10 +40,12 @@ class DeviceRecorder(TorchFunctionMode):
     """Sees every torch factory call (a torch-function mode: torch itself is not patched, so libraries behave as
     usual) and records (function, file:line) of the calls from our code made without `device=`."""
 
-    def __init__(self, stray: list[str] | None = None, ok: Counter | None = None):
+    def __init__(self, stray: list[str] | None = None, ok: Counter | None = None, foreign: Counter | None = None):
         super().__init__()
         self.stray = [] if stray is None else stray
         self.ok = Counter() if ok is None else ok
+        self.foreign = Counter() if foreign is None else foreign
+        """The files outside ours that factory calls came from (evidence when nothing of ours was seen)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,7 +53,9 @@ class DeviceRecorder(TorchFunctionMode):
         if name in FACTORIES:
             frame = sys._getframe(1)  # the Python caller (torch's factories are C functions: no frame of their own)
             path = frame.f_code.co_filename
-            if path.startswith(OURS):
+            if not path.startswith(OURS):
+                self.foreign[path] += 1
+            else:
                 where = f"{name} at {Path(path).relative_to(ROOT)}:{frame.f_lineno}"
                 if "device" in kwargs or name in _LIKE_OK:
                     self.ok[where] += 1
@@ -69,7 +73,7 @@ def record_every_thread(rec: DeviceRecorder) -> None:
     run = threading.Thread.run
 
     def recorded_run(self):
-        with DeviceRecorder(rec.stray, rec.ok):
+        with DeviceRecorder(rec.stray, rec.ok, rec.foreign):
             run(self)
 
     threading.Thread.run = recorded_run
@@ -158,9 +162,10 @@ def test_decode_learner_and_topology_create_every_tensor_on_a_named_device(tiny_
     record = json.loads(out.read_text())
     assert not record["stray"], "tensors created without a device:\n" + "\n".join(sorted(set(record["stray"])))
     seen = {w.split(" at ")[1].split(":")[0] for w in record["ok"]}
-    # the check saw the code it guards (so it cannot pass by watching nothing)
+    # the check saw the code it guards (so it cannot pass by watching nothing); when it saw none of it (once in ~7
+    # loaded make-test runs, cause not found: issue 58 #17), what it did see says where the calls came from
     for part in ("hf/decode.py", "hf/learner.py", "hf/layout.py", "flow_grpo.py", "policy.py", "hrpo.py"):
-        assert any(s.endswith(part) for s in seen), (part, seen)
+        assert any(s.endswith(part) for s in seen), (part, seen, record["context"])
 
 
 class HostSyncs(TorchFunctionMode):
@@ -201,4 +206,8 @@ def test_the_decode_loop_syncs_with_the_host_once_per_step_whatever_the_batch(ti
 
 if __name__ == "__main__":  # the child process of the device-discipline test: model dir, work dir, output file
     rec = whole_path(sys.argv[1], Path(sys.argv[2]))
-    Path(sys.argv[3]).write_text(json.dumps({"stray": rec.stray, "ok": list(rec.ok)}))
+    import masgraph
+
+    context = {"ours": OURS, "masgraph": masgraph.__file__, "sys.path": sys.path, "threads": [
+        t.name for t in threading.enumerate()], "foreign": rec.foreign.most_common(8)}
+    Path(sys.argv[3]).write_text(json.dumps({"stray": rec.stray, "ok": list(rec.ok), "context": context}))
