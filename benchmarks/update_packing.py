@@ -96,7 +96,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     lines = [f"\n### Update packed vs unpacked: {Path(args.graph).name}, {args.task}, {args.queries} x {args.samples} "
              f"({datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} cores, load {load:.1f})",
-             f"`python benchmarks/update_packing.py --graph {Path(args.graph).relative_to(ROOT)} --task {args.task} "
+             f"`python benchmarks/update_packing.py --graph {_shown(args.graph)} --task {args.task} "
              f"--queries {args.queries} --samples {args.samples} --repeats {args.repeats}` — smollm2-135m fp32, CPU, "
              f"{torch.get_num_threads()} torch threads; rollouts {rollout_s:.0f} s for {len(traces)} episodes.", "",
              "| layout | rows | sequences | tokens received | tokens computed | s / update | loss |",
@@ -111,6 +111,12 @@ def main() -> None:
                   f"max |diff| {diff:.1e} (fp32 summation order)"]
     with results_file("update_packing").open("a") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _shown(graph: str) -> str:
+    """The graph's path as the recorded command gives it: relative to the repository when it is inside."""
+    path = Path(graph).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 if __name__ == "__main__":
