@@ -1,0 +1,98 @@
+"""The learning benchmark's first steps with 1 and with 2 data-parallel learner ranks: the same run?
+
+Each arm is `masgraph train GRAPH --learners N` in deterministic mode (rollouts decoded row by row, so they depend only
+on the adapters), same seed, task and steps; rank 0 rolls out, both ranks compute the update on their share of the
+rows and all-reduce the gradients. Prints each step's loss, train accuracy and rows per arm, and the largest adapter
+difference after the last step. The ranks' gradient sums differ from one process's in fp32 rounding only, so the
+steps should agree to ~1e-6 in the loss; a sampled token that flips on that rounding would show as a diverging step.
+
+    .venv/bin/python benchmarks/learner_steps.py --steps 3 --queries 2 --group 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+KEYS = ("loss/total", "accuracy/train", "rows/trained", "reward/mean")
+
+
+def arm(graph: Path, learners: int, args: argparse.Namespace, tmp: Path) -> Path:
+    """One deterministic `masgraph train` run with `learners` ranks; its run directory."""
+    spec = yaml.safe_load(graph.read_text())
+    train = spec.setdefault("train", {})
+    train["deterministic"] = True
+    train.setdefault("flow_grpo", {})["group_size"] = args.group
+    fd, name = tempfile.mkstemp(prefix=f".learners-{learners}-", suffix=".yaml", dir=graph.parent)
+    os.close(fd)
+    variant, runs = Path(name), tmp / f"runs-{learners}"
+    try:
+        variant.write_text(yaml.safe_dump(spec, sort_keys=False))
+        cmd = [sys.executable, "-m", "masgraph", "train", str(variant), "--steps", str(args.steps),
+               "--queries-per-step", str(args.queries), "--eval-every", "0", "--eval-n", "1", "--seed",
+               str(args.seed), "--runs-dir", str(runs), "--learners", str(learners),
+               *(["--task", args.task] if args.task else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        variant.unlink(missing_ok=True)
+    if done.returncode:
+        raise SystemExit(f"error: --learners {learners} failed:\n{done.stderr[-3000:]}")
+    [run] = list(runs.iterdir())
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--graph", type=Path, default=ROOT / "graphs" / "agentflow.yaml")
+    ap.add_argument("--task", default=None, help="default: the graph's train.task")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=2, help="queries per step")
+    ap.add_argument("--group", type=int, default=4, help="rollouts per query (flow_grpo.group_size)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-record", action="store_true", help="print only (no entry in benchmarks/results)")
+    args = ap.parse_args()
+    from safetensors.torch import load_file
+
+    load, t0 = os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {n: arm(args.graph.resolve(), n, args, Path(tmp)) for n in (1, 2)}
+        metrics = {n: [m for m in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if m["step"] > 0]
+                   for n, r in runs.items()}
+        weights = {n: load_file(next((r / "checkpoints" / f"step-{args.steps}").rglob("adapter_model.safetensors")))
+                   for n, r in runs.items()}
+    diff = max(float((weights[1][k] - weights[2][k]).abs().max()) for k in weights[1])
+    rows = [f"| {m1['step']} | " + " | ".join(f"{m1[k]:.6g} / {m2[k]:.6g}" for k in KEYS) + " |"
+            for m1, m2 in zip(metrics[1], metrics[2])]
+    graph = args.graph.resolve()
+    shown = graph.relative_to(ROOT) if graph.is_relative_to(ROOT) else graph
+    report = "\n".join([
+        f"`python benchmarks/learner_steps.py --graph {shown}{f' --task {args.task}' if args.task else ''} --steps "
+        f"{args.steps} --queries {args.queries} --group {args.group} --seed {args.seed}`: deterministic mode, 1 torch "
+        f"thread per process, gloo; {os.cpu_count()} cores, load average {load:.1f} at the start, "
+        f"{(time.perf_counter() - t0) / 60:.0f} min in all.", "",
+        "| step | " + " | ".join(f"{k} (1 rank / 2 ranks)" for k in KEYS) + " |", "|---" * (len(KEYS) + 1) + "|",
+        *rows, "", f"Adapters after step {args.steps}: max |1 rank - 2 ranks| **{diff:.2e}** (the adapters' own "
+        f"entries are up to {max(float(w.abs().max()) for w in weights[1].values()):.2e})."])
+    print(report)
+    if not args.no_record:
+        sys.path.insert(0, str(HERE))
+        from results_file import results_file
+
+        with open(results_file("learner_scaling"), "a") as f:
+            f.write(f"\n### The first steps with 1 and 2 learner ranks ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+                    f"{report}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
