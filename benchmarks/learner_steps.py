@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from train_variant import train_variant
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -28,27 +27,10 @@ KEYS = ("loss/total", "accuracy/train", "rows/trained", "reward/mean")
 
 
 def arm(graph: Path, learners: int, args: argparse.Namespace, tmp: Path) -> Path:
-    """One deterministic `masgraph train` run with `learners` ranks; its run directory."""
-    spec = yaml.safe_load(graph.read_text())
-    train = spec.setdefault("train", {})
-    train["deterministic"] = True
-    train.setdefault("flow_grpo", {})["group_size"] = args.group
-    fd, name = tempfile.mkstemp(prefix=f".learners-{learners}-", suffix=".yaml", dir=graph.parent)
-    os.close(fd)
-    variant, runs = Path(name), tmp / f"runs-{learners}"
-    try:
-        variant.write_text(yaml.safe_dump(spec, sort_keys=False))
-        cmd = [sys.executable, "-m", "masgraph", "train", str(variant), "--steps", str(args.steps),
-               "--queries-per-step", str(args.queries), "--eval-every", "0", "--eval-n", "1", "--seed",
-               str(args.seed), "--runs-dir", str(runs), "--learners", str(learners),
-               *(["--task", args.task] if args.task else [])]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    finally:
-        variant.unlink(missing_ok=True)
-    if done.returncode:
-        raise SystemExit(f"error: --learners {learners} failed:\n{done.stderr[-3000:]}")
-    [run] = list(runs.iterdir())
-    return run
+    """One deterministic `masgraph train` run with `learners` ranks (1 torch thread each); its run directory."""
+    return train_variant(graph, {"deterministic": True, "flow_grpo.group_size": args.group}, tmp / f"runs-{learners}",
+                         steps=args.steps, queries=args.queries, seed=args.seed, task=args.task,
+                         more=["--learners", str(learners)], env={"OMP_NUM_THREADS": "1"})
 
 
 def main() -> int:

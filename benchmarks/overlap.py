@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from train_variant import train_variant
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -29,28 +28,11 @@ ROOT = HERE.parent
 
 def arm(graph: Path, task: str | None, staleness: int, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     """One `masgraph train` run of `graph` with `max_staleness: staleness`; its timings."""
-    spec = yaml.safe_load(graph.read_text())
-    train = spec.setdefault("train", {})
-    train["max_staleness"] = staleness
-    train.setdefault("flow_grpo", {})["group_size"] = args.group
-    # beside the graph: its relative paths (prompts, tools, data) resolve as they do for the graph itself
-    fd, name = tempfile.mkstemp(prefix=f".overlap-{staleness}-", suffix=".yaml", dir=graph.parent)
-    os.close(fd)
-    variant = Path(name)
-    runs = tmp / f"runs-{staleness}-{time.monotonic_ns()}"
-    try:
-        variant.write_text(yaml.safe_dump(spec, sort_keys=False))
-        cmd = [sys.executable, "-m", "masgraph", "train", str(variant), "--steps", str(args.steps),
-               "--queries-per-step", str(args.queries), "--eval-every", "0", "--eval-n", "1", "--seed",
-               str(args.seed), "--runs-dir", str(runs), *(["--task", task] if task else [])]
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    finally:
-        variant.unlink(missing_ok=True)
-    if done.returncode:
-        raise SystemExit(f"error: max_staleness {staleness} failed:\n{done.stderr[-3000:]}")
-    [run] = list(runs.iterdir())
+    t0 = time.perf_counter()
+    run = train_variant(graph, {"max_staleness": staleness, "flow_grpo.group_size": args.group},
+                        tmp / f"runs-{staleness}-{time.monotonic_ns()}", steps=args.steps, queries=args.queries,
+                        seed=args.seed, task=task)
+    wall = time.perf_counter() - t0
     steps = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m["step"] > 0]
     return {"s_per_step": steps[-1]["time/train_s"] / len(steps), "wall_s": wall,
             "rollout_wait_s": statistics.mean(m["time/rollout_s"] for m in steps),
