@@ -343,13 +343,20 @@ class TrainLoop:
         return traces, cursor, rounds
 
     def _stage_behaviour(self) -> None:
-        """Publish the adapters as they are to the rollout backend and keep a copy for the checkpoints: the step
-        after this one resumes its rollouts from them."""
+        """Save the adapters as they are (the checkpoints copy them: the step after this one resumes its rollouts
+        from them) and serve that copy to the rollout backend."""
         adapters = sorted(set(self.trainable.values()))
         shutil.rmtree(self._staged, ignore_errors=True)
         self.learner.save(str(self._staged), adapters)
         self._behaviour = {a: self.learner.version(a) for a in adapters}
-        self.rollout_sync()
+        self._serve_rollouts({a: self._staged / a for a in adapters}, self._behaviour)
+
+    def _serve_rollouts(self, saved: dict[str, Path], versions: dict[str, int]) -> None:
+        """The rollout backend serves these saved adapters at these versions (each one it does not serve yet)."""
+        for name, path in saved.items():
+            if self.rollout_sync.published.get(name) != versions[name]:
+                self.backend.publish(name, versions[name], SavedAdapter(path))
+                self.rollout_sync.published[name] = versions[name]
 
     def _rollouts_at(self, step: int) -> Runner:
         """The runner of the graph the algorithm rolls step `step` out as (one per distinct graph, all on the same
@@ -419,10 +426,9 @@ class TrainLoop:
         self._rng = self.learner.rng_state()
         self.sync(force=True)  # the loaded weights replace what the backends served, whatever the versions
         behaviour = self.checkpoints.behaviour(checkpoint, state) if self.staleness else {}
-        for name, path in behaviour.items():  # the next rollouts decode with the adapters the run's would have
-            self.backend.publish(name, state.behaviour[name], SavedAdapter(path))
-        if behaviour:  # the learner's own versions reach the rollouts as the step after starts its rollouts
-            self.rollout_sync.published = dict(state.behaviour)
+        if behaviour:  # the next rollouts decode with the adapters the run's would have (the learner's own versions
+            self.rollout_sync.published.clear()  # reach them as the step after starts its rollouts)
+            self._serve_rollouts(behaviour, state.behaviour)
         else:
             self.rollout_sync(force=True)
         self.step = state.step
