@@ -34,8 +34,10 @@ from masgraph.device import is_out_of_memory
 from masgraph.errors import MasgraphError, Problem, SpecError
 from masgraph.events import Sink
 from masgraph.learn import data_parallel
+from masgraph.learn.data_parallel import token_shards
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
+from masgraph.learn.sharding import full_tensor
 from masgraph.runtime.cancel import raise_if_cancelled
 from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
@@ -294,7 +296,10 @@ class FlowGRPO(TrainAlgorithm):
         self.optimizers = {a: torch.optim.Adam(self.params[a], lr=lrs[a]) for a in lrs}
         self.dp = data_parallel.current()
         """The learner ranks this process shares each update with (`masgraph.learn.data_parallel`); None alone."""
-        if self.dp:  # every rank starts from rank 0's adapters
+        self.lockstep = self.dp is not None and bool(getattr(learner, "sharded", False))
+        """The base is sharded across the ranks (`masgraph.learn.sharding`): each forward pass all-gathers every layer,
+        so every rank runs the same number of passes per adapter, in the same order (`_schedule`)."""
+        if self.dp and not self.lockstep:  # every rank starts from rank 0's adapters (sharding broadcast them)
             self.dp.broadcast_parameters([p for a in sorted(self.params) for p in self.params[a]])
 
     # ---- as the loop drives it (TrainAlgorithm) --------------------------------------------------------
@@ -360,13 +365,15 @@ class FlowGRPO(TrainAlgorithm):
             return metrics | {keys.LOSS_TOTAL: 0.0}
         rng = random.Random(seed)
         epochs = [mini_batches(len(rows), cfg.ppo.num_mini_batches, rng) for _ in range(cfg.ppo.epochs)]
-        owned = sorted({b[k] for batch in epochs for b in batch for k in self._own([rows[i] for i in b])})
+        # each rank's rows over the update (a row of several mini-batches once): the frozen passes compute these
+        shares = [sorted({b[k] for batch in epochs for b in batch for k in self._shares([rows[i] for i in b])[r]})
+                  for r in range(self.dp.world if self.dp else 1)]
         totals: dict[str, Any] = defaultdict(float)
         norms: dict[str, list[Any]] = defaultdict(list)
         losses = []
         try:
-            self._alternatives_old_logprobs(rows, owned)
-            ref = self._reference_logprobs(rows, owned)
+            self._alternatives_old_logprobs(rows, shares)
+            ref = self._reference_logprobs(rows, shares)
             for batch in (b for epoch in epochs for b in epoch):
                 losses.append(self._optimizer_step([rows[i] for i in batch], [ref[i] for i in batch], totals, norms))
         except BaseException as exc:  # also a cancellation (Ctrl-C) between two passes
@@ -377,12 +384,14 @@ class FlowGRPO(TrainAlgorithm):
             raise
         for adapter in norms:
             self.learner.new_version(adapter)
+        if self.lockstep:  # the adapters' whole tensors, for saving and publishing (every rank: a collective)
+            self.learner.gather()
         totals = {k: float(totals[k]) for k in ("pg", "kl", "clip", "approx_kl")}  # host syncs, after the last step
         losses = [float(x) for x in losses]
         if self.dp:  # each rank summed its share of rows: the step's totals are the sums over ranks
             sums = self.dp.all_reduce_sum(torch.tensor([*totals.values(), *losses], dtype=torch.float64))
             totals, losses = dict(zip(totals, sums[:len(totals)].tolist())), sums[len(totals):].tolist()
-        grad_norms = {a: [float(x) for x in xs] for a, xs in norms.items()}
+        grad_norms = {a: [float(full_tensor(x)) for x in xs] for a, xs in norms.items()}
         n_tok = cfg.ppo.epochs * sum(len(r.completion_ids) for r in rows)  # tokens scored over all epochs
         return metrics | {f"{keys.GRAD_NORM}{a}": _mean(g) for a, g in grad_norms.items()} | {
             keys.LOSS_TOTAL: _mean(losses), keys.LOSS_POLICY: totals["pg"] / n_tok, keys.KL_REF: totals["kl"] / n_tok,
@@ -390,36 +399,57 @@ class FlowGRPO(TrainAlgorithm):
             keys.OPTIMIZER_STEPS: float(len(losses)), keys.TRAJECTORIES: float(len({r.traj for r in rows}))
         } | _pack_metrics(self.learner, self.dp)
 
-    def _own(self, rows: list[Row]) -> list[int]:
-        """Positions of `rows` (a mini-batch) this rank computes: all of them alone, else its share by tokens."""
+    def _shares(self, rows: list[Row]) -> list[list[int]]:
+        """Each rank's positions of `rows` (a mini-batch), split by tokens (`token_shards`); all of them alone."""
         if self.dp is None:
-            return list(range(len(rows)))
-        return self.dp.own([len(r.prompt_ids) + len(r.completion_ids) for r in rows])
+            return [list(range(len(rows)))]
+        return token_shards([len(r.prompt_ids) + len(r.completion_ids) for r in rows], self.dp.world)
 
-    def _alternatives_old_logprobs(self, rows: list[Row], positions: list[int] | None = None) -> None:
-        """Fill the `old_logprobs` of alternative rows (never sampled; of `positions`, default all) under the adapters
-        as the rollouts used them (the update has not stepped yet), so their PPO ratio starts at 1."""
-        todo = [i for i in (range(len(rows)) if positions is None else positions) if rows[i].alternative is not None]
-        for i, lp in self._frozen_logprobs(rows, todo, reference=False).items():
+    def _rank(self) -> int:
+        return self.dp.rank if self.dp else 0
+
+    def _alternatives_old_logprobs(self, rows: list[Row], shares: list[list[int]] | None = None) -> None:
+        """Fill the `old_logprobs` of alternative rows (never sampled; of this rank's share, default all) under the
+        adapters as the rollouts used them (the update has not stepped yet), so their PPO ratio starts at 1."""
+        shares = [[i for i in share if rows[i].alternative is not None] for share in shares or [range(len(rows))]]
+        for i, lp in self._frozen_logprobs(rows, shares, reference=False).items():
             rows[i].old_logprobs = lp.float().tolist()
 
-    def _reference_logprobs(self, rows: list[Row], positions: list[int] | None = None) -> list[torch.Tensor | None]:
-        """Each row's logprobs under the base model (adapters off), for `positions` (default all; None elsewhere);
-        fixed for the whole update."""
-        out = self._frozen_logprobs(rows, list(range(len(rows))) if positions is None else positions, reference=True)
+    def _reference_logprobs(self, rows: list[Row], shares: list[list[int]] | None = None) -> list[torch.Tensor | None]:
+        """Each row's logprobs under the base model (adapters off), for this rank's share (default all; None
+        elsewhere); fixed for the whole update."""
+        out = self._frozen_logprobs(rows, shares or [list(range(len(rows)))], reference=True)
         return [out.get(i) for i in range(len(rows))]
 
-    def _frozen_logprobs(self, rows: list[Row], positions: list[int], reference: bool) -> dict[int, torch.Tensor]:
-        """Position -> logprobs of `rows[position]` with no graph kept (only the values are needed), under the base
-        model (`reference`: adapters off) or the row's adapter; rows of one adapter share forward passes."""
+    def _frozen_logprobs(self, rows: list[Row], shares: list[list[int]], reference: bool) -> dict[int, torch.Tensor]:
+        """Position -> logprobs of `rows[position]` for this rank's share (of every rank's `shares`) with no graph
+        kept (only the values are needed), under the base model (`reference`: adapters off) or the row's adapter;
+        rows of one adapter share forward passes."""
         out: dict[int, torch.Tensor] = {}
-        for adapter in sorted({rows[i].adapter for i in positions}):
-            mine = [i for i in positions if rows[i].adapter == adapter]
-            for chunk in self._passes([rows[i] for i in mine], mine):
-                raise_if_cancelled()  # Ctrl-C / SIGTERM: the update stops here, uncommitted (trainers/loop.py)
-                with torch.no_grad():
-                    lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
-                    out.update(zip(chunk, lps))
+        for adapter, chunk, real in self._schedule(rows, shares):
+            raise_if_cancelled()  # Ctrl-C / SIGTERM: the update stops here, uncommitted (trainers/loop.py)
+            with torch.no_grad():
+                lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
+            if real:
+                out.update(zip(chunk, lps))
+        return out
+
+    def _schedule(self, rows: list[Row], shares: list[list[int]]) -> list[tuple[str, list[int], bool]]:
+        """This rank's forward passes over its share of `rows` as (adapter, positions, real), adapter by adapter in
+        name order, each adapter's rows cut by `_passes`. In `lockstep` every rank runs as many passes per adapter
+        as the rank with the most, over the adapters of every share: the extra ones (`real` False) go over one row
+        of that adapter and are discarded (they all-gather the layers as the others' passes do)."""
+        mine = shares[self._rank()]
+        named = shares if self.lockstep else [mine]
+        out = []
+        for adapter in sorted({rows[i].adapter for share in named for i in share}):
+            of = [[i for i in share if rows[i].adapter == adapter] for share in named]
+            passes = [self._passes([rows[i] for i in own], own) for own in of]
+            here = passes[self._rank() if self.lockstep else 0]
+            out += [(adapter, chunk, True) for chunk in here]
+            if self.lockstep:
+                filler = next(i for own in of for i in own)
+                out += [(adapter, [filler], False)] * (max(map(len, passes)) - len(here))
         return out
 
     def _optimizer_step(self, rows: list[Row], ref: list[torch.Tensor], totals: dict[str, float],
@@ -431,24 +461,25 @@ class FlowGRPO(TrainAlgorithm):
         cfg = self.config
         weights = row_weights([len(r.completion_ids) for r in rows], [r.traj for r in rows], cfg.ppo.loss_agg)
         adapters = sorted({r.adapter for r in rows})
-        own = set(self._own(rows))
         for a in adapters:
             self.optimizers[a].zero_grad(set_to_none=True)
         total: torch.Tensor | float = 0.0  # on the model's device: one host sync per update, not per pass
         self.learner.train()
         try:
-            for adapter in adapters:
-                mine = [k for k, r in enumerate(rows) if r.adapter == adapter and k in own]
-                for chunk in self._passes([rows[k] for k in mine], mine):
-                    raise_if_cancelled()
-                    new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
-                    loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
-                               for k, lp in zip(chunk, new))
-                    loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
-                    total = total + loss.detach().double()
+            for adapter, chunk, real in self._schedule(rows, self._shares(rows)):
+                raise_if_cancelled()
+                new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
+                if not real:  # a lockstep pass: no gradient of its own, but the layers' reduce-scatter as the others'
+                    (0.0 * new[0].sum()).backward()
+                    continue
+                loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
+                           for k, lp in zip(chunk, new))
+                loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
+                total = total + loss.detach().double()
         finally:
             self.learner.train(False)
-        if self.dp:  # every adapter of the mini-batch, in order, zeros where this rank had none of its rows
+        if self.dp and not self.lockstep:  # every adapter of the mini-batch, in order, zeros where this rank had none
+            # of its rows (a sharded base's gradients left their backward passes summed: `shard_layers`)
             self.dp.all_reduce_grads([self.params[a] for a in adapters])
         for a in adapters:
             grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.ppo.max_grad_norm))

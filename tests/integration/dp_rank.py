@@ -6,7 +6,8 @@ and what it left (adapters, their last gradients, the metrics) saved for the tes
 
 SEED draws the adapters' starting values (rank 0's reach every rank); with SLEEP_S >= 0 this rank touches OUT.busy
 when it reaches the gradient all-reduce, then waits SLEEP_S before joining it (a rank to kill mid-update, or a hung
-one). DP_TIMEOUT_S in the environment: the process group's timeout (default 60)."""
+one). DP_TIMEOUT_S in the environment: the process group's timeout (default 60). DP_SHARD=1: the base's decoder
+layers sharded across the ranks (FSDP2), and rank 0 also saves the adapters to OUT.adapters/ after the update."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from masgraph.backends.hf.learner import HFLearner
 from masgraph.learn.data_parallel import DataParallel, PeerLost, init_from_env
 from masgraph.learn.learner import LoraConfigSpec
+from masgraph.learn.sharding import full_tensor
 from masgraph.trace import Trace
 from masgraph.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
 
@@ -46,14 +48,18 @@ def trainer(learn: HFLearner) -> FlowGRPO:
 
 
 def snapshot(algo: FlowGRPO, metrics: dict[str, float]) -> dict[str, Any]:
-    return {"params": {a: [p.detach().clone() for p in ps] for a, ps in algo.params.items()},
-            "grads": {a: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ps]
-                      for a, ps in algo.params.items()}, "metrics": metrics}
+    """The adapters and their last gradients, whole (gathered on every rank when the base is sharded)."""
+    return {"params": {a: [full_tensor(p.detach()).clone() for p in ps] for a, ps in algo.params.items()},
+            "grads": {a: [torch.zeros(p.shape) if p.grad is None else full_tensor(p.grad).clone() for p in ps]
+                      for a, ps in algo.params.items()}, "metrics": metrics, "sharded": algo.learner.sharded}
 
 
 def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "-1") -> int:
     dp = init_from_env(torch.device("cpu"), timeout_s=float(os.environ.get("DP_TIMEOUT_S", "60")))
-    algo = trainer(learner(model, int(seed)))
+    learn = learner(model, int(seed))
+    if os.environ.get("DP_SHARD") == "1":
+        learn.shard(dp)
+    algo = trainer(learn)
     if float(sleep_s) >= 0:  # touch OUT.busy on reaching the gradient all-reduce, and stall there SLEEP_S first
         reduce = DataParallel.all_reduce_grads
 
@@ -70,6 +76,8 @@ def main(model: str, traces: str, out: str, seed: str, sleep_s: str = "-1") -> i
         print(f"error: {exc}", file=sys.stderr)
         return 1
     torch.save(snapshot(algo, metrics), out)
+    if learn.sharded and dp.writes:
+        learn.save(out + ".adapters", learn.adapters())
     if dp:
         torch.distributed.destroy_process_group()
     return 0

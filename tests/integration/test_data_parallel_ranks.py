@@ -92,7 +92,11 @@ def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: floa
     return [p.wait(timeout) for p in _start(model, traces, out, seeds)]
 
 
-def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp2"])
+def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path, shard):
+    """Replicated: each rank holds the whole base and the gradients are all-reduced. FSDP2: the decoder layers
+    (adapters included) are split across the ranks, every rank runs as many forward passes as the other (rank 1
+    repeats one for the adapter it has no row of), and rank 0 saves the gathered adapters."""
     traces = _traces(str(tiny))
     (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
     # rank 1 never holds a verifier ("check") row: its share is the two middle-length planner rows
@@ -102,7 +106,9 @@ def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
     metrics = one.update(traces, seed="0:0")
     want = dp_rank.snapshot(one, metrics)
 
-    assert _ranks(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 1]) == [0, 0]  # rank 1 starts elsewhere
+    env = {"DP_SHARD": "1"} if shard else {}
+    procs = _start(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 1], env_extra=env)  # rank 1 starts elsewhere
+    assert [p.wait(180) for p in procs] == [0, 0]
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for a in ("check", "plan"):
@@ -115,9 +121,19 @@ def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path):
                 # Adam's first step is lr * g / (|g| + eps), ~lr per element whatever the gradient's scale, and
                 # sensitive where |g| nears eps (1e-8): measured up to 1.6e-4 lr (an entry with g = 2.5e-7); 1e-3 lr
                 assert torch.allclose(p, w, rtol=0, atol=1e-3 * dp_rank.LR), (rank, a)
+        assert got["sharded"] == shard
         assert got["metrics"].keys() == want["metrics"].keys()
         for k in want["metrics"].keys() - PER_RANK:  # loss, KL, clip fraction, grad norms: over both ranks' rows
             assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-5, abs=1e-9), (rank, k)
+    if shard:  # what rank 0 saved after the update: the whole adapters, gathered from both ranks' shards
+        from safetensors.torch import load_file
+
+        for a in ("check", "plan"):
+            saved = load_file(tmp_path / "rank0.pt.adapters" / a / "adapter_model.safetensors")
+            params = torch.load(tmp_path / "rank0.pt")["params"][a]
+            assert len(saved) == len(params) and sorted(t.numel() for t in saved.values()) == sorted(
+                p.numel() for p in params)
+            assert all(any(torch.equal(t, p) for p in params) for t in saved.values()), a
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

@@ -19,6 +19,7 @@ from masgraph.backends.hf.decode import decode
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill
 from masgraph.backends.hf.model import HFModel
+from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
 from masgraph.streaming import TextSink, sink_for
 
@@ -64,6 +65,9 @@ class HFBackend:
                  batch_wait_ms: float = 3.0, deterministic: bool = False, max_context: int = 2048,
                  seed: int = 0, threads: int | None = None, device: str = "auto"):
         self.weights = model if isinstance(model, HFModel) else HFModel(model, dtype, threads, device)
+        if self.weights.sharded:
+            raise MasgraphError("a learner's weights sharded across ranks cannot decode in one process; fix: give the "
+                                "rollouts their own model (a replica, Ray workers or a vLLM server)")
         limit = self.weights.max_positions  # a model built for a shorter context keeps to it
         self.layout = TokenLayout(self.weights.tokenizer, min(max_context, limit) if limit else max_context)
         self.deterministic = deterministic

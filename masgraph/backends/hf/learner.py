@@ -51,6 +51,24 @@ class HFLearner:
         """Where the weights, the adapters, their gradients and optimizer states live."""
         return self.weights.device
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the base's decoder layers are split across the learner ranks (`shard`): then every rank runs each
+        logprob pass (`masgraph.learn.sharding`)."""
+        return self.weights.sharded
+
+    def shard(self, dp: Any) -> int:
+        """Split the base's decoder layers, adapters included, across the learner ranks of `dp` (a
+        `masgraph.learn.data_parallel.DataParallel`) with FSDP2: every rank, once its adapters are attached and
+        before a trainer is built on them. The adapters start as rank 0's. Returns the number of layers sharded."""
+        dp.broadcast_parameters([p for a in sorted(self._versions) for p in self.parameters(a)])
+        return self.weights.shard(dp)
+
+    def gather(self) -> None:
+        """After an update of a sharded learner, on every rank: the adapters' whole tensors for `save` and
+        `source` (a collective); nothing when the learner is whole."""
+        self.weights.gather()
+
     def gradient_checkpointing(self, on: bool) -> None:
         """Trade compute for memory in the logprob pass (see `HFModel.set_gradient_checkpointing`)."""
         self.weights.set_gradient_checkpointing(on)
@@ -76,7 +94,9 @@ class HFLearner:
         """Per-token logprobs of each row's completion under `adapter` (None: the reference, adapters off)."""
         if adapter is not None:
             self._check(adapter)
-        plan = plan_rows(rows, share=not self.weights.gradient_checkpointing, pack=self.pack)
+        # one forward per pass when checkpointing (a cache cannot be recomputed) or sharded (every rank must all-gather
+        # the layers as often as the others)
+        plan = plan_rows(rows, share=not (self.weights.gradient_checkpointing or self.sharded), pack=self.pack)
         if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
             self._pack.update(plan.stats(rows))
         with self.weights.use(adapter):
@@ -109,7 +129,9 @@ class HFLearner:
 
     def load_adapter(self, name: str, path: str, version: int | None = None) -> None:
         """Load a saved PEFT directory (strictly, in its own LoRA shape; see `HFModel.load_adapter`) as `version`
-        (default: the next one). A failed load leaves no adapter `name`."""
+        (default: the next one). A failed load leaves no adapter `name` (a refused one, on a sharded model, leaves
+        everything as it was)."""
+        self.weights.refuse_if_sharded(f"load adapter {name!r}")
         try:
             self.weights.load_adapter(name, path)
         except MasgraphError:
@@ -153,7 +175,7 @@ class HFAdapterSource:
     def state_dict(self) -> dict[str, Any]:
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.home.model, adapter_name=self.adapter)
+        return get_peft_model_state_dict(self.home.model, state_dict=self.home.full, adapter_name=self.adapter)
 
 
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,

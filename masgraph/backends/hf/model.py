@@ -52,6 +52,9 @@ class HFModel:
             raise
         self.base_model = self.model
         self.gradient_checkpointing = False
+        self.full: dict[str, torch.Tensor] | None = None
+        """Once sharded (`shard`): every LoRA parameter's whole tensor as of the last `gather` (what `save` writes and
+        receivers get); None while the model is whole."""
 
     @property
     def max_positions(self) -> int | None:
@@ -80,6 +83,51 @@ class HFModel:
     def adapters(self) -> list[str]:
         return [] if self.model is self.base_model else list(self.model.peft_config)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the decoder layers are split across learner ranks (`shard`)."""
+        return self.full is not None
+
+    def shard(self, dp: Any) -> int:
+        """Split the decoder layers (LoRA parameters with them) across the ranks of `dp` with FSDP2
+        (`masgraph.learn.sharding`); a collective, on every rank, once its adapters are attached and before an
+        optimizer holds their parameters (sharding replaces them). Returns the number of layers sharded."""
+        from masgraph.learn.sharding import shard_layers
+
+        if self.sharded:
+            raise MasgraphError("the model is sharded already")
+        self.full = self._lora_tensors(whole=True)
+        return shard_layers(self._decoder_layers(), dp)
+
+    def gather(self) -> None:
+        """Refresh `full` from the sharded LoRA parameters (a collective: every rank, after each optimizer step)."""
+        if self.sharded:
+            self.full = self._lora_tensors(whole=False)
+
+    def _lora_tensors(self, whole: bool) -> dict[str, torch.Tensor]:
+        from masgraph.learn.sharding import full_tensors
+
+        named = [(n, p) for n, p in self.model.named_parameters() if "lora_" in n]
+        return {n: p.detach().clone() for n, p in named} if whole else full_tensors(named)
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        """The backbone's repeated decoder blocks: `layers` (Llama, Qwen, Mistral, Phi, Gemma, ...) or `h` (GPT-2)."""
+        from masgraph.backends.hf.logprobs import model_head
+
+        backbone = model_head(self.model).backbone
+        for name in ("layers", "h"):
+            blocks = getattr(backbone, name, None)
+            if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
+                return list(blocks)
+        raise MasgraphError(f"cannot shard {type(backbone).__name__}: it has no `layers` or `h` list of decoder "
+                            "blocks; fix: train without sharding (one device holds the whole base)")
+
+    def refuse_if_sharded(self, what: str) -> None:
+        """MasgraphError naming `what` when the model is sharded (only a whole model's adapters may change shape)."""
+        if self.sharded:
+            raise MasgraphError(f"cannot {what} once the model is sharded across learner ranks; fix: do it before "
+                                "`shard` (every rank, the same way)")
+
     def add_adapter(self, name: str, lora: LoraConfigSpec | None = None) -> None:
         """Attach a fresh (zero-effect) LoRA adapter named `name` to the base model, on the modules
         `lora.target_modules` resolves to on this architecture (`resolve_targets`: e.g. Phi3's fused `qkv_proj` for
@@ -88,6 +136,7 @@ class HFModel:
 
         from masgraph.backends.hf.lora_targets import resolve_targets
 
+        self.refuse_if_sharded(f"add adapter {name!r}")
         lora = lora or LoraConfigSpec()
         targets = resolve_targets(self._linear_module_names(), lora.target_modules)
         self._attach(name, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
@@ -145,6 +194,7 @@ class HFModel:
 
         from masgraph.backends.hf.adapter_shape import AdapterUnreadable, check_adapter_fits
 
+        self.refuse_if_sharded(f"load adapter {name!r}")
         try:  # against this model, before anything is allocated (an absurd rank would take the machine's memory)
             check_adapter_fits(name, path, self._linear_module_shapes(), self.name)
         except MasgraphError as exc:
@@ -188,8 +238,9 @@ class HFModel:
                 f"(e.g. {result.unexpected_keys[:2]}); fix: re-save the adapter, or resume from an earlier checkpoint")
 
     def save(self, path: str, adapters: list[str]) -> None:
-        """Write `adapters` in PEFT format: `path/<name>/adapter_config.json + adapter_model.safetensors`."""
-        self.model.save_pretrained(path, selected_adapters=adapters)
+        """Write `adapters` in PEFT format: `path/<name>/adapter_config.json + adapter_model.safetensors` (once
+        sharded: their whole tensors as of the last `gather`)."""
+        self.model.save_pretrained(path, selected_adapters=adapters, state_dict=self.full)
 
     def use(self, adapter: str | None) -> contextlib.AbstractContextManager:
         """Run the model under `adapter`, or with every adapter off (the base model) when it is None."""
