@@ -37,7 +37,7 @@ from masgraph.learn import data_parallel
 from masgraph.learn.data_parallel import token_shards
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
-from masgraph.learn.sharding import full_tensor
+from masgraph.learn.sharding import full_state, full_tensor, shard_state
 from masgraph.runtime.cancel import raise_if_cancelled
 from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
@@ -301,6 +301,9 @@ class FlowGRPO(TrainAlgorithm):
         so every rank runs the same number of passes per adapter, in the same order (`_schedule`)."""
         if self.dp and not self.lockstep:  # every rank starts from rank 0's adapters (sharding broadcast them)
             self.dp.broadcast_parameters([p for a in sorted(self.params) for p in self.params[a]])
+        self._whole_state = self._gather_state()
+        """In `lockstep`: each adapter's optimizer state with whole tensors as of the last update (every rank gathers
+        it then; rank 0 alone checkpoints)."""
 
     # ---- as the loop drives it (TrainAlgorithm) --------------------------------------------------------
     @classmethod
@@ -340,12 +343,19 @@ class FlowGRPO(TrainAlgorithm):
         return self._credit
 
     def state_dict(self) -> dict[str, Any]:
-        """Each adapter's Adam moments."""
-        return {a: opt.state_dict() for a, opt in self.optimizers.items()}
+        """Each adapter's Adam moments (whole tensors, also when the base is sharded)."""
+        return self._whole_state if self.lockstep else {a: opt.state_dict() for a, opt in self.optimizers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for a, opt in self.optimizers.items():
             opt.load_state_dict(state[a])
+            if self.lockstep:  # each rank keeps its shard of the moments
+                shard_state(opt)
+        self._whole_state = self._gather_state()
+
+    def _gather_state(self) -> dict[str, Any] | None:
+        """In `lockstep` (every rank, a collective): each adapter's optimizer state with whole tensors."""
+        return {a: full_state(opt.state_dict()) for a, opt in self.optimizers.items()} if self.lockstep else None
 
     # ---- the update -------------------------------------------------------------------------------------
     def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
@@ -384,8 +394,9 @@ class FlowGRPO(TrainAlgorithm):
             raise
         for adapter in norms:
             self.learner.new_version(adapter)
-        if self.lockstep:  # the adapters' whole tensors, for saving and publishing (every rank: a collective)
-            self.learner.gather()
+        if self.lockstep:  # the adapters' and their optimizers' whole tensors, for checkpoints and publishing
+            self.learner.gather()  # (every rank: collectives)
+            self._whole_state = self._gather_state()
         totals = {k: float(totals[k]) for k in ("pg", "kl", "clip", "approx_kl")}  # host syncs, after the last step
         losses = [float(x) for x in losses]
         if self.dp:  # each rank summed its share of rows: the step's totals are the sums over ranks

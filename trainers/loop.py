@@ -106,7 +106,9 @@ class TrainLoop:
     update `WeightSync` publishes their new versions to the rollout backend and the evaluation backend (default:
     hf backends serving the learner's own model, evaluation's in deterministic mode). A given `backend` needs only
     `complete`, `aclose` and `publish`, and serves evaluation too unless `eval_backend` is given. Every training
-    step, evaluation and checkpoint is an event to `sinks`; RUN/metrics.jsonl is always one of them.
+    step, evaluation and checkpoint is an event to `sinks`; RUN/metrics.jsonl is always one of them. With `shard`
+    (under 2+ learner ranks) the base's decoder layers are split across the ranks (FSDP2) and in-process rollouts and
+    evaluation decode on a copy of the base of their own.
 
     Example:
         >>> loop = TrainLoop(graph, get_task("basic_arithmetic"), Path("runs/train-1"), sinks=[ListSink()])
@@ -116,7 +118,7 @@ class TrainLoop:
     def __init__(self, graph: Graph, task: Task, run_dir: Path, learner: Learner | None = None,
                  backend: SyncedBackend | None = None, eval_backend: SyncedBackend | None = None,
                  dtype: str = "auto", sinks: Sequence[Sink] = (), ray: RayConfig | None = None,
-                 algorithm: type[TrainAlgorithm] | None = None):
+                 algorithm: type[TrainAlgorithm] | None = None, shard: bool = False):
         if graph.spec.train is None:
             raise SpecError([Problem("train", "the graph has no `train:` section",
                                      "add `train: {task: basic_arithmetic}` (see TrainSpec for the knobs)")])
@@ -141,6 +143,8 @@ class TrainLoop:
         for pol in spec.policies.values():
             if pol.trainable and pol.adapter not in self.learner.adapters():
                 self.learner.add_adapter(pol.adapter, lora)
+        if shard:  # before the algorithm's optimizers take the adapters' parameters (sharding replaces them)
+            self._shard()
         self.trainable = spec.trainable_adapters()
         # a graph with a `topology:` section samples its topology from a policy (untrained unless the algorithm
         # learns it; evaluation takes its most likely topology)
@@ -208,6 +212,16 @@ class TrainLoop:
         self._progress: list[Sink] = [s for s in sinks if callable(getattr(s, "phase", None))]
         """Sinks that follow progress inside a step (a `phase(name, step, total)` method, e.g. the CLI's
         TrainProgress): told each phase as it starts, and sent the episodes of the rollouts and evaluations."""
+
+    def _shard(self) -> None:
+        """Split the base's decoder layers across the learner ranks (`masgraph.learn.sharding`); every rank."""
+        dp = data_parallel.current()
+        if dp is None:
+            raise MasgraphError("sharding the base needs 2 or more learner ranks (`--learners N`, or torchrun); "
+                                "with one, drop it: the one learner holds the whole base")
+        if not hasattr(self.learner, "shard"):
+            raise MasgraphError(f"the learner {type(self.learner).__name__} cannot shard its base; drop the setting")
+        self.learner.shard(dp)
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:

@@ -30,21 +30,22 @@ def _vllm(policy: PolicySpec, **options: Any) -> Backend:
 
 
 def _hf_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool = False, seed: int = 0,
-                   replica: bool = False, **_: Any) -> Any:
+                   replica: bool = False, weights: Any = None, **_: Any) -> Any:
     """An hf backend serving the learner's own weights (publishing a version copies nothing), or with `replica` its
     own copy of the learner's base model, in its dtype and on its device (rollouts that decode while the learner
-    updates: each published version is loaded into the copy)."""
+    updates, or beside a learner sharded across ranks: each published version is loaded into the copy), or that
+    copy given as `weights` (another backend's)."""
     from masgraph.backends.hf import HFBackend
     from masgraph.backends.hf.model import HFModel
 
-    weights = getattr(learner, "weights", None)
-    if not isinstance(weights, HFModel):
+    own = getattr(learner, "weights", None)
+    if not isinstance(own, HFModel):
         raise MasgraphError(f"the hf backend serves an in-process learner's own weights, and "
                             f"{type(learner).__name__} has none; fix: pass `backend=` (what serves the learner's "
                             "adapters to rollouts), or leave both out for the in-process hf pair")
-    if replica:
-        weights = HFModel(weights.name, learner.dtype, device=str(weights.device))
-    return HFBackend(weights, deterministic=deterministic, seed=seed)
+    if replica and weights is None:
+        weights = HFModel(own.name, learner.dtype, device=str(own.device))
+    return HFBackend(weights if replica else own, deterministic=deterministic, seed=seed)
 
 
 def _vllm_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool = False, seed: int = 0,

@@ -34,6 +34,10 @@ def learner_args(t: argparse.ArgumentParser) -> None:
                    help="learner ranks for the update (data parallel; Flow-GRPO, hf rollouts): starts them with "
                         "torchrun on this machine; under torchrun it must match the ranks it started "
                         "(docs/scale-out.md)")
+    t.add_argument("--shard", action="store_true",
+                   help="with 2+ learner ranks: split the base's decoder layers (adapters included) across them "
+                        "(FSDP2), for a base one device cannot train; rollouts and evaluation then decode on a copy "
+                        "of the base on rank 0, or on Ray workers / vLLM (docs/scale-out.md)")
     t.add_argument("--learner-timeout", type=float, default=60.0 * TIMEOUT_MINUTES, metavar="SECONDS",
                    help="how long a learner rank waits for a silent one (a hung rank) before the run stops "
                         "(default %(default)g; a rank that dies is seen at once); it must cover rank 0's rollouts, "

@@ -124,6 +124,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_splits(task, train.seed)  # before the model loads
     ray_ranks = ray_learners.launch(args, sys.argv[1:], ray, learner_device(graph).type)  # --ray --learners N
     dp, graph = join(args, graph)  # under torchrun: this learner rank (rank 0 trains, the others join updates)
+    if args.shard and dp is None and ray_ranks is None:
+        raise MasgraphError("--shard splits the base across learner ranks: give --learners 2 or more (or run under "
+                            "torchrun); one learner holds the whole base")
     run_dir = Path(args.resume) if args.resume else shared_run_dir(
         dp, lambda: new_run_dir(args.runs_dir, f"{spec.name}-train"))
     print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
@@ -136,7 +139,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     progress = None if args.watch or not writes(dp) else TrainProgress(train.steps, every_s=args.progress_every,
                                                      algorithm=train.algorithm)
     with nullcontext() if args.resume or not writes(dp) else removed_if_left_empty(run_dir):
-        loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[progress] if progress else [], ray=ray)
+        loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[progress] if progress else [], ray=ray,
+                       **({"shard": True} if args.shard else {}))
     learner = loop.learner
     if hasattr(learner, "device"):
         from masgraph.device import describe

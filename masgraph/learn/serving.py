@@ -71,8 +71,12 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
 
     `apart`: rollouts must not see the learner's weights change under them (they decode while it updates, and each
     new version reaches them only when published): in process they get their own copy of the base model, and
-    evaluation may not share their backend (it scores the newest version while they decode an older one)."""
+    evaluation may not share their backend (it scores the newest version while they decode an older one).
+
+    A learner whose base is sharded across ranks (`learner.sharded`) cannot decode in one process: in-process
+    rollouts and evaluation then decode on a copy of the base of their own (one copy for both unless `apart`)."""
     registry = registry or default_registry()
+    sharded = bool(getattr(learner, "sharded", False))
     if rollouts is not None and ray is not None:
         raise MasgraphError("pass either `ray` (rollouts on Ray workers) or a rollout backend, not both")
     if rollouts is not None:
@@ -91,10 +95,13 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])
     else:
         kind = registry.backends[rollout_kind(spec, registry)]
-        built = kind.for_learner(_served_policy(spec, kind.name), learner, **options, replica=apart)
+        built = kind.for_learner(_served_policy(spec, kind.name), learner, **options, replica=apart or sharded)
         served = Serving(built, evaluation or built, owned=[] if kind.name == "hf" else [built])
     if evaluation is None and _has_weights(learner):  # the same adapters score the same, whatever the load
-        served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True})
+        # a sharded learner's evaluation decodes on the rollouts' copy when it may (on-policy, in process)
+        copy = getattr(served.rollouts, "weights", None) if sharded and not apart and ray is None else None
+        served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True},
+                                       replica=sharded, weights=copy)
     return _apart(served, apart)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_tensor", "full_tensors", "shard_layers"]
+__all__ = ["full_state", "full_tensor", "full_tensors", "shard_layers", "shard_like", "shard_state"]
 
 
 def shard_layers(layers: Iterable[torch.nn.Module], dp: Any) -> int:
@@ -54,3 +54,33 @@ def full_tensor(t: Any) -> torch.Tensor:
 def full_tensors(named: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
     """Name -> detached whole tensor of each (name, parameter), in the given order (the same on every rank)."""
     return {name: full_tensor(p.detach()).clone() for name, p in named}
+
+
+def shard_like(whole: torch.Tensor, param: Any) -> Any:
+    """`whole` as `param` holds it: this rank's shard of it when `param` is a DTensor (cut locally: every rank has
+    `whole`, so nothing is sent), else `whole` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return whole
+    return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
+def full_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's `state_dict()` with each DTensor gathered whole (a collective: every rank, same order), so a
+    checkpoint holds what an unsharded run's holds and resumes with any number of ranks."""
+    return {"state": {i: {k: full_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                      for i, s in state["state"].items()}, "param_groups": state["param_groups"]}
+
+
+def shard_state(optimizer: torch.optim.Optimizer) -> None:
+    """After `optimizer.load_state_dict` of whole tensors (`full_state`): each state tensor shaped like its sharded
+    parameter becomes that parameter's shard (Adam's moments), the rest (its step count) stays as loaded."""
+    from torch.distributed.tensor import DTensor
+
+    for param, state in optimizer.state.items():
+        if isinstance(param, DTensor):
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == param.shape:
+                    state[k] = shard_like(v, param)

@@ -208,6 +208,7 @@ def _same_step(one_run: Path, two_run: Path, step: int) -> None:
 
 
 def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does(tiny, tmp_path):
+    """Replicated and with the base sharded (`--shard`): each step equals one learner's, resumed with 2 ranks or 1."""
     (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny))
     (tmp_path / "alt.py").write_text(ALTERNATING)
     args = ["train", str(tmp_path / "g.yaml"), "--task", f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
@@ -225,8 +226,14 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     learners(1, "--runs-dir", str(tmp_path / "one"))
     two = learners(2, "--runs-dir", str(tmp_path / "two"))
     assert two.stdout.count("done: 1 steps") == 1  # rank 0 alone reports, and alone made a run directory
+    # and with the base's decoder layers sharded across the two ranks (FSDP2; rollouts on a copy of the base)
+    learners(2, "--shard", "--runs-dir", str(tmp_path / "sharded"))
     [one_run], [two_run] = list((tmp_path / "one").iterdir()), list((tmp_path / "two").iterdir())
+    [sharded_run] = list((tmp_path / "sharded").iterdir())
     _same_step(one_run, two_run, 1)
+    _same_step(one_run, sharded_run, 1)
+    sharded_then_one = tmp_path / "sharded-then-one" / sharded_run.name
+    shutil.copytree(sharded_run, sharded_then_one)
     # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step;
     # and the two learners' checkpoint resumed by one learner (another rank count): the same step again
     two_then_one = tmp_path / "two-then-one" / two_run.name
@@ -236,6 +243,11 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     assert learners(2, "--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
     _same_step(one_run, two_then_one, 2)
+    # the sharded run resumed sharded (each rank loads its shards), and its checkpoint resumed by one learner
+    learners(2, "--shard", "--resume", str(sharded_run), "--steps", "2")
+    learners(1, "--resume", str(sharded_then_one), "--steps", "2")
+    _same_step(one_run, sharded_run, 2)
+    _same_step(one_run, sharded_then_one, 2)
 
 
 def test_ray_launched_learners_train_as_one_learner_does(tiny, tmp_path):

@@ -131,11 +131,11 @@ class HFLearner:
         """Load a saved PEFT directory (strictly, in its own LoRA shape; see `HFModel.load_adapter`) as `version`
         (default: the next one). A failed load leaves no adapter `name` (a refused one, on a sharded model, leaves
         everything as it was)."""
-        self.weights.refuse_if_sharded(f"load adapter {name!r}")
         try:
             self.weights.load_adapter(name, path)
         except MasgraphError:
-            self._versions.pop(name, None)
+            if not self.sharded:  # a sharded model keeps every adapter as it was
+                self._versions.pop(name, None)
             raise
         self._versions[name] = version if version is not None else self._versions.get(name, -1) + 1
 

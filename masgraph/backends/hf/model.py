@@ -188,13 +188,15 @@ class HFModel:
         """Load a saved PEFT adapter directory under `name`, in the LoRA shape it was saved with (its
         adapter_config.json). An existing adapter of that shape gets the weights in place (its parameter objects,
         which an optimizer may hold, stay); one of another shape is replaced by new parameters. Every LoRA
-        weight must load, else BackendError (and no adapter `name` is left attached)."""
+        weight must load, else BackendError (and no adapter `name` is left attached). Once sharded, only an
+        existing adapter of the same shape loads (each rank keeps its shard), and a refused load changes nothing."""
         from peft import PeftConfig
         from safetensors.torch import load_file
 
         from masgraph.backends.hf.adapter_shape import AdapterUnreadable, check_adapter_fits
 
-        self.refuse_if_sharded(f"load adapter {name!r}")
+        if self.sharded:
+            return self._load_sharded(name, path)
         try:  # against this model, before anything is allocated (an absurd rank would take the machine's memory)
             check_adapter_fits(name, path, self._linear_module_shapes(), self.name)
         except MasgraphError as exc:
@@ -221,6 +223,39 @@ class HFModel:
         except BackendError:  # no half-loaded adapter stays
             self.model.delete_adapter(name)
             raise
+
+    def _load_sharded(self, name: str, path: str) -> None:
+        """`load_adapter` on a sharded model: every rank reads the whole tensors and keeps its shard of each (no
+        collective); all of them are checked before any is written."""
+        import re
+
+        from peft import PeftConfig
+        from safetensors.torch import load_file
+
+        from masgraph.learn.sharding import shard_like
+
+        existing = self.model.peft_config.get(name)
+        try:
+            cfg = PeftConfig.from_pretrained(path)
+            state = load_file(os.path.join(path, "adapter_model.safetensors"))
+        except Exception as exc:  # missing file, bad JSON, truncated safetensors: several kinds
+            raise BackendError(f"cannot read adapter checkpoint {path} ({type(exc).__name__}: {exc}); fix: point at "
+                               "a directory saved by save_pretrained (adapter_config.json + "
+                               "adapter_model.safetensors)") from None
+        if existing is None or _lora_shape(existing) != _lora_shape(cfg):
+            self.refuse_if_sharded(f"load adapter {name!r} in another LoRA shape than the attached one ({path})")
+        # peft saves `...q_proj.lora_A.weight` for the parameter `...q_proj.lora_A.<name>.weight`
+        mine = {re.sub(rf"\.(lora_\w+?)\.{re.escape(name)}\.", r".\1.", n): (n, p)
+                for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n}
+        wrong = sorted(k for k in mine if k not in state or tuple(state[k].shape) != tuple(mine[k][1].shape))
+        if wrong or state.keys() - mine.keys():
+            raise BackendError(f"adapter checkpoint {path} does not fit adapter {name!r}: {len(wrong)} LoRA weights "
+                               f"missing or of another shape (e.g. {wrong[:2]}), {len(state.keys() - mine.keys())} "
+                               "unexpected; fix: re-save the adapter, or resume from an earlier checkpoint")
+        with torch.no_grad():
+            for key, (n, p) in mine.items():
+                p.copy_(shard_like(state[key], p))
+                self.full[n] = state[key].to(p.dtype).clone()
 
     def _load_weights(self, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
         """Set adapter `name`'s weights from a saved state dict, strictly: no LoRA weight missing, no key unused."""

@@ -99,3 +99,15 @@ def test_ray_launch_drops_only_the_ray_flags_for_the_other_ranks():
     argv = ["train", "g.yaml", "--ray", "--workers", "2", "--address=local", "--gpus-per-worker", "0.5",
             "--learners", "2", "--steps", "3"]
     assert rank_argv(argv) == ["train", "g.yaml", "--learners", "2", "--steps", "3"]
+
+
+@pytest.mark.slow  # the task and graph load (~2 s)
+def test_shard_without_a_second_rank_is_one_error_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = tmp_path / "g.yaml"
+    path.write_text(GRAPH.format(backend="hf"))
+    assert main(["train", str(path), "--task", "basic_arithmetic", "--shard", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: --shard splits the base across learner ranks: give --learners 2 or more (or run "
+                       "under torchrun); one learner holds the whole base")
+    assert not list(tmp_path.glob("one-node-train-*"))  # no run directory was left

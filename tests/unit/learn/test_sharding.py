@@ -1,6 +1,7 @@
 """A learner whose base is sharded with FSDP2 (`masgraph.learn.sharding`), here over a process group of one rank: the
-log-probs are the whole model's, `save` writes whole tensors, and what would run the sharded model on one rank alone
-(decoding, a new or loaded adapter) is refused with a fix. Two ranks: tests/integration/test_data_parallel_ranks.py."""
+log-probs and gradients are the whole model's, `save` writes whole tensors and `load_adapter` loads them back in
+place, and what would run the sharded model on one rank alone (decoding) or reshape it (a new adapter, another LoRA
+shape) is refused with a fix. Two ranks: tests/integration/test_data_parallel_ranks.py."""
 
 from __future__ import annotations
 
@@ -49,16 +50,16 @@ def test_a_sharded_learner_computes_and_saves_what_the_whole_one_does(tiny, tmp_
         assert torch.allclose(a, b, atol=1e-6)  # one forward per pass instead of a shared prefix: fp32 rounding
 
     learner.train()  # with gradient checkpointing the recomputed layers all-gather again: the same gradients
+    grads = {}
     for ckpt in (False, True):
         learner.gradient_checkpointing(ckpt)
         sum(lp.sum() for lp in learner.sequence_logprobs(rows, "plan")).backward()
-        grads = [p.grad.full_tensor().clone() for p in learner.parameters("plan")]
+        grads[ckpt] = [p.grad.full_tensor().clone() for p in learner.parameters("plan")]
         for p in learner.parameters("plan"):
             p.grad = None
-        if ckpt:
-            assert any(g.abs().max() > 0 for g in plain)
-            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain))
-        plain = grads
+    assert any(g.abs().max() > 0 for g in grads[False])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[True], grads[False]))
+    learner.gradient_checkpointing(False)
     learner.train(False)
 
     learner.save(str(tmp_path), ["plan"])  # whole tensors, under PEFT's names
@@ -71,8 +72,22 @@ def test_a_sharded_learner_computes_and_saves_what_the_whole_one_does(tiny, tmp_
         HFBackend(learner.weights)
     with pytest.raises(MasgraphError, match="cannot add adapter 'verify' once the model is sharded"):
         learner.add_adapter("verify", LoraConfigSpec())
-    with pytest.raises(MasgraphError, match="cannot load adapter 'plan' once the model is sharded"):
-        learner.load_adapter("plan", str(tmp_path / "plan"))
-    assert learner.adapters() == ["plan"] and learner.version("plan") == 0  # the refusal changed nothing
+    # a checkpoint's adapter loads in place, each rank keeping its shard; another shape or name is refused as is
+    with torch.no_grad():
+        for p in learner.parameters("plan"):
+            p.mul_(0.0)
+    learner.load_adapter("plan", str(tmp_path / "plan"), version=3)
+    assert learner.version("plan") == 3
+    assert sorted(p.full_tensor().sum().item() for p in learner.parameters("plan")) == sorted(
+        t.sum().item() for t in weights.values())
+    assert all(torch.equal(learner.weights.full[n], w) for n, w in weights.items())
+    other = HFLearner(str(tiny), dtype="float32", threads=1)
+    other.add_adapter("plan", LoraConfigSpec(rank=4))
+    other.add_adapter("verify", LoraConfigSpec())
+    other.save(str(tmp_path / "other"), ["plan", "verify"])
+    for name, match in (("plan", "in another LoRA shape"), ("verify", "in another LoRA shape")):
+        with pytest.raises(MasgraphError, match=f"cannot load adapter '{name}' {match}.*once the model is sharded"):
+            learner.load_adapter(name, str(tmp_path / "other" / name))
+    assert learner.adapters() == ["plan"] and learner.version("plan") == 3  # the refusals changed nothing
     with pytest.raises(MasgraphError, match="sharded already"):
         learner.shard(one_rank)
