@@ -45,8 +45,9 @@ def learner_args(t: argparse.ArgumentParser) -> None:
 
 
 def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
-    """`--learners N` outside torchrun: run this same command under `torchrun --standalone --nproc-per-node N` (its
-    exit code); None when there is nothing to start (one learner, or already under torchrun)."""
+    """`--learners N` outside torchrun: run this same command under `torchrun --standalone --nproc-per-node N`
+    (`masgraph.cli.launch`; its exit code); None when there is nothing to start (one learner, or already under
+    torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = args.learners
     if n is None or n == 1 and world == 1 or getattr(args, "ray", False):  # --ray: Ray starts them (ray_learners)
@@ -60,8 +61,8 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
         return None
     import subprocess
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               "-m", "masgraph", *argv]
+    command = [sys.executable, "-m", "masgraph.cli.launch", "--standalone", f"--nproc-per-node={n}",
+               "-m", "masgraph", *argv]  # torchrun's launcher, without its traceback when a rank fails
     return subprocess.call(command)
 
 

@@ -250,6 +250,48 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     _same_step(one_run, sharded_then_one, 2)
 
 
+def test_a_rank_killed_mid_update_under_masgraph_train_stops_it_and_the_run_resumes_exactly(tiny, tmp_path):
+    """`masgraph train --learners 2`, rank 1 SIGKILLed inside step 2's gradient all-reduce: the command ends within
+    60 s with rank 0's error line naming the last checkpoint and the launcher's line naming the killed rank, no
+    traceback; `--resume` with 2 learners then takes the step the uninterrupted run took."""
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny).replace("steps: 1,", "steps: 2, checkpoint_every: 1,"))
+    (tmp_path / "alt.py").write_text(ALTERNATING)
+    args = [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
+            f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu", "--learners", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*args, "--runs-dir", str(tmp_path / "whole")], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stall = {**env, "PYTHONPATH": os.pathsep.join([str(HERE / "stall_rank"), env.get("PYTHONPATH", "")]),
+             "STALL_DIR": str(tmp_path)}
+    killed = subprocess.Popen([*args, "--runs-dir", str(tmp_path / "killed")], env=stall, stderr=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "stalled").exists():  # rank 1 is inside step 2's all-reduce; rank 0 waits in it too
+            assert time.monotonic() - t0 < 300 and killed.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.kill(int((tmp_path / "stalled").read_text()), signal.SIGKILL)
+        since = time.monotonic()
+        code = killed.wait(90)
+        waited = time.monotonic() - since
+    finally:
+        killed.kill()
+    err = killed.stderr.read()
+    [run] = list((tmp_path / "killed").iterdir())
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and waited < 60 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 2 and "learner rank 0 of 2: the gradient all-reduce failed" in errors[0], errors
+    assert f"the last checkpoint is {run}/checkpoints/step-1; resume with --resume {run}" in errors[0]
+    assert errors[1] == "error: learner rank 1 was killed (SIGKILL); the other ranks were stopped"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-1"]
+    done = subprocess.run([*args, "--resume", str(run)], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and "done: 2 steps" in done.stdout, done.stderr[-3000:]
+    [whole] = list((tmp_path / "whole").iterdir())
+    _same_step(whole, run, 2)
+
+
 def test_ray_launched_learners_train_as_one_learner_does(tiny, tmp_path):
     """`masgraph train --ray --learners 2`: rank 1 is a Ray task beside the rollout worker (rank 0 is this
     command), and the step equals one learner's with the same Ray rollouts (deterministic: the rollouts repeat)."""

@@ -1,0 +1,47 @@
+"""What `masgraph train --learners N` runs outside torchrun: torchrun's own launcher (`torch.distributed.run`),
+quiet about how the ranks ended.
+
+Each rank says what went wrong in its own `error:` line (a lost rank names the last checkpoint:
+`masgraph.cli.learners`); torchrun's agent would then add its log lines and a `ChildFailedError` traceback. Here a
+failed rank becomes the exit code, plus one line when a rank was killed by a signal (it could say nothing itself).
+
+    python -m masgraph.cli.launch --standalone --nproc-per-node 2 -m masgraph train graph.yaml ...
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):  # the agent's own loggers (each has its level set)
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:  # killed: it printed nothing; torchrun stopped the others
+            print(f"error: learner rank {rank} was killed ({_signal_name(-failure.exitcode)}); the other ranks were "
+                  "stopped", file=sys.stderr)
+        return 1
+    except SignalException as exc:  # the launcher itself was told to stop (Ctrl-C, SIGTERM): the ranks were too
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
