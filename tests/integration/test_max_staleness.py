@@ -142,6 +142,28 @@ def test_a_run_stopped_while_the_next_rollouts_decode_resumes_into_the_uninterru
     assert all(torch.equal(a, b) for a, b in zip(_adapter(loop), _adapter(resumed)))
 
 
+def test_a_run_out_of_time_with_the_next_rollouts_decoding_resumes_into_the_uninterrupted_run(tiny, uninterrupted,
+                                                                                             tmp_path):
+    """`max_minutes` spent after step 1, while step 2's rollouts decode on version 0: the run ends there (the pending
+    rollouts cancelled, nothing left running), step 1's checkpoint keeps version 0 for them, and the resumed run
+    redoes them with it."""
+    loop, _ = uninterrupted
+    run = tmp_path / "run"
+    short = _loop(tiny, run, 1)
+    short.cfg = short.cfg.model_copy(update={"max_minutes": 1e-6})  # spent by the first step
+    asyncio.run(short.run())
+    assert short.step == 1 and short._next is None
+    state = json.loads((run / "checkpoints" / "step-1" / "state.json").read_text())
+    assert state["versions"] == {"answer": 1} and state["behaviour"] == {"answer": 0}
+    assert not (run / "checkpoints" / ".behaviour").exists()
+
+    resumed = _loop(tiny, run, 1)
+    resumed.load(run / "checkpoints" / "step-1")
+    asyncio.run(resumed.run())
+    assert resumed.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(_adapter(loop), _adapter(resumed)))
+
+
 def test_joint_training_refuses_stale_rollouts(tiny):
     """Its rollouts sample topologies from the policy the update changes; other topology trainers lack the knob."""
     router = (Path(__file__).parents[2] / "graphs" / "router.yaml").read_text().replace("smollm2-135m", str(tiny))
