@@ -37,7 +37,7 @@ from masgraph.learn import data_parallel
 from masgraph.learn.data_parallel import token_shards
 from masgraph.learn.learner import Learner
 from masgraph.learn.rollouts import RolloutShape, run_rollouts
-from masgraph.learn.sharding import full_state, full_tensor, shard_state
+from masgraph.learn.sharding import clip_grad_norm, full_state, full_tensor, is_sharded, shard_state
 from masgraph.runtime.cancel import raise_if_cancelled
 from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
@@ -351,7 +351,7 @@ class FlowGRPO(TrainAlgorithm):
             opt.load_state_dict(state[a])
             if self.lockstep:  # each rank keeps its shard of the moments
                 shard_state(opt)
-        self._whole_state = self._gather_state()
+        self._whole_state = state if self.lockstep else None  # whole already: no collective while ranks load
 
     def _gather_state(self) -> dict[str, Any] | None:
         """In `lockstep` (every rank, a collective): each adapter's optimizer state with whole tensors."""
@@ -361,6 +361,12 @@ class FlowGRPO(TrainAlgorithm):
     def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
         """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
+        if self.lockstep:  # FSDP's own collectives too: a lost rank is PeerLost's one error line
+            with self.dp.guard("sharded update"):
+                return self._update(traces, seed)
+        return self._update(traces, seed)
+
+    def _update(self, traces: list[Trace], seed: int | str) -> dict[str, float]:
         cfg = self.config
         if self.dp:  # every rank trains on rank 0's rollouts, whatever its own gave
             traces = self.dp.broadcast(traces)
@@ -489,11 +495,12 @@ class FlowGRPO(TrainAlgorithm):
                 total = total + loss.detach().double()
         finally:
             self.learner.train(False)
-        if self.dp and not self.lockstep:  # every adapter of the mini-batch, in order, zeros where this rank had none
-            # of its rows (a sharded base's gradients left their backward passes summed: `shard_layers`)
-            self.dp.all_reduce_grads([self.params[a] for a in adapters])
+        if self.dp:  # every adapter of the mini-batch, in order, zeros where this rank had none of its rows; a sharded
+            # layer's gradients left their backward passes summed (`shard_layers`): only LoRA outside the layers here
+            self.dp.all_reduce_grads([[p for p in self.params[a] if not (self.lockstep and is_sharded(p))]
+                                      for a in adapters])
         for a in adapters:
-            grad_norms[a].append(torch.nn.utils.clip_grad_norm_(self.params[a], cfg.ppo.max_grad_norm))
+            grad_norms[a].append(clip_grad_norm(self.params[a], cfg.ppo.max_grad_norm))
             self.optimizers[a].step()
         return total
 

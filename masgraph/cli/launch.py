@@ -3,7 +3,8 @@ quiet about how the ranks ended.
 
 Each rank says what went wrong in its own `error:` line (a lost rank names the last checkpoint:
 `masgraph.cli.learners`); torchrun's agent would then add its log lines and a `ChildFailedError` traceback. Here a
-failed rank becomes the exit code, plus one line when a rank was killed by a signal (it could say nothing itself).
+failed rank's exit code becomes the launcher's (1 when every failed rank was killed), plus one line for each rank
+killed by a signal (it could say nothing itself).
 
     python -m masgraph.cli.launch --standalone --nproc-per-node 2 -m masgraph train graph.yaml ...
 """
@@ -26,11 +27,12 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode < 0:  # killed: it printed nothing; torchrun stopped the others
-            print(f"error: learner rank {rank} was killed ({_signal_name(-failure.exitcode)}); the other ranks were "
-                  "stopped", file=sys.stderr)
-        return 1
+        codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
+        for rank, code in codes.items():
+            if code < 0 and code != -signal.SIGTERM:  # killed: it printed nothing (SIGTERM: torchrun stopping it)
+                print(f"error: learner rank {rank} was killed ({_signal_name(-code)}); the other ranks were stopped",
+                      file=sys.stderr)
+        return next((code for code in codes.values() if code > 0), 1)  # a rank's own error code (2: bad input)
     except SignalException as exc:  # the launcher itself was told to stop (Ctrl-C, SIGTERM): the ranks were too
         return 128 + int(exc.sigval)
     return 0

@@ -37,7 +37,7 @@ def learner_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--shard", action="store_true",
                    help="with 2+ learner ranks: split the base's decoder layers (adapters included) across them "
                         "(FSDP2), for a base one device cannot train; rollouts and evaluation then decode on a copy "
-                        "of the base on rank 0, or on Ray workers / vLLM (docs/scale-out.md)")
+                        "of the base on rank 0, or with --ray on the Ray workers (docs/scale-out.md)")
     t.add_argument("--learner-timeout", type=float, default=60.0 * TIMEOUT_MINUTES, metavar="SECONDS",
                    help="how long a learner rank waits for a silent one (a hung rank) before the run stops "
                         "(default %(default)g; a rank that dies is seen at once); it must cover rank 0's rollouts, "
@@ -59,11 +59,22 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
             raise MasgraphError(f"--learners {n} but torchrun started {world} ranks; drop --learners under torchrun "
                                 "or make it match --nproc-per-node x --nnodes")
         return None
+    import signal
     import subprocess
 
     command = [sys.executable, "-m", "masgraph.cli.launch", "--standalone", f"--nproc-per-node={n}",
                "-m", "masgraph", *argv]  # torchrun's launcher, without its traceback when a rank fails
-    return subprocess.call(command)
+    launcher = subprocess.Popen(command)
+    # the launcher shares this terminal: Ctrl-C reaches it, and it stops the ranks (each keeps its last checkpoint);
+    # this process waits for that instead of killing it 0.25 s later, and passes a SIGTERM on
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))
+    try:
+        code = launcher.wait()
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
 
 
 def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, Graph]:

@@ -15,8 +15,10 @@ Example (under `torchrun --nproc-per-node 2`):
 from __future__ import annotations
 
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -115,9 +117,27 @@ class DataParallel:
         try:
             fn(*args, **kw)
         except (RuntimeError, dist.DistError) as exc:
-            waited = time.monotonic() - t0
-            raise PeerLost(f"learner rank {self.rank} of {self.world}: the {what} failed after {waited:.0f} s: "
-                           f"{_peer(exc, self)} ({_first_line(exc)})") from exc
+            raise self._lost(what, exc, t0) from exc
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Collectives made inside (FSDP's all-gathers and reduce-scatters, DTensor gathers) that fail because
+        another rank is gone raise `PeerLost` too; other errors pass as they are."""
+        t0 = time.monotonic()
+        try:
+            yield
+        except RuntimeError as exc:  # gloo raises a plain RuntimeError for a closed connection
+            if isinstance(exc, dist.DistError) or _COMMS.search(str(exc)):
+                raise self._lost(what, exc, t0) from exc
+            raise
+
+    def _lost(self, what: str, exc: BaseException, t0: float) -> PeerLost:
+        return PeerLost(f"learner rank {self.rank} of {self.world}: the {what} failed after "
+                        f"{time.monotonic() - t0:.0f} s: {_peer(exc, self)} ({_first_line(exc)})")
+
+
+_COMMS = re.compile(r"gloo|nccl|connection (closed|reset)|timed out|timeout", re.IGNORECASE)
+"""What a collective's failure says (as against an error of the update's own, which passes unchanged)."""
 
 
 def _peer(exc: BaseException, dp: DataParallel) -> str:

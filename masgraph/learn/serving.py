@@ -74,7 +74,8 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     evaluation may not share their backend (it scores the newest version while they decode an older one).
 
     A learner whose base is sharded across ranks (`learner.sharded`) cannot decode in one process: in-process
-    rollouts and evaluation then decode on a copy of the base of their own (one copy for both unless `apart`)."""
+    rollouts and evaluation then decode on a copy of the base of their own (one copy for both unless `apart`); with
+    Ray workers evaluation decodes on them too (on rank 0's copy only when `apart`)."""
     registry = registry or default_registry()
     sharded = bool(getattr(learner, "sharded", False))
     if rollouts is not None and ray is not None:
@@ -97,8 +98,10 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         kind = registry.backends[rollout_kind(spec, registry)]
         built = kind.for_learner(_served_policy(spec, kind.name), learner, **options, replica=apart or sharded)
         served = Serving(built, evaluation or built, owned=[] if kind.name == "hf" else [built])
-    if evaluation is None and _has_weights(learner):  # the same adapters score the same, whatever the load
-        # a sharded learner's evaluation decodes on the rollouts' copy when it may (on-policy, in process)
+    # the same adapters score the same, whatever the load: in process, deterministic; but a sharded learner's
+    # evaluation stays on the Ray workers when it may (on-policy), so rank 0 holds no whole copy of the base
+    if evaluation is None and _has_weights(learner) and not (sharded and ray is not None and not apart):
+        # in process beside a sharded learner: on the rollouts' copy when it may (on-policy)
         copy = getattr(served.rollouts, "weights", None) if sharded and not apart and ray is None else None
         served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True},
                                        replica=sharded, weights=copy)

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_state", "full_tensor", "full_tensors", "shard_layers", "shard_like", "shard_state"]
+from masgraph.errors import MasgraphError
+
+__all__ = ["clip_grad_norm", "full_state", "full_tensor", "full_tensors", "is_sharded", "shard_layers",
+           "shard_like", "shard_state"]
 
 
 def shard_layers(layers: Iterable[torch.nn.Module], dp: Any) -> int:
@@ -32,12 +35,16 @@ def shard_layers(layers: Iterable[torch.nn.Module], dp: Any) -> int:
     dimension of its world size, on its device type), gradients reduced as a plain sum (the Flow-GRPO loss is
     normalised over the whole step already; gloo has no pre-scaled sum). Returns the number of layers sharded."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise MasgraphError(f"sharding the base needs FSDP2's summed reduce-scatter, which torch {torch.__version__} "
+                            "lacks; fix: pip install 'torch>=2.13' (the version tested), or train without sharding")
     layers = list(layers)
     mesh = init_device_mesh(dp.device.type, (dp.world,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
+    for layer in layers:  # each layer is a root of its own (the embeddings and head stay whole), and FSDP keeps a
+        # root's weights gathered after its forward unless told otherwise: that would hold the whole base
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         layer.set_gradient_divide_factor(1.0)
         layer.set_force_sum_reduction_for_comms(True)
     return len(layers)
@@ -84,3 +91,27 @@ def shard_state(optimizer: torch.optim.Optimizer) -> None:
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == param.shape:
                     state[k] = shard_like(v, param)
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether `t` is a DTensor (a parameter of a sharded layer, or its gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def clip_grad_norm(params: list[Any], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (the total norm, gradients scaled to at most `max_norm`), also when some of
+    `params` are sharded and some whole (LoRA inside and outside the decoder layers), which torch's cannot mix: the
+    two groups' norms are combined, and every gradient is scaled by the same factor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if is_sharded(g)]
+    if not sharded or len(sharded) == len(grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    whole = [g for g in grads if not is_sharded(g)]
+    parts = [full_tensor(torch.nn.utils.get_total_norm(group)) for group in (sharded, whole)]
+    total = torch.linalg.vector_norm(torch.stack([t.to(parts[1].device) for t in parts]))
+    factor = min(1.0, max_norm / (float(total) + 1e-6))  # torch's rule (a float: DTensor and tensor do not mix)
+    for g in grads:
+        g.mul_(factor)
+    return total

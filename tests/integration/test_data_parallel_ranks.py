@@ -48,10 +48,10 @@ def tiny(tmp_path_factory) -> Path:
     return _module("unit_conftest", HERE.parent / "unit" / "conftest.py").tiny.__wrapped__(tmp_path_factory)
 
 
-def _traces(model: str) -> list[Trace]:
+def _traces(model: str, head: bool = False) -> list[Trace]:
     """One group of 4 trajectories: a planner call each (long rows), and a short verifier call in the first only,
     with logprobs recorded under the adapters as the update starts (ratios start at 1, so nothing is clipped)."""
-    learn = dp_rank.learner(model, 0)
+    learn = dp_rank.learner(model, 0, head)
     prompts = [[1, 4, 5, 6, 7, 8, 9], [1, 4, 5, 6, 10, 11], [1, 4, 5, 12, 13], [1, 4, 14]]
     completions = [[16, 17, 18, 19, 2], [20, 21, 22, 2], [23, 24, 25, 2], [26, 27, 2]]
     traces = []
@@ -95,18 +95,20 @@ def _ranks(model: Path, traces: Path, out: Path, seeds: list[int], timeout: floa
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp2"])
 def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path, shard):
     """Replicated: each rank holds the whole base and the gradients are all-reduced. FSDP2: the decoder layers
-    (adapters included) are split across the ranks, every rank runs as many forward passes as the other (rank 1
-    repeats one for the adapter it has no row of), and rank 0 saves the gathered adapters."""
-    traces = _traces(str(tiny))
+    (adapters included) are split across the ranks, and with one row per pass over 2 mini-batches x 2 epochs the
+    ranks hold different numbers of passes (rank 1 none of the verifier's): every rank runs as many as the other;
+    LoRA on the output head (outside the layers) is whole on each rank and its gradients summed; rank 0 saves the
+    gathered adapters."""
+    traces = _traces(str(tiny), head=shard)
     (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
     # rank 1 never holds a verifier ("check") row: its share is the two middle-length planner rows
     lengths = [len(c.prompt_ids) + len(c.completion_ids) for t in traces for s in t.steps for c in s.llm]
     assert lengths == [12, 4, 10, 9, 6] and token_shards(lengths, 2) == [[0, 1, 4], [2, 3]]
-    one = dp_rank.trainer(dp_rank.learner(str(tiny), 0))
+    one = dp_rank.trainer(dp_rank.learner(str(tiny), 0, head=shard), passes=shard)
     metrics = one.update(traces, seed="0:0")
     want = dp_rank.snapshot(one, metrics)
 
-    env = {"DP_SHARD": "1"} if shard else {}
+    env = {"DP_SHARD": "1", "DP_HARD": "1"} if shard else {}
     procs = _start(tiny, tmp_path / "traces.jsonl", tmp_path, seeds=[0, 1], env_extra=env)  # rank 1 starts elsewhere
     assert [p.wait(180) for p in procs] == [0, 0]
     for rank in (0, 1):
@@ -128,12 +130,12 @@ def test_two_gloo_ranks_take_the_step_one_process_takes(tiny, tmp_path, shard):
     if shard:  # what rank 0 saved after the update: the whole adapters, gathered from both ranks' shards
         from safetensors.torch import load_file
 
+        got = torch.load(tmp_path / "rank0.pt")
         for a in ("check", "plan"):
             saved = load_file(tmp_path / "rank0.pt.adapters" / a / "adapter_model.safetensors")
-            params = torch.load(tmp_path / "rank0.pt")["params"][a]
-            assert len(saved) == len(params) and sorted(t.numel() for t in saved.values()) == sorted(
-                p.numel() for p in params)
-            assert all(any(torch.equal(t, p) for p in params) for t in saved.values()), a
+            names = [n.replace(f".{a}.", ".") for n in got["names"][a]]  # peft saves them without the adapter's name
+            assert sorted(saved) == sorted(names) and len(names) == len(got["params"][a])
+            assert all(torch.equal(saved[n], p) for n, p in zip(names, got["params"][a])), a
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
@@ -234,6 +236,8 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     _same_step(one_run, sharded_run, 1)
     sharded_then_one = tmp_path / "sharded-then-one" / sharded_run.name
     shutil.copytree(sharded_run, sharded_then_one)
+    two_then_sharded = tmp_path / "two-then-sharded" / two_run.name
+    shutil.copytree(two_run, two_then_sharded)
     # resumed with 2 learners again (rank 1 loads the checkpoint too): the next step is the one learner's next step;
     # and the two learners' checkpoint resumed by one learner (another rank count): the same step again
     two_then_one = tmp_path / "two-then-one" / two_run.name
@@ -243,32 +247,52 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     assert learners(2, "--resume", str(two_run), "--steps", "2").stdout.count("done: 2 steps") == 1
     _same_step(one_run, two_run, 2)
     _same_step(one_run, two_then_one, 2)
-    # the sharded run resumed sharded (each rank loads its shards), and its checkpoint resumed by one learner
+    # the sharded run resumed sharded (each rank loads its shards), its checkpoint resumed by one learner, and the
+    # replicated run's resumed sharded
     learners(2, "--shard", "--resume", str(sharded_run), "--steps", "2")
     learners(1, "--resume", str(sharded_then_one), "--steps", "2")
+    learners(2, "--shard", "--resume", str(two_then_sharded), "--steps", "2")  # and a replicated run's, sharded
     _same_step(one_run, sharded_run, 2)
     _same_step(one_run, sharded_then_one, 2)
+    _same_step(one_run, two_then_sharded, 2)
 
 
-def test_a_rank_killed_mid_update_under_masgraph_train_stops_it_and_the_run_resumes_exactly(tiny, tmp_path):
-    """`masgraph train --learners 2`, rank 1 SIGKILLed inside step 2's gradient all-reduce: the command ends within
-    60 s with rank 0's error line naming the last checkpoint and the launcher's line naming the killed rank, no
-    traceback; `--resume` with 2 learners then takes the step the uninterrupted run took."""
-    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny).replace("steps: 1,", "steps: 2, checkpoint_every: 1,"))
+def _train_args(tmp_path: Path, model: Path, steps: int) -> list[str]:
+    """`masgraph train --learners 2` of GRAPH for `steps` steps (a checkpoint each), with its files in `tmp_path`."""
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=model).replace("steps: 1,",
+                                                                       f"steps: {steps}, checkpoint_every: 1,"))
     (tmp_path / "alt.py").write_text(ALTERNATING)
-    args = [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
+    return [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
             f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu", "--learners", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*args, "--runs-dir", str(tmp_path / "whole")], env=env, capture_output=True, text=True,
-                          timeout=400)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny, tmp_path_factory) -> Path:
+    """An uninterrupted 2-step `masgraph train --learners 2` run (replicated): its run directory."""
+    tmp = tmp_path_factory.mktemp("whole")
+    done = subprocess.run([*_train_args(tmp, tiny, 2), "--runs-dir", str(tmp / "runs")], capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+    [run] = list((tmp / "runs").iterdir())
+    return run
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp2"])
+def test_a_rank_killed_mid_update_under_masgraph_train_stops_it_and_the_run_resumes_exactly(tiny, tmp_path, shard,
+                                                                                           two_steps):
+    """`masgraph train --learners 2 [--shard]`, rank 1 SIGKILLed in step 2's update while rank 0 waits in a
+    collective (the gradient all-reduce; sharded: a layer's all-gather): the command ends within 60 s with rank 0's
+    error line naming the last checkpoint and the launcher's line naming the killed rank, no traceback; `--resume`
+    then takes the step the uninterrupted run took."""
+    args = [*_train_args(tmp_path, tiny, 2), *(["--shard"] if shard else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     stall = {**env, "PYTHONPATH": os.pathsep.join([str(HERE / "stall_rank"), env.get("PYTHONPATH", "")]),
              "STALL_DIR": str(tmp_path)}
     killed = subprocess.Popen([*args, "--runs-dir", str(tmp_path / "killed")], env=stall, stderr=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, text=True)
     try:
         t0 = time.monotonic()
-        while not (tmp_path / "stalled").exists():  # rank 1 is inside step 2's all-reduce; rank 0 waits in it too
+        while not (tmp_path / "stalled").exists():  # rank 1 is in step 2's update; rank 0 waits for it
             assert time.monotonic() - t0 < 300 and killed.poll() is None
             time.sleep(0.2)
         time.sleep(1.0)
@@ -282,14 +306,14 @@ def test_a_rank_killed_mid_update_under_masgraph_train_stops_it_and_the_run_resu
     [run] = list((tmp_path / "killed").iterdir())
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 1 and waited < 60 and "Traceback" not in err, err[-3000:]
-    assert len(errors) == 2 and "learner rank 0 of 2: the gradient all-reduce failed" in errors[0], errors
+    what = "sharded update" if shard else "gradient all-reduce"
+    assert len(errors) == 2 and f"learner rank 0 of 2: the {what} failed" in errors[0], errors
     assert f"the last checkpoint is {run}/checkpoints/step-1; resume with --resume {run}" in errors[0]
     assert errors[1] == "error: learner rank 1 was killed (SIGKILL); the other ranks were stopped"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-1"]
     done = subprocess.run([*args, "--resume", str(run)], env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0 and "done: 2 steps" in done.stdout, done.stderr[-3000:]
-    [whole] = list((tmp_path / "whole").iterdir())
-    _same_step(whole, run, 2)
+    _same_step(two_steps, run, 2)
 
 
 def test_ray_launched_learners_train_as_one_learner_does(tiny, tmp_path):

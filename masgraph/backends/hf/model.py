@@ -96,8 +96,10 @@ class HFModel:
 
         if self.sharded:
             raise MasgraphError("the model is sharded already")
-        self.full = self._lora_tensors(whole=True)
-        return shard_layers(self._decoder_layers(), dp)
+        layers, full = self._decoder_layers(), self._lora_tensors(whole=True)
+        count = shard_layers(layers, dp)
+        self.full = full  # only once sharded: a refused or failed shard leaves the model whole
+        return count
 
     def gather(self) -> None:
         """Refresh `full` from the sharded LoRA parameters (a collective: every rank, after each optimizer step)."""

@@ -46,6 +46,8 @@ def test_a_sharded_learner_computes_and_saves_what_the_whole_one_does(tiny, tmp_
     assert all(isinstance(p, DTensor) for p in learner.parameters("plan"))
     with torch.no_grad():
         sharded = learner.sequence_logprobs(rows, "plan")
+    layers = learner.weights._decoder_layers()
+    assert all(isinstance(p, DTensor) for layer in layers for p in layer.parameters())  # resharded after the pass
     for a, b in zip(whole, sharded):
         assert torch.allclose(a, b, atol=1e-6)  # one forward per pass instead of a shared prefix: fp32 rounding
 
@@ -57,6 +59,7 @@ def test_a_sharded_learner_computes_and_saves_what_the_whole_one_does(tiny, tmp_
         grads[ckpt] = [p.grad.full_tensor().clone() for p in learner.parameters("plan")]
         for p in learner.parameters("plan"):
             p.grad = None
+    assert all(isinstance(p, DTensor) for layer in layers for p in layer.parameters())  # and after backward
     assert any(g.abs().max() > 0 for g in grads[False])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[True], grads[False]))
     learner.gradient_checkpointing(False)
