@@ -129,7 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             "torchrun); one learner holds the whole base")
     run_dir = Path(args.resume) if args.resume else shared_run_dir(
         dp, lambda: new_run_dir(args.runs_dir, f"{spec.name}-train"))
-    print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
+    if writes(dp):
+        print(f"loading {spec.name}; run dir {run_dir}", file=sys.stderr)
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
     if checkpoint is not None:
         checkpoint_adapters(checkpoint, graph.spec)  # a broken or foreign one is reported before the model loads
@@ -142,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         loop = trainer(graph, task, run_dir, dtype=dtype, sinks=[progress] if progress else [], ray=ray,
                        **({"shard": True} if args.shard else {}))
     learner = loop.learner
-    if hasattr(learner, "device"):
+    if hasattr(learner, "device") and writes(dp):  # rank 0 speaks for the learner ranks
         from masgraph.device import describe
 
         print(f"learner on {describe(learner.device)}, {learner.dtype}", file=sys.stderr)
