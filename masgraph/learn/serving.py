@@ -98,11 +98,11 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         kind = registry.backends[rollout_kind(spec, registry)]
         built = kind.for_learner(_served_policy(spec, kind.name), learner, **options, replica=apart or sharded)
         served = Serving(built, evaluation or built, owned=[] if kind.name == "hf" else [built])
-    # the same adapters score the same, whatever the load: in process, deterministic; but a sharded learner's
-    # evaluation stays on the Ray workers when it may (on-policy), so rank 0 holds no whole copy of the base
-    if evaluation is None and _has_weights(learner) and not (sharded and ray is not None and not apart):
-        # in process beside a sharded learner: on the rollouts' copy when it may (on-policy)
-        copy = getattr(served.rollouts, "weights", None) if sharded and not apart and ray is None else None
+    # the same adapters score the same, whatever the load: in process, deterministic; beside a sharded learner on a
+    # copy (the rollouts' own when on-policy), or on the Ray workers, so rank 0 holds no whole copy of the base
+    on_policy_copy = sharded and not apart
+    if evaluation is None and _has_weights(learner) and not (on_policy_copy and ray is not None):
+        copy = getattr(served.rollouts, "weights", None) if on_policy_copy else None
         served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True},
                                        replica=sharded, weights=copy)
     return _apart(served, apart)

@@ -53,9 +53,7 @@ def shard_layers(layers: Iterable[torch.nn.Module], dp: Any) -> int:
 def full_tensor(t: Any) -> torch.Tensor:
     """The whole value of `t`: a sharded (or replicated) DTensor gathered from every rank (a collective: every rank
     calls it, in the same order), a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_sharded(t) else t
 
 
 def full_tensors(named: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
@@ -66,9 +64,9 @@ def full_tensors(named: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
 def shard_like(whole: torch.Tensor, param: Any) -> Any:
     """`whole` as `param` holds it: this rank's shard of it when `param` is a DTensor (cut locally: every rank has
     `whole`, so nothing is sent), else `whole` itself."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return whole
     return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh, param.placements,
                              src_data_rank=None)
@@ -84,12 +82,10 @@ def full_state(state: dict[str, Any]) -> dict[str, Any]:
 def shard_state(optimizer: torch.optim.Optimizer) -> None:
     """After `optimizer.load_state_dict` of whole tensors (`full_state`): each state tensor shaped like its sharded
     parameter becomes that parameter's shard (Adam's moments), the rest (its step count) stays as loaded."""
-    from torch.distributed.tensor import DTensor
-
     for param, state in optimizer.state.items():
-        if isinstance(param, DTensor):
+        if is_sharded(param):
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == param.shape:
+                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.shape == param.shape:
                     state[k] = shard_like(v, param)
 
 

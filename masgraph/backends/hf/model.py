@@ -192,9 +192,6 @@ class HFModel:
         which an optimizer may hold, stay); one of another shape is replaced by new parameters. Every LoRA
         weight must load, else BackendError (and no adapter `name` is left attached). Once sharded, only an
         existing adapter of the same shape loads (each rank keeps its shard), and a refused load changes nothing."""
-        from peft import PeftConfig
-        from safetensors.torch import load_file
-
         from masgraph.backends.hf.adapter_shape import AdapterUnreadable, check_adapter_fits
 
         if self.sharded:
@@ -207,13 +204,7 @@ class HFModel:
                 raise BackendError(f"cannot read adapter checkpoint {path} ({exc}); fix: point at a directory saved "
                                    "by save_pretrained (adapter_config.json + adapter_model.safetensors)") from None
             raise
-        try:
-            cfg = PeftConfig.from_pretrained(path)
-            state = load_file(os.path.join(path, "adapter_model.safetensors"))
-        except Exception as exc:  # missing file, bad JSON, truncated safetensors: several kinds
-            raise BackendError(f"cannot read adapter checkpoint {path} ({type(exc).__name__}: {exc}); fix: point at "
-                               "a directory saved by save_pretrained (adapter_config.json + "
-                               "adapter_model.safetensors)") from None
+        cfg, state = _read_adapter(path)
         existing = self.model.peft_config.get(name) if name in self.adapters() else None
         if existing is not None and _lora_shape(existing) != _lora_shape(cfg):
             self.model.delete_adapter(name)
@@ -231,19 +222,10 @@ class HFModel:
         collective); all of them are checked before any is written."""
         import re
 
-        from peft import PeftConfig
-        from safetensors.torch import load_file
-
         from masgraph.learn.sharding import shard_like
 
         existing = self.model.peft_config.get(name)
-        try:
-            cfg = PeftConfig.from_pretrained(path)
-            state = load_file(os.path.join(path, "adapter_model.safetensors"))
-        except Exception as exc:  # missing file, bad JSON, truncated safetensors: several kinds
-            raise BackendError(f"cannot read adapter checkpoint {path} ({type(exc).__name__}: {exc}); fix: point at "
-                               "a directory saved by save_pretrained (adapter_config.json + "
-                               "adapter_model.safetensors)") from None
+        cfg, state = _read_adapter(path)
         if existing is None or _lora_shape(existing) != _lora_shape(cfg):
             self.refuse_if_sharded(f"load adapter {name!r} in another LoRA shape than the attached one ({path})")
         # peft saves `...q_proj.lora_A.weight` for the parameter `...q_proj.lora_A.<name>.weight`
@@ -287,6 +269,19 @@ class HFModel:
             return self.model.disable_adapter()
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
+
+
+def _read_adapter(path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A saved PEFT directory's config and weights; BackendError with a fix when either cannot be read."""
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+
+    try:
+        return PeftConfig.from_pretrained(path), load_file(os.path.join(path, "adapter_model.safetensors"))
+    except Exception as exc:  # missing file, bad JSON, truncated safetensors: several kinds
+        raise BackendError(f"cannot read adapter checkpoint {path} ({type(exc).__name__}: {exc}); fix: point at "
+                           "a directory saved by save_pretrained (adapter_config.json + "
+                           "adapter_model.safetensors)") from None
 
 
 def _lora_shape(cfg: Any) -> dict[str, Any]:
