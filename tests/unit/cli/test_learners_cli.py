@@ -4,6 +4,7 @@ process group or model; a lost rank's error names the run's last checkpoint."""
 from __future__ import annotations
 
 import argparse
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -111,3 +112,36 @@ def test_shard_without_a_second_rank_is_one_error_line_before_the_model_loads(tm
     assert err[-1] == ("error: --shard splits the base across learner ranks: give --learners 2 or more (or run "
                        "under torchrun); one learner holds the whole base")
     assert not list(tmp_path.glob("one-node-train-*"))  # no run directory was left
+
+
+@pytest.mark.parametrize("rank0", [2, -signal.SIGTERM], ids=["rank-0-saw-it-first", "rank-0-stopped-first"])
+def test_the_launcher_exits_1_when_a_rank_was_killed_whatever_the_others_did(monkeypatch, capsys, rank0):
+    """Rank 1 SIGKILLed: rank 0 either exits 2 with its own PeerLost line or is stopped by torchrun first; timing
+    decides which (CI saw the first), so the exit code must not depend on it."""
+    import torch.distributed.run as run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from masgraph.cli import launch
+
+    def failed(_config):
+        raise ChildFailedError("masgraph", {rank: ProcessFailure(rank, 100 + rank, code, "")
+                                            for rank, code in ((0, rank0), (1, -signal.SIGKILL))})
+
+    monkeypatch.setattr(run, "run", failed)
+    assert launch.main(["--standalone", "--nproc-per-node", "2", "-m", "masgraph", "train"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: learner rank 1 was killed (SIGKILL); "
+                                                    "the other ranks were stopped"]
+
+
+def test_the_launcher_passes_a_ranks_own_exit_code_through(monkeypatch):
+    import torch.distributed.run as run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from masgraph.cli import launch
+
+    def failed(_config):
+        raise ChildFailedError("masgraph", {0: ProcessFailure(0, 100, 2, ""),
+                                            1: ProcessFailure(1, 101, -signal.SIGTERM, "")})
+
+    monkeypatch.setattr(run, "run", failed)
+    assert launch.main(["--standalone", "--nproc-per-node", "2", "-m", "masgraph", "train"]) == 2
