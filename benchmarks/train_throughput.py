@@ -22,12 +22,18 @@ TRL: min_new_tokens), so both generate the same number of tokens. `--no-trl` run
         [--device cuda] [--max-tokens 128] [--gradient-checkpointing] [--no-trl]
 """
 
+# ruff: noqa: E402  (the environment is read before any import: `import masgraph` changes it)
 from __future__ import annotations
+
+import os
+
+STARTED_WITH = dict(os.environ)
+"""This process's environment before `import masgraph` added its thread settings (`OMP_WAIT_POLICY=PASSIVE`): TRL's
+side runs in it, so each side has its own library's default thread environment."""
 
 import argparse
 import asyncio
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -128,7 +134,7 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
               "zero_variance": cfg.flow_grpo.batching.zero_variance, "resident_gib": loaded,
-              "threads": torch.get_num_threads()}
+              "threads": thread_env()}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 
 
@@ -195,6 +201,7 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
     trl_config["model_dtype"] = str(model.dtype)
     trl_config["device"] = str(trainer.args.device)
     trl_config["resident_gib"] = loaded
+    trl_config["threads"] = thread_env()
     return trl_config, times, tokens, peak.steps
 
 
@@ -286,10 +293,21 @@ def main() -> int:
 
 
 def side(args: argparse.Namespace, name: str, io: Path) -> None:
-    """Run one side in a fresh process (its memory is its own: no leftovers from the other side's model)."""
+    """Run one side in a fresh process (its memory is its own: no leftovers from the other side's model), in its own
+    library's thread environment: masgraph's side with what `import masgraph` sets, TRL's with what this script was
+    started with (libgomp reads it once, when torch loads: the side imports torch before masgraph)."""
     argv = [a for a in sys.argv[1:] if a != "--no-trl"]
+    env = os.environ if name == "masgraph" else STARTED_WITH
     subprocess.run([sys.executable, __file__, *argv, "--side", name, "--io", str(io)], check=True,
-                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                   env={**env, "PYTHONUNBUFFERED": "1"})
+
+
+THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env() -> dict:
+    """The thread settings this side's torch started with, and its thread count (recorded with each side)."""
+    return {"env": {k: STARTED_WITH[k] for k in THREAD_ENV if k in STARTED_WITH}, "threads": torch.get_num_threads()}
 
 
 def run_side(args: argparse.Namespace) -> int:
