@@ -17,7 +17,7 @@ from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Req
 from masgraph.backends.hf.batcher import Batcher
 from masgraph.backends.hf.decode import decode
 from masgraph.backends.hf.dtype import pick_dtype
-from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill
+from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill, stack_prefixes
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
@@ -73,6 +73,9 @@ class HFBackend:
         self.deterministic = deterministic
         self.share_prompts = True
         """Prefill a prompt part several rows of a batch share once (off only to compare with the layout before)."""
+        self.mix_prefixes = True
+        """Decode the rows of one adapter in one loop whatever their static prefixes (off: one loop per prefix, the
+        layout before, kept to compare with)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -85,7 +88,15 @@ class HFBackend:
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
             error=_generate_error)
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
-                      "prefix_hits": 0, "prefix_misses": 0, "prompt_tokens_shared": 0}
+                      "prefix_hits": 0, "prefix_misses": 0, "prompt_tokens_shared": 0,
+                      "prompt_tokens": 0, "prompt_tokens_computed": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "decode_loops": 0}
+        """Counters since the backend started. Where rollout time goes: `prompt_tokens` received vs
+        `prompt_tokens_computed` (run through the model: what the cached static prefixes and the shared prompt
+        parts saved), `prefill_s` (prompt tokens through the model, with each batch's first pick) vs `decode_s`
+        (the one-token steps after); `generate_s` is their sum plus encoding and bookkeeping. `decode_loops`: the
+        decode loops the batches ran (the rows of one adapter and static prefix decode in one loop, so
+        rows / decode_loops is the batch size decoding saw)."""
 
     # the served model, read-only (tests and benchmarks inspect it; trainers go through a Learner)
     model_name = property(lambda self: self.weights.name)
@@ -190,26 +201,28 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
-        """Decode a batch of requests (blocking). Rows that share adapter and static prompt prefix decode
-        together on that prefix's cached KV (one at a time in deterministic mode); each group is left-padded
-        and KV-cached. `stop` (default: the batcher's, when run from it) set ends the batch at its next decode
-        step with `Stopped`."""
+        """Decode a batch of requests (blocking). The rows of one adapter decode together (one at a time in
+        deterministic mode), each on its static prompt prefix's cached KV (rows with different prefixes: the
+        prefixes stacked, left-padded), the rest of each prompt left-padded and KV-cached. `stop` (default: the
+        batcher's, when run from it) set ends the batch at its next decode step with `Stopped`."""
         if stop is None:
             stop = getattr(self._batch_stop, "event", None)
         t0 = time.perf_counter()
         encoded = [self.layout.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
+        prefixes = [() if encoded[i][1] else self.layout.static_prefix(r.messages, prompts[i])
+                    for i, r in enumerate(requests)]
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            prefix = () if encoded[i][1] else self.layout.static_prefix(r.messages, prompts[i])
-            groups.setdefault((r.adapter, prefix), []).append(i)
+            groups.setdefault((r.adapter, () if self.mix_prefixes else prefixes[i]), []).append(i)
         decoded: dict[int, tuple[list[int], list[float], str]] = {}
         together: dict[int, int] = {}
-        for (adapter, prefix), rows in groups.items():
+        for (adapter, _), rows in groups.items():
             self._check_adapter(adapter)
             with self.weights.use(adapter):
                 for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
-                    outs = self._decode(prefix, [prompts[i][len(prefix):] for i in chunk],
+                    outs = self._decode([prefixes[i] for i in chunk],
+                                        [prompts[i][len(prefixes[i]):] for i in chunk],
                                         [requests[i] for i in chunk], adapter, stop)
                     decoded.update(zip(chunk, outs))
                     together.update((i, len(chunk)) for i in chunk)
@@ -224,6 +237,7 @@ class HFBackend:
                 policy_version=self.versions.get(r.adapter, 0), batch_size=together[i]))
         self.stats["batches"] += 1
         self.stats["rows"] += len(requests)
+        self.stats["prompt_tokens"] += sum(map(len, prompts))
         self.stats["generated_tokens"] += sum(len(c.completion_ids) for c in results)
         self.stats["generate_s"] += time.perf_counter() - t0
         return results
@@ -239,8 +253,11 @@ class HFBackend:
         key = (adapter, self.versions.get(adapter, 0), prefix)
         cache = self._prefix_kv.pop(key, None)
         if cache is None:
+            t0 = time.perf_counter()
             cache = prefill(self.model, prefix)
+            self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prefix_misses"] += 1
+            self.stats["prompt_tokens_computed"] += len(prefix)
         else:
             self.stats["prefix_hits"] += 1
         self._prefix_kv[key] = cache  # most recently used last
@@ -248,39 +265,67 @@ class HFBackend:
             self._prefix_kv.pop(next(iter(self._prefix_kv)))
         return cache
 
-    def _decode(self, prefix: tuple[int, ...], suffixes: list[list[int]], requests: list[Request],
+    def _decode(self, prefixes: list[tuple[int, ...]], suffixes: list[list[int]], requests: list[Request],
                 adapter: str | None, stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
+        """Decode rows of one adapter (its weights in use), row i's prompt = `prefixes[i]` (a static prefix whose KV
+        is cached; may be empty) + `suffixes[i]`."""
         from transformers import DynamicCache
 
         device = self.weights.device
-        # rows whose prompts share more than the static prefix (a question's samples, an episode's next turn) have
+        B = len(suffixes)
+        distinct = list(dict.fromkeys(prefixes))
+        # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
         # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
-        cluster, shared = (share_middles([x[:-1] for x in suffixes]) if self.share_prompts and len(suffixes) > 1
-                           and min(map(len, suffixes)) > 1 else ([], []))
-        clusters = max(cluster) + 1 if cluster else len(suffixes)  # the rows the prefix KV is broadcast to
-        if prefix:
-            cache = copy.deepcopy(self._prefix_cache(prefix, adapter))
+        cluster, shared = list(range(B)), [0] * B
+        if self.share_prompts and B > 1 and min(map(len, suffixes)) > 1:
+            base = 0
+            for p in distinct:  # within one prefix only: rows on another prefix attend another history
+                rows = [i for i in range(B) if prefixes[i] == p]
+                ids, lengths = share_middles([suffixes[i][:-1] for i in rows])
+                for i, c, n in zip(rows, ids, lengths):
+                    cluster[i], shared[i] = base + c, n
+                base += max(ids) + 1
+        clusters = max(cluster) + 1
+        if clusters == B:  # nothing shared: one cache row per request row, in row order
+            cluster, shared = list(range(B)), [0] * B
+        firsts = [cluster.index(c) for c in range(clusters)]
+        past_mask = None
+        if len(distinct) > 1:  # rows on different prefixes: their KVs stacked, left-padded (one row per cluster)
+            cached = {p: self._prefix_cache(p, adapter) for p in distinct if p}
+            cache, past_mask = stack_prefixes([cached.get(prefixes[k]) for k in firsts],
+                                              [len(prefixes[k]) for k in firsts], device)
+        elif distinct[0]:  # one prefix: its KV broadcast to the clusters
+            cache = copy.deepcopy(self._prefix_cache(distinct[0], adapter))
             if clusters > 1:
                 cache.batch_repeat_interleave(clusters)
         else:
             cache = DynamicCache()
-        past_mask = None
-        if clusters < len(suffixes):
-            firsts = [cluster.index(c) for c in range(clusters)]
-            ids, past_mask, pos = left_pad(len(prefix), [suffixes[k][:shared[k]] for k in firsts], self.pad_id, device)
+        if clusters < B:
+            t0 = time.perf_counter()
+            middles = [suffixes[k][:shared[k]] for k in firsts]
+            if past_mask is None:
+                ids, past_mask, pos = left_pad(len(distinct[0]), middles, self.pad_id, device)
+            else:
+                ids, tail, _ = left_pad(0, middles, self.pad_id, device)
+                past_mask = torch.cat([past_mask, tail], dim=1)
+                pos = (past_mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
             self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
                        use_cache=True, logits_to_keep=1)
             pick = torch.tensor(cluster, dtype=torch.long, device=device)
             cache.batch_select_indices(pick)
             past_mask = past_mask.index_select(0, pick)
             suffixes = [x[n:] for x, n in zip(suffixes, shared)]
+            self.stats["prefill_s"] += time.perf_counter() - t0
+            self.stats["prompt_tokens_computed"] += sum(shared[k] for k in firsts)
             self.stats["prompt_tokens_shared"] += sum(shared) - sum(shared[k] for k in firsts)
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]
         streamed = [self._streamed.get(id(r)) for r in requests]
         on_token = [t.token if t is not None else None for t in streamed] if any(streamed) else None
-        return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
-                      stop, on_token, past_mask)
+        self.stats["prompt_tokens_computed"] += sum(map(len, suffixes))
+        self.stats["decode_loops"] += 1
+        return decode(self.model, cache, len(distinct[0]), suffixes, requests, gens, self.pad_id,
+                      self.layout.eos_ids, stop, on_token, past_mask, self.stats)
 
 
 class _TokenText:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,8 @@ from masgraph.backends.hf.layout import left_pad
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
            on_token: Sequence[Callable[[int], None] | None] | None = None,
-           past_mask: torch.Tensor | None = None) -> list[tuple[list[int], list[float], str]]:
+           past_mask: torch.Tensor | None = None, phases: dict[str, Any] | None = None
+           ) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
@@ -26,7 +28,9 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     batch before its next step with `Stopped`, so a cancelled batch frees the thread within one step.
     `on_token[i]`, where given, is called with each token of row i as it is picked (from the host copy).
     `past_mask` (B, cached length), where given, says which cached positions each row attends (the cache then holds
-    more than the shared prefix: a prompt part prefilled once for several rows, left-padded)."""
+    more than the shared prefix: a prompt part prefilled once for several rows, left-padded). `phases`, where given,
+    has the seconds of the first step (the suffixes' prefill and the first pick) added to its "prefill_s" and those
+    of the steps after to its "decode_s" (host clock; each step ends in a sync, so device time is included)."""
     device = model.device
     B = len(suffixes)
     if past_mask is None:
@@ -41,7 +45,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     out_ids: list[list[int]] = [[] for _ in range(B)]
     out_lp: list[list[float]] = [[] for _ in range(B)]
     done, finish = [False] * B, ["length"] * B
-    for _ in range(max(limits)):
+    started = time.perf_counter()
+    for step in range(max(limits)):
         if stop is not None and stop.is_set():  # a host-side flag: no device sync
             raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
@@ -61,11 +66,17 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
                 done[i], finish[i] = True, "stop"
             elif len(out_ids[i]) >= limits[i]:
                 done[i] = True
+        if step == 0 and phases is not None:
+            now = time.perf_counter()
+            phases["prefill_s"] += now - started
+            started = now
         if all(done):
             break
         ids = toks[:, None]  # (B, 1); a finished row's next input is never read back
         mask = torch.cat([mask, ones], dim=1)
         pos = pos[:, -1:] + 1
+    if phases is not None:
+        phases["decode_s"] += time.perf_counter() - started
     return list(zip(out_ids, out_lp, finish))
 
 

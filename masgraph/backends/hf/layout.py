@@ -128,6 +128,33 @@ def prefill(model: Any, prefix: list[int] | tuple[int, ...]) -> Any:
     return cache
 
 
+def stack_prefixes(caches: list[Any | None], lengths: list[int], device: torch.device | str
+                   ) -> tuple[Any, torch.Tensor]:
+    """One batch KV cache from batch-1 prefix caches of different lengths, one per row (None: the row has no cached
+    prefix): each row's prefix KV left-padded with zeros to the longest, and the (rows, longest) attention mask that
+    hides the padding. The keys keep the positions they were computed at (a row's next token takes position
+    `lengths[row]`: positions come from the mask's running count), so rows with different static prefixes (the
+    nodes of a graph: each its own system prompt) decode in one batch."""
+    from transformers import DynamicCache
+
+    longest = max(lengths)
+    template = next(c for c in caches if c is not None)
+    distinct = list({id(c): c for c in caches}.values())
+    slot = {id(c): k for k, c in enumerate(distinct)}
+    rows = torch.tensor([slot[id(c)] for c in caches], dtype=torch.long, device=device)
+    out = DynamicCache()
+    for index, layer in enumerate(template.layers):
+        keys, values = [], []
+        for c in distinct:
+            k, v = (c.layers[index].keys, c.layers[index].values) if c is not None else (
+                layer.keys[:, :, :0], layer.values[:, :, :0])
+            keys.append(torch.nn.functional.pad(k, (0, 0, longest - k.shape[2], 0)))
+            values.append(torch.nn.functional.pad(v, (0, 0, longest - v.shape[2], 0)))
+        out.update(torch.cat(keys).index_select(0, rows), torch.cat(values).index_select(0, rows), index)
+    mask = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
+    return out, mask
+
+
 def pick_rows(cache: Any, rows: torch.Tensor) -> None:
     """Keep batch rows `rows` (repeats allowed) of every layer of a DynamicCache, by `index_select`. Transformers'
     `batch_select_indices` indexes with `keys[rows]`, whose backward on a CPU accumulates repeated rows with atomic

@@ -40,3 +40,29 @@ def test_shared_prompts_decode_what_the_layout_before_decodes(tiny, temperature)
     for b, a in zip(before, after, strict=True):
         assert a.prompt_ids == b.prompt_ids and a.completion_ids == b.completion_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+
+
+def test_the_counters_say_which_prompt_tokens_were_computed_and_where_the_time_went(tiny):
+    """`prompt_tokens` received vs `prompt_tokens_computed`: each static prefix once (then from its cache), every row's
+    suffix, a shared prompt part once per batch; `prefill_s` / `decode_s` split the time (the rollout profile)."""
+    backend = HFBackend(str(tiny), dtype="float32")
+    requests = _requests(0.0)
+    backend.share_prompts = False
+    done = backend.generate(requests)
+    first = dict(backend.stats)
+    prefixes = [backend.layout.static_prefix(r.messages, c.prompt_ids) for r, c in zip(requests, done)]
+    distinct = {p for p in prefixes if p}
+    assert len(distinct) == 2 and first["prefix_misses"] == 2  # the system prompt; the second turn's history
+    assert first["decode_loops"] == 1  # one adapter: one decode loop, both prefixes in it
+    assert first["prompt_tokens"] == sum(len(c.prompt_ids) for c in done)
+    suffixes = sum(len(c.prompt_ids) - len(p) for c, p in zip(done, prefixes))
+    assert first["prompt_tokens_computed"] == sum(map(len, distinct)) + suffixes
+    assert first["prefill_s"] > 0 and first["decode_s"] > 0
+    assert first["prefill_s"] + first["decode_s"] <= first["generate_s"]
+
+    backend.share_prompts = True
+    backend.generate(requests)  # the prefixes come from their cache now; the groups' prompts are prefilled once each
+    again = {k: backend.stats[k] - first[k] for k in first}
+    assert again["prefix_hits"] == 2 and again["prompt_tokens"] == first["prompt_tokens"]
+    assert again["prompt_tokens_shared"] > 0
+    assert again["prompt_tokens_computed"] == suffixes - again["prompt_tokens_shared"]

@@ -1,0 +1,65 @@
+"""The rows of one adapter decode in one loop whatever their static prompt prefixes (a graph's nodes each have their own
+system prompt): the prefixes' cached KVs are stacked, left-padded (layout.stack_prefixes). The completions are those of
+each row decoded alone (greedy tokens equal, logprobs to fp32 summation order), and one loop ran instead of one per
+prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from masgraph.backends.base import Request
+from masgraph.backends.hf import HFBackend
+from masgraph.spec import SamplingSpec
+
+SYSTEMS = ["1 + 2 = 3 . 4 + 5 = 9 . 6 * 2 = 12 . 8 - 3 = 5 . 7 + 7 = 14 .",
+           "You plan. Write the steps one per line, then stop. Be brief and exact in every step you write.",
+           "Check the answer below against the question; say yes or no, and nothing else at all, please."]
+
+
+def _requests(temperature: float) -> list[Request]:
+    out = []
+    for s, system in enumerate(SYSTEMS):
+        for q, question in enumerate(["3 + 4 ?", "9 * 2 ?", "9 * 2 ?"]):  # the last two share their whole prompt
+            out.append(Request([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                               sampling=SamplingSpec(temperature=temperature, max_tokens=5 + q),
+                               seed=10 * s + q, key=(s, q)))
+    out.append(Request([{"role": "user", "content": "no system prompt: 5 + 5 ?"}],  # no cached prefix at all
+                       sampling=SamplingSpec(temperature=temperature, max_tokens=6), seed=99, key=(9, 0)))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_on_different_prefixes_decode_in_one_loop_as_each_alone(tiny, temperature):
+    backend = HFBackend(str(tiny), dtype="float32")
+    requests = _requests(temperature)
+    prefixes = {backend.layout.static_prefix(r.messages, backend.encode(r.messages, 8)[0]) for r in requests}
+    assert len(prefixes) == 4 and () in prefixes and len({len(p) for p in prefixes}) > 2  # lengths differ
+    alone = [backend.generate([r])[0] for r in requests]
+    backend.mix_prefixes = False  # the layout before: one loop per prefix
+    loops = backend.stats["decode_loops"]
+    apart = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 4
+    backend.mix_prefixes = True
+    loops = backend.stats["decode_loops"]
+    shared = backend.stats["prompt_tokens_shared"]
+    together = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 1  # one loop for the four prefixes
+    assert backend.stats["prompt_tokens_shared"] > shared  # each prefix's repeated question prefilled once
+    for a, b, t in zip(alone, apart, together, strict=True):
+        assert t.prompt_ids == a.prompt_ids and t.completion_ids == a.completion_ids == b.completion_ids
+        assert max(abs(x - y) for x, y in zip(t.logprobs, a.logprobs)) <= 1e-4
+        assert t.batch_size == len(requests)
+
+
+def test_adapters_still_decode_apart(tiny):
+    """Rows of two adapters: one loop each (the weights in use differ), each on its own prefixes."""
+    backend = HFBackend(str(tiny), dtype="float32")
+    backend.add_adapter("extra")
+    requests = [dataclasses.replace(r, adapter="extra" if i % 2 else None) for i, r in enumerate(_requests(0.0))]
+    alone = [backend.generate([r])[0] for r in requests]
+    loops = backend.stats["decode_loops"]
+    together = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 2
+    assert [t.completion_ids for t in together] == [a.completion_ids for a in alone]
