@@ -156,20 +156,24 @@ def main() -> None:
     agentflow = compile_spec(on(load_spec(ROOT / "graphs" / "agentflow.yaml"), model, args.device))
     task = get_task("basic_arithmetic")
     run_graph(agentflow, backend, task, 2, 2)  # warm-up
-    p1, p16, papart = {}, {}, {}
+    p1, p16 = {}, {}
     r1, t1 = run_graph(agentflow, backend, task, args.n, 1, p1)
     r16, t16 = run_graph(agentflow, backend, task, args.n, 16, p16)
     eps1, eps16 = args.n / t1, args.n / t16
     print(f"agentflow: c=1 {eps1:.3f} ep/s, c=16 {eps16:.3f} ep/s -> {eps16 / eps1:.2f}x "
           f"(acc {r1.summary['accuracy']:.2f} / {r16.summary['accuracy']:.2f})", flush=True)
-    backend.mix_prefixes = False  # the layout before: one decode loop per static prefix (per node)
-    _, tapart = run_graph(agentflow, backend, task, args.n, 16, papart)
-    backend.mix_prefixes = True
-    eps_apart = args.n / tapart
-    print(f"agentflow c=16, one decode loop per prefix (before) {eps_apart:.3f} ep/s -> c=16 / c=1 "
-          f"{eps_apart / eps1:.2f}x", flush=True)
+    arms = {}  # the layouts before, same run: one decode loop per adapter, per adapter and static prefix (node)
+    for per in ("adapter", "prefix"):
+        backend.one_loop_per = per
+        prof: dict = {}
+        _, took = run_graph(agentflow, backend, task, args.n, 16, prof)
+        arms[per] = (args.n / took, prof)
+        print(f"agentflow c=16, one decode loop per {per} {args.n / took:.3f} ep/s -> c=16 / c=1 "
+              f"{args.n / took / eps1:.2f}x", flush=True)
+    backend.one_loop_per = "batch"
     profile = (PROFILE_HEAD + profile_row("agentflow c=1", p1) + profile_row("agentflow c=16", p16)
-               + profile_row("agentflow c=16, one decode loop per prefix (before)", papart))
+               + "".join(profile_row(f"agentflow c=16, one decode loop per {per} (before)", prof)
+                         for per, (_, prof) in arms.items()))
     print(profile, flush=True)
     # 4. AgentFlow generated tokens/s at c=16 vs the same calls replayed into the batched decode
     tok_a16 = sum(t.completion_tokens for t in r16.traces)
@@ -232,9 +236,9 @@ def main() -> None:
                 + (", random weights / fixed-length generation (no EOS)" if fixed else "") + "\n\n"
                 "| measure | masgraph | peer | ratio | target |\n|---|---|---|---|---|\n"
                 f"| agentflow episodes/s, c=16 vs c=1 | {eps16:.3f} | {eps1:.3f} | **{eps16 / eps1:.2f}x** | ≥ 3x |\n"
-                f"| agentflow episodes/s, c=16 with one decode loop per static prefix (the layout before) vs c=1 | "
-                f"{eps_apart:.3f} | {eps1:.3f} | {eps_apart / eps1:.2f}x | (before) |\n"
-                f"| agentflow episodes/s at c=16, deterministic (rows decode alone) vs batched | {eps_det:.3f} | "
+                + "".join(f"| agentflow episodes/s, c=16 with one decode loop per {per} (before) vs c=1 | {eps:.3f} | "
+                          f"{eps1:.3f} | {eps / eps1:.2f}x | (before) |\n" for per, (eps, _) in arms.items())
+                + f"| agentflow episodes/s at c=16, deterministic (rows decode alone) vs batched | {eps_det:.3f} | "
                 f"{eps16:.3f} | {eps_det / eps16:.2f}x | (the cost of determinism) |\n"
                 f"| agentflow generated tokens/s at c=16 vs its calls replayed into the batched decode | "
                 f"{tok_a16 / t16:.1f} | {tok_rep / trep:.1f} | **{ratio_rep:.2f}x** | ≥ 0.8x |\n"

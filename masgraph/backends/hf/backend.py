@@ -4,12 +4,13 @@ token ids and per-token logprobs for every completion."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -73,9 +74,10 @@ class HFBackend:
         self.deterministic = deterministic
         self.share_prompts = True
         """Prefill a prompt part several rows of a batch share once (off only to compare with the layout before)."""
-        self.mix_prefixes = True
-        """Decode the rows of one adapter in one loop whatever their static prefixes (off: one loop per prefix, the
-        layout before, kept to compare with)."""
+        self.one_loop_per: Literal["batch", "adapter", "prefix"] = "batch"
+        """Which rows of a batch decode in one loop: all of them (their adapters mixed in each forward pass through
+        PEFT's `adapter_names`, their static prefixes stacked), those of one adapter, or those of one adapter and
+        static prefix (the layout before; the last two kept to compare with)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -201,9 +203,9 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
-        """Decode a batch of requests (blocking). The rows of one adapter decode together (one at a time in
-        deterministic mode), each on its static prompt prefix's cached KV (rows with different prefixes: the
-        prefixes stacked, left-padded), the rest of each prompt left-padded and KV-cached. `stop` (default: the
+        """Decode a batch of requests (blocking). Its rows decode together (one at a time in deterministic mode),
+        whatever their adapters (mixed in each forward pass) and static prompt prefixes (their cached KVs stacked,
+        left-padded), the rest of each prompt left-padded and KV-cached. `stop` (default: the
         batcher's, when run from it) set ends the batch at its next decode step with `Stopped`."""
         if stop is None:
             stop = getattr(self._batch_stop, "event", None)
@@ -212,20 +214,19 @@ class HFBackend:
         prompts = [ids for ids, _ in encoded]
         prefixes = [() if encoded[i][1] else self.layout.static_prefix(r.messages, prompts[i])
                     for i, r in enumerate(requests)]
+        loop = {"batch": lambda i: (), "adapter": lambda i: (requests[i].adapter,),
+                "prefix": lambda i: (requests[i].adapter, prefixes[i])}[self.one_loop_per]
         groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((r.adapter, () if self.mix_prefixes else prefixes[i]), []).append(i)
+        for i in range(len(requests)):
+            groups.setdefault(loop(i), []).append(i)
         decoded: dict[int, tuple[list[int], list[float], str]] = {}
         together: dict[int, int] = {}
-        for (adapter, _), rows in groups.items():
-            self._check_adapter(adapter)
-            with self.weights.use(adapter):
-                for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
-                    outs = self._decode([prefixes[i] for i in chunk],
-                                        [prompts[i][len(prefixes[i]):] for i in chunk],
-                                        [requests[i] for i in chunk], adapter, stop)
-                    decoded.update(zip(chunk, outs))
-                    together.update((i, len(chunk)) for i in chunk)
+        for rows in groups.values():
+            for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
+                outs = self._decode([prefixes[i] for i in chunk], [prompts[i][len(prefixes[i]):] for i in chunk],
+                                    [requests[i] for i in chunk], stop)
+                decoded.update(zip(chunk, outs))
+                together.update((i, len(chunk)) for i in chunk)
         results = []
         eos = self.layout.eos_ids
         for i, r in enumerate(requests):
@@ -266,21 +267,25 @@ class HFBackend:
         return cache
 
     def _decode(self, prefixes: list[tuple[int, ...]], suffixes: list[list[int]], requests: list[Request],
-                adapter: str | None, stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
-        """Decode rows of one adapter (its weights in use), row i's prompt = `prefixes[i]` (a static prefix whose KV
-        is cached; may be empty) + `suffixes[i]`."""
+                stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
+        """Decode rows whose prompts are `prefixes[i]` (a static prefix whose KV is cached per adapter; may be
+        empty) + `suffixes[i]`, each under its request's adapter."""
         from transformers import DynamicCache
 
         device = self.weights.device
         B = len(suffixes)
-        distinct = list(dict.fromkeys(prefixes))
+        adapters = [r.adapter for r in requests]
+        for adapter in set(adapters):
+            self._check_adapter(adapter)
+        histories = [(a, p) for a, p in zip(adapters, prefixes)]  # what each row's cached KV was computed from
+        distinct = list(dict.fromkeys(histories))
         # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
         # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
         cluster, shared = list(range(B)), [0] * B
         if self.share_prompts and B > 1 and min(map(len, suffixes)) > 1:
             base = 0
-            for p in distinct:  # within one prefix only: rows on another prefix attend another history
-                rows = [i for i in range(B) if prefixes[i] == p]
+            for h in distinct:  # within one history only: rows on another prefix or adapter attend other KV
+                rows = [i for i in range(B) if histories[i] == h]
                 ids, lengths = share_middles([suffixes[i][:-1] for i in rows])
                 for i, c, n in zip(rows, ids, lengths):
                     cluster[i], shared[i] = base + c, n
@@ -289,28 +294,59 @@ class HFBackend:
         if clusters == B:  # nothing shared: one cache row per request row, in row order
             cluster, shared = list(range(B)), [0] * B
         firsts = [cluster.index(c) for c in range(clusters)]
+        mixed = len(set(adapters)) > 1
+        if mixed and self.weights.model.training:  # PEFT mixes adapters in eval mode only: one loop each
+            return self._decode_by_adapter(prefixes, suffixes, requests, stop)
+        cached = {}
+        for adapter, prefix in distinct:
+            if prefix:
+                with self.weights.use(adapter):
+                    cached[adapter, prefix] = self._prefix_cache(prefix, adapter)
         past_mask = None
-        if len(distinct) > 1:  # rows on different prefixes: their KVs stacked, left-padded (one row per cluster)
-            cached = {p: self._prefix_cache(p, adapter) for p in distinct if p}
-            cache, past_mask = stack_prefixes([cached.get(prefixes[k]) for k in firsts],
+        if len(distinct) > 1:  # rows on different histories: their KVs stacked, left-padded (one row per cluster)
+            cache, past_mask = stack_prefixes([cached.get(histories[k]) for k in firsts],
                                               [len(prefixes[k]) for k in firsts], device)
-        elif distinct[0]:  # one prefix: its KV broadcast to the clusters
-            cache = copy.deepcopy(self._prefix_cache(distinct[0], adapter))
+        elif prefixes[0]:  # one history: its KV broadcast to the clusters
+            cache = copy.deepcopy(cached[histories[0]])
             if clusters > 1:
                 cache.batch_repeat_interleave(clusters)
         else:
             cache = DynamicCache()
+        # one adapter: the model runs under it; several: each forward pass names every row's (PEFT's mixed batch)
+        names = {"adapter_names": [a if a is not None else "__base__" for a in adapters]} if mixed else {}
+        with contextlib.nullcontext() if mixed else self.weights.use(adapters[0]):
+            return self._decode_rows(cache, past_mask, prefixes[0], cluster, shared, firsts, suffixes, requests,
+                                     names, stop)
+
+    def _decode_by_adapter(self, prefixes: list[tuple[int, ...]], suffixes: list[list[int]],
+                           requests: list[Request], stop: threading.Event | None
+                           ) -> list[tuple[list[int], list[float], str]]:
+        out: dict[int, tuple[list[int], list[float], str]] = {}
+        for adapter in dict.fromkeys(r.adapter for r in requests):
+            rows = [i for i, r in enumerate(requests) if r.adapter == adapter]
+            out.update(zip(rows, self._decode([prefixes[i] for i in rows], [suffixes[i] for i in rows],
+                                              [requests[i] for i in rows], stop)))
+        return [out[i] for i in range(len(requests))]
+
+    def _decode_rows(self, cache: Any, past_mask: torch.Tensor | None, prefix: tuple[int, ...], cluster: list[int],
+                     shared: list[int], firsts: list[int], suffixes: list[list[int]], requests: list[Request],
+                     names: dict[str, Any], stop: threading.Event | None) -> list[tuple[list[int], list[float], str]]:
+        """The shared prompt parts (one row per cluster), then every row's own prompt and completion."""
+        device = self.weights.device
+        B = len(suffixes)
+        clusters = len(firsts)
         if clusters < B:
             t0 = time.perf_counter()
             middles = [suffixes[k][:shared[k]] for k in firsts]
             if past_mask is None:
-                ids, past_mask, pos = left_pad(len(distinct[0]), middles, self.pad_id, device)
+                ids, past_mask, pos = left_pad(len(prefix), middles, self.pad_id, device)
             else:
                 ids, tail, _ = left_pad(0, middles, self.pad_id, device)
                 past_mask = torch.cat([past_mask, tail], dim=1)
                 pos = (past_mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            per_cluster = {k: [v[i] for i in firsts] for k, v in names.items()}
             self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1)
+                       use_cache=True, logits_to_keep=1, **per_cluster)
             pick = torch.tensor(cluster, dtype=torch.long, device=device)
             cache.batch_select_indices(pick)
             past_mask = past_mask.index_select(0, pick)
@@ -324,8 +360,8 @@ class HFBackend:
         on_token = [t.token if t is not None else None for t in streamed] if any(streamed) else None
         self.stats["prompt_tokens_computed"] += sum(map(len, suffixes))
         self.stats["decode_loops"] += 1
-        return decode(self.model, cache, len(distinct[0]), suffixes, requests, gens, self.pad_id,
-                      self.layout.eos_ids, stop, on_token, past_mask, self.stats)
+        return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
+                      stop, on_token, past_mask, self.stats, names)
 
 
 class _TokenText:

@@ -17,8 +17,8 @@ from masgraph.backends.hf.layout import left_pad
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
            on_token: Sequence[Callable[[int], None] | None] | None = None,
-           past_mask: torch.Tensor | None = None, phases: dict[str, Any] | None = None
-           ) -> list[tuple[list[int], list[float], str]]:
+           past_mask: torch.Tensor | None = None, phases: dict[str, Any] | None = None,
+           forward: dict[str, Any] | None = None) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
@@ -30,7 +30,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     `past_mask` (B, cached length), where given, says which cached positions each row attends (the cache then holds
     more than the shared prefix: a prompt part prefilled once for several rows, left-padded). `phases`, where given,
     has the seconds of the first step (the suffixes' prefill and the first pick) added to its "prefill_s" and those
-    of the steps after to its "decode_s" (host clock; each step ends in a sync, so device time is included)."""
+    of the steps after to its "decode_s" (host clock; each step ends in a sync, so device time is included).
+    `forward`: more arguments of every forward pass (PEFT's per-row `adapter_names`)."""
     device = model.device
     B = len(suffixes)
     if past_mask is None:
@@ -50,7 +51,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         if stop is not None and stop.is_set():  # a host-side flag: no device sync
             raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (B, V)
+                       use_cache=True, logits_to_keep=1, **(forward or {})).logits[:, -1, :]  # (B, V)
         toks, lps = sample(logits.float(), requests, generators, done, temps)
         # the step's one device-to-host copy (float64 holds every token id and float32 logprob exactly)
         picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()

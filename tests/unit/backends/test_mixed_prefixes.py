@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
@@ -37,11 +38,11 @@ def test_rows_on_different_prefixes_decode_in_one_loop_as_each_alone(tiny, tempe
     prefixes = {backend.layout.static_prefix(r.messages, backend.encode(r.messages, 8)[0]) for r in requests}
     assert len(prefixes) == 4 and () in prefixes and len({len(p) for p in prefixes}) > 2  # lengths differ
     alone = [backend.generate([r])[0] for r in requests]
-    backend.mix_prefixes = False  # the layout before: one loop per prefix
+    backend.one_loop_per = "prefix"  # the layout before: one loop per prefix
     loops = backend.stats["decode_loops"]
     apart = backend.generate(requests)
     assert backend.stats["decode_loops"] - loops == 4
-    backend.mix_prefixes = True
+    backend.one_loop_per = "batch"
     loops = backend.stats["decode_loops"]
     shared = backend.stats["prompt_tokens_shared"]
     together = backend.generate(requests)
@@ -53,13 +54,50 @@ def test_rows_on_different_prefixes_decode_in_one_loop_as_each_alone(tiny, tempe
         assert t.batch_size == len(requests)
 
 
-def test_adapters_still_decode_apart(tiny):
-    """Rows of two adapters: one loop each (the weights in use differ), each on its own prefixes."""
+def _perturbed(backend: HFBackend, name: str, seed: int) -> None:
+    """A new adapter whose LoRA B is not zero, so it changes what the model says."""
+    backend.add_adapter(name)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, param in backend.weights.model.named_parameters():
+            if f"lora_B.{name}." in key:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_several_adapters_decode_in_one_loop_as_each_alone(tiny, temperature):
+    """The base and two adapters in one batch, on four prefixes: one loop (PEFT's mixed-adapter forward), the
+    completions each row gets alone under its own adapter."""
     backend = HFBackend(str(tiny), dtype="float32")
-    backend.add_adapter("extra")
-    requests = [dataclasses.replace(r, adapter="extra" if i % 2 else None) for i, r in enumerate(_requests(0.0))]
+    _perturbed(backend, "planner", 1)
+    _perturbed(backend, "verifier", 2)
+    names = [None, "planner", "verifier"]
+    requests = [dataclasses.replace(r, adapter=names[i % 3]) for i, r in enumerate(_requests(temperature))]
     alone = [backend.generate([r])[0] for r in requests]
+    base = [backend.generate([dataclasses.replace(r, adapter=None)])[0] for r in requests]
+    assert sum(a.logprobs != b.logprobs for a, b in zip(alone, base)) >= 6  # the adapters change what is said
+    backend.one_loop_per = "adapter"
+    loops = backend.stats["decode_loops"]
+    apart = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 3
+    backend.one_loop_per = "batch"
     loops = backend.stats["decode_loops"]
     together = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 1
+    for a, b, t in zip(alone, apart, together, strict=True):
+        assert t.completion_ids == a.completion_ids == b.completion_ids
+        assert max(abs(x - y) for x, y in zip(t.logprobs, a.logprobs)) <= 1e-4
+
+
+def test_a_model_in_training_mode_decodes_its_adapters_apart(tiny):
+    """PEFT mixes adapters in eval mode only: a shared model the learner left in training mode decodes one loop per
+    adapter, the same completions."""
+    backend = HFBackend(str(tiny), dtype="float32")
+    _perturbed(backend, "planner", 1)
+    requests = [dataclasses.replace(r, adapter="planner" if i % 2 else None) for i, r in enumerate(_requests(0.0))]
+    together = backend.generate(requests)
+    backend.weights.model.train()
+    loops = backend.stats["decode_loops"]
+    apart = backend.generate(requests)
     assert backend.stats["decode_loops"] - loops == 2
-    assert [t.completion_ids for t in together] == [a.completion_ids for a in alone]
+    assert [t.completion_ids for t in together] == [a.completion_ids for a in apart]
