@@ -264,7 +264,10 @@ def main() -> int:
           f"({mg_s / (len(records) - 1):.1f} s/step), peak device memory per step GiB {gib(mg_peak)}")
     rows = [f"| masgraph Flow-GRPO | {mg_tok:.0f} | {mg_s:.1f} | {mg_tok / mg_s:.2f} | "
             f"{mg_s / (len(records) - 1):.1f} | {gib(mg_peak)} |"]
-    lines = [f"- masgraph config: `{json.dumps(mg_config)}`"]
+    split = ", ".join(f"{r.get('time/rollout_s', 0):.1f} + {r.get('time/update_s', 0):.1f}" for r in records[1:])
+    print(f"masgraph seconds per counted step, rollouts + update: {split}")
+    lines = [f"- masgraph config: `{json.dumps(mg_config)}`",
+             f"- masgraph seconds per counted step, rollouts + update: {split}"]
     ratio = None
     if not args.no_trl:
         trl_config, times, tokens, trl_peak = tr["config"], tr["times"], tr["tokens"], tr["peak"]

@@ -84,19 +84,26 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator], done: list[bool],
            temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row (argmax for greedy and finished rows) and its logprob under the temperature-scaled
-    distribution (raw if greedy), both (B,) tensors on the logits' device; nothing is copied to the host."""
+    distribution (raw if greedy), both (B,) tensors on the logits' device; nothing is copied to the host.
+
+    A sampling row draws one uniform number from its own generator and takes the token where the cumulative
+    probability passes it (inverse CDF, in float64, all rows at once). `torch.multinomial` drew one exponential per
+    vocabulary entry per row instead: ~1 ms a row and step on a CPU with a 49k vocabulary, 14 % of a decode step at
+    32 rows. A row's draws depend on its own seed only, whatever the batch."""
     logp = torch.log_softmax(logits / temps, -1)  # (B, V)
     greedy = torch.argmax(logits, -1)  # (B,)
-    picks = []
+    sampling = [not done[i] and r.sampling.temperature != 0 for i, r in enumerate(requests)]
+    if not any(sampling):
+        return greedy, logp.gather(1, greedy[:, None])[:, 0]
+    probs = logp.exp()
     for i, r in enumerate(requests):
-        if done[i] or r.sampling.temperature == 0:
-            picks.append(greedy[i:i + 1])
-            continue
-        probs = logp[i].exp()
-        if r.sampling.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
+        if sampling[i] and r.sampling.top_p < 1.0:
+            sp, si = torch.sort(probs[i], descending=True)
             keep = (sp.cumsum(0) - sp) < r.sampling.top_p
-            probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)  # no boolean indexing: it would sync
-        picks.append(torch.multinomial(probs, 1, generator=generators[i]))
-    toks = torch.cat(picks)
+            probs[i] = torch.zeros_like(probs[i]).scatter_(0, si, sp * keep)  # no boolean indexing: it would sync
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    u = torch.cat([torch.rand(1, generator=g, device=logits.device, dtype=torch.float64) if s else
+                   torch.zeros(1, device=logits.device, dtype=torch.float64) for g, s in zip(generators, sampling)])
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+    toks = torch.where(torch.tensor(sampling, device=logits.device), drawn, greedy)
     return toks, logp.gather(1, toks[:, None])[:, 0]
