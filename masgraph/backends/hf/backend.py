@@ -74,10 +74,12 @@ class HFBackend:
         self.deterministic = deterministic
         self.share_prompts = True
         """Prefill a prompt part several rows of a batch share once (off only to compare with the layout before)."""
-        self.one_loop_per: Literal["batch", "adapter", "prefix"] = "batch"
-        """Which rows of a batch decode in one loop: all of them (their adapters mixed in each forward pass through
-        PEFT's `adapter_names`, their static prefixes stacked), those of one adapter, or those of one adapter and
-        static prefix (the layout before; the last two kept to compare with)."""
+        self.one_loop_per: Literal["batch", "adapter", "prefix"] = "adapter"
+        """Which rows of a batch decode in one loop: those of one adapter, whatever their static prefixes (stacked),
+        the default; all of them ("batch": the adapters mixed in each forward pass through PEFT's `adapter_names`);
+        or those of one adapter and static prefix ("prefix": the layout before). On this project's 2-core CPU
+        "batch" measured no faster than "adapter" on the AgentFlow graph (results/rollout_throughput.md,
+        2026-12-02): it is kept for devices where a decode step costs the same at any batch size (not measured)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -203,9 +205,9 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
-        """Decode a batch of requests (blocking). Its rows decode together (one at a time in deterministic mode),
-        whatever their adapters (mixed in each forward pass) and static prompt prefixes (their cached KVs stacked,
-        left-padded), the rest of each prompt left-padded and KV-cached. `stop` (default: the
+        """Decode a batch of requests (blocking). Its rows decode together as `one_loop_per` says (one at a time in
+        deterministic mode), whatever their static prompt prefixes (their cached KVs stacked, left-padded), the rest
+        of each prompt left-padded and KV-cached. `stop` (default: the
         batcher's, when run from it) set ends the batch at its next decode step with `Stopped`."""
         if stop is None:
             stop = getattr(self._batch_stop, "event", None)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf.batcher import Stopped
@@ -67,10 +68,12 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
                 done[i], finish[i] = True, "stop"
             elif len(out_ids[i]) >= limits[i]:
                 done[i] = True
-        if step == 0 and phases is not None:
-            now = time.perf_counter()
-            phases["prefill_s"] += now - started
-            started = now
+        if step == 0:
+            reserve(cache, max(limits))
+            if phases is not None:
+                now = time.perf_counter()
+                phases["prefill_s"] += now - started
+                started = now
         if all(done):
             break
         ids = toks[:, None]  # (B, 1); a finished row's next input is never read back
@@ -79,6 +82,43 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     if phases is not None:
         phases["decode_s"] += time.perf_counter() - started
     return list(zip(out_ids, out_lp, finish))
+
+
+class Reserved(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with `room` more positions; `update` writes the new
+    positions in place. transformers' DynamicLayer concatenates the whole cache with each new position instead (a
+    copy of every layer's KV per step: 12 % of a 32-row decode step on this CPU)."""
+
+    def __init__(self, layer: DynamicLayer, room: int):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
+        self.filled = layer.keys.shape[-2]
+        shape = (*layer.keys.shape[:-2], self.filled + room, layer.keys.shape[-1])
+        self.key_room, self.value_room = layer.keys.new_empty(shape), layer.values.new_empty(shape)
+        self.key_room[..., :self.filled, :] = layer.keys
+        self.value_room[..., :self.filled, :] = layer.values
+        self.keys, self.values = self.key_room[..., :self.filled, :], self.value_room[..., :self.filled, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.filled + key_states.shape[-2]
+        if end > self.key_room.shape[-2]:
+            raise RuntimeError("decode ran past the room reserved in its KV cache")
+        self.key_room[..., self.filled:end, :] = key_states
+        self.value_room[..., self.filled:end, :] = value_states
+        self.filled = end
+        self.keys, self.values = self.key_room[..., :end, :], self.value_room[..., :end, :]
+        return self.keys, self.values
+
+
+def reserve(cache: Any, room: int) -> None:
+    """Give each plain (full-attention) layer of a DynamicCache room for `room` more positions (`Reserved`);
+    sliding-window and other layer kinds keep their own update. The cache is this decode's own (a copy or a stack of
+    the cached prefixes), so its layers may be replaced."""
+    layers = getattr(cache, "layers", [])
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+            layers[i] = Reserved(layer, room)
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator], done: list[bool],

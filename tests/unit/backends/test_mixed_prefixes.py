@@ -42,7 +42,7 @@ def test_rows_on_different_prefixes_decode_in_one_loop_as_each_alone(tiny, tempe
     loops = backend.stats["decode_loops"]
     apart = backend.generate(requests)
     assert backend.stats["decode_loops"] - loops == 4
-    backend.one_loop_per = "batch"
+    backend.one_loop_per = "adapter"  # the default
     loops = backend.stats["decode_loops"]
     shared = backend.stats["prompt_tokens_shared"]
     together = backend.generate(requests)
@@ -93,9 +93,11 @@ def test_a_model_in_training_mode_decodes_its_adapters_apart(tiny):
     """PEFT mixes adapters in eval mode only: a shared model the learner left in training mode decodes one loop per
     adapter, the same completions."""
     backend = HFBackend(str(tiny), dtype="float32")
+    backend.one_loop_per = "batch"
     _perturbed(backend, "planner", 1)
     requests = [dataclasses.replace(r, adapter="planner" if i % 2 else None) for i, r in enumerate(_requests(0.0))]
     together = backend.generate(requests)
+    assert backend.stats["decode_loops"] == 1
     backend.weights.model.train()
     loops = backend.stats["decode_loops"]
     apart = backend.generate(requests)
