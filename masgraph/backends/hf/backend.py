@@ -99,8 +99,8 @@ class HFBackend:
         `prompt_tokens_computed` (run through the model: what the cached static prefixes and the shared prompt
         parts saved), `prefill_s` (prompt tokens through the model, with each batch's first pick) vs `decode_s`
         (the one-token steps after); `generate_s` is their sum plus encoding and bookkeeping. `decode_loops`: the
-        decode loops the batches ran (the rows of one adapter and static prefix decode in one loop, so
-        rows / decode_loops is the batch size decoding saw)."""
+        decode loops the batches ran (`one_loop_per` says which rows share one; rows / decode_loops is the
+        batch size decoding saw)."""
 
     # the served model, read-only (tests and benchmarks inspect it; trainers go through a Learner)
     model_name = property(lambda self: self.weights.name)
@@ -207,8 +207,8 @@ class HFBackend:
     def generate(self, requests: list[Request], stop: threading.Event | None = None) -> list[Completion]:
         """Decode a batch of requests (blocking). Its rows decode together as `one_loop_per` says (one at a time in
         deterministic mode), whatever their static prompt prefixes (their cached KVs stacked, left-padded), the rest
-        of each prompt left-padded and KV-cached. `stop` (default: the
-        batcher's, when run from it) set ends the batch at its next decode step with `Stopped`."""
+        of each prompt left-padded and KV-cached. `stop` (default: the batcher's, when run from it) set ends the
+        batch at its next decode step with `Stopped`."""
         if stop is None:
             stop = getattr(self._batch_stop, "event", None)
         t0 = time.perf_counter()
@@ -216,8 +216,11 @@ class HFBackend:
         prompts = [ids for ids, _ in encoded]
         prefixes = [() if encoded[i][1] else self.layout.static_prefix(r.messages, prompts[i])
                     for i, r in enumerate(requests)]
+        per = self.one_loop_per
+        if per == "batch" and self.weights.model.training:  # PEFT mixes adapters in eval mode only
+            per = "adapter"
         loop = {"batch": lambda i: (), "adapter": lambda i: (requests[i].adapter,),
-                "prefix": lambda i: (requests[i].adapter, prefixes[i])}[self.one_loop_per]
+                "prefix": lambda i: (requests[i].adapter, prefixes[i])}[per]
         groups: dict[tuple, list[int]] = {}
         for i in range(len(requests)):
             groups.setdefault(loop(i), []).append(i)
@@ -279,7 +282,7 @@ class HFBackend:
         adapters = [r.adapter for r in requests]
         for adapter in set(adapters):
             self._check_adapter(adapter)
-        histories = [(a, p) for a, p in zip(adapters, prefixes)]  # what each row's cached KV was computed from
+        histories = list(zip(adapters, prefixes))  # what each row's cached KV was computed from
         distinct = list(dict.fromkeys(histories))
         # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
         # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
@@ -297,38 +300,26 @@ class HFBackend:
             cluster, shared = list(range(B)), [0] * B
         firsts = [cluster.index(c) for c in range(clusters)]
         mixed = len(set(adapters)) > 1
-        if mixed and self.weights.model.training:  # PEFT mixes adapters in eval mode only: one loop each
-            return self._decode_by_adapter(prefixes, suffixes, requests, stop)
         cached = {}
         for adapter, prefix in distinct:
             if prefix:
                 with self.weights.use(adapter):
                     cached[adapter, prefix] = self._prefix_cache(prefix, adapter)
         past_mask = None
-        if len(distinct) > 1:  # rows on different histories: their KVs stacked, left-padded (one row per cluster)
-            cache, past_mask = stack_prefixes([cached.get(histories[k]) for k in firsts],
-                                              [len(prefixes[k]) for k in firsts], device)
-        elif prefixes[0]:  # one history: its KV broadcast to the clusters
-            cache = copy.deepcopy(cached[histories[0]])
+        if not cached:  # no row has a cached prefix: the cache starts empty
+            cache = DynamicCache()
+        elif len(distinct) == 1:  # one history: its KV broadcast to the clusters
+            cache = copy.deepcopy(cached[distinct[0]])
             if clusters > 1:
                 cache.batch_repeat_interleave(clusters)
-        else:
-            cache = DynamicCache()
+        else:  # rows on different histories: their KVs stacked, left-padded (one row per cluster)
+            cache, past_mask = stack_prefixes([cached.get(histories[k]) for k in firsts],
+                                              [len(prefixes[k]) for k in firsts], device)
         # one adapter: the model runs under it; several: each forward pass names every row's (PEFT's mixed batch)
         names = {"adapter_names": [a if a is not None else "__base__" for a in adapters]} if mixed else {}
         with contextlib.nullcontext() if mixed else self.weights.use(adapters[0]):
             return self._decode_rows(cache, past_mask, prefixes[0], cluster, shared, firsts, suffixes, requests,
                                      names, stop)
-
-    def _decode_by_adapter(self, prefixes: list[tuple[int, ...]], suffixes: list[list[int]],
-                           requests: list[Request], stop: threading.Event | None
-                           ) -> list[tuple[list[int], list[float], str]]:
-        out: dict[int, tuple[list[int], list[float], str]] = {}
-        for adapter in dict.fromkeys(r.adapter for r in requests):
-            rows = [i for i, r in enumerate(requests) if r.adapter == adapter]
-            out.update(zip(rows, self._decode([prefixes[i] for i in rows], [suffixes[i] for i in rows],
-                                              [requests[i] for i in rows], stop)))
-        return [out[i] for i in range(len(requests))]
 
     def _decode_rows(self, cache: Any, past_mask: torch.Tensor | None, prefix: tuple[int, ...], cluster: list[int],
                      shared: list[int], firsts: list[int], suffixes: list[list[int]], requests: list[Request],

@@ -103,3 +103,18 @@ def test_a_model_in_training_mode_decodes_its_adapters_apart(tiny):
     apart = backend.generate(requests)
     assert backend.stats["decode_loops"] - loops == 2
     assert [t.completion_ids for t in together] == [a.completion_ids for a in apart]
+
+
+def test_rows_of_several_adapters_without_any_cached_prefix_decode_in_one_loop(tiny):
+    """Mixed adapters, no static prefix anywhere (single-message prompts): nothing to stack, one loop from scratch."""
+    backend = HFBackend(str(tiny), dtype="float32")
+    _perturbed(backend, "planner", 1)
+    requests = [Request([{"role": "user", "content": f"no system prompt: {i} + {i} ?"}],
+                        adapter="planner" if i % 2 else None, sampling=SamplingSpec(temperature=0.0, max_tokens=5))
+                for i in range(4)]
+    alone = [backend.generate([r])[0] for r in requests]
+    backend.one_loop_per = "batch"
+    loops = backend.stats["decode_loops"]
+    together = backend.generate(requests)
+    assert backend.stats["decode_loops"] - loops == 1
+    assert [t.completion_ids for t in together] == [a.completion_ids for a in alone]
