@@ -23,9 +23,12 @@ import subprocess
 import sys
 import time
 
-ARMS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+ARMS = {"masgraph default": {},  # what `import masgraph` chooses (masgraph/threads.py)
+        "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
         "libgomp default": {"GOMP_SPINCOUNT": "300000"}}  # libgomp's default spin; masgraph leaves it alone
-"""The two arms every run has; `--spin N ...` adds an arm per spin count between them (`GOMP_SPINCOUNT=N`)."""
+"""The arms every run has; `--spin N ...` adds an arm per spin count (`GOMP_SPINCOUNT=N`), `--arm` any other."""
+THREAD_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MASGRAPH_THREADS")
+"""Removed from this process's environment in every arm (each arm sets its own)."""
 CHILD = r"""
 import json, sys, time
 from masgraph.backends.base import Request
@@ -46,7 +49,7 @@ print(json.dumps(out))
 
 
 def child(env: dict[str, str], tokens: int, timeout: float) -> dict[str, float] | None:
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    base = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
     try:
         proc = subprocess.run([sys.executable, "-c", CHILD, str(tokens)], env={**base, **env}, capture_output=True,
                               text=True, timeout=timeout)
@@ -65,8 +68,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds before an arm counts as did-not-finish")
     ap.add_argument("--spin", type=int, nargs="*", default=[], metavar="N",
                     help="also spin N iterations before sleeping (GOMP_SPINCOUNT=N), one arm per N")
+    ap.add_argument("--arm", nargs="*", default=[], metavar="NAME:VAR=VALUE,...",
+                    help="another arm with these environment variables, e.g. '1 thread:OMP_NUM_THREADS=1'")
     args = ap.parse_args()
     arms = {**ARMS, **{f"spin {n}": {"GOMP_SPINCOUNT": str(n)} for n in args.spin}}
+    for arm in args.arm:
+        name, _, pairs = arm.partition(":")
+        arms[name] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
     print(f"cores {os.cpu_count()}, {args.tokens} new tokens x 8 rows, embedded model, {args.repeats} repeats")
     for busy in args.busy:
         loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]

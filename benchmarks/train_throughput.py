@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 
 STARTED_WITH = dict(os.environ)
-"""This process's environment before `import masgraph` added its thread settings (`OMP_WAIT_POLICY=PASSIVE`): TRL's
-side runs in it, so each side has its own library's default thread environment."""
+"""This process's environment before `import masgraph` added its thread settings (masgraph/threads.py): TRL's side
+runs in it, so each side has its own library's default thread environment."""
 
 import argparse
 import asyncio
@@ -306,7 +306,7 @@ def side(args: argparse.Namespace, name: str, io: Path) -> None:
                    env={**env, "PYTHONUNBUFFERED": "1"})
 
 
-THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MASGRAPH_THREADS")
 
 
 def thread_env() -> dict:

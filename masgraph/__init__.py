@@ -1,6 +1,12 @@
 """masgraph: multi-agent LLM systems as declarative graphs, run concurrently and trained with RL."""
 
 import os as _os
+from os import PathLike as _PathLike
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Literal as _Literal
+
+from masgraph._version import __version__ as __version__
+from masgraph.threads import configure_wait as _configure_wait
 
 # Some VMs advertise AMX but trap on its instructions (SIGILL inside oneDNN bf16 matmuls, seen on
 # this project's machines); capping oneDNN at AVX512-BF16 keeps bf16 working everywhere.
@@ -8,19 +14,9 @@ _os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 # cuBLAS gives repeatable results only with a fixed workspace, which must be chosen before CUDA starts; the
 # deterministic mode on a GPU needs it (masgraph.device.deterministic_kernels). No effect without a GPU.
 _os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-# torch's CPU kernels run on OpenMP threads, and libgomp's default makes a thread that reaches a barrier spin
-# before it sleeps: on a busy machine the spinning threads hold the cores the thread they wait for needs, and
-# decoding collapses (8 rows x 10 tokens: > 150 s at load 12, against 4.5 s with passive waiting; see
-# benchmarks/omp_wait.py). Read once, when libgomp loads: this must come before torch is imported. A policy or
-# spin count the user set wins.
-if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
-    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-from os import PathLike as _PathLike
-from typing import TYPE_CHECKING as _TYPE_CHECKING
-from typing import Literal as _Literal
-
-from masgraph._version import __version__ as __version__
+# How torch's CPU threads wait (a short spin, or the user's choice) is read once, when libgomp loads: this must come
+# before torch is imported (masgraph/threads.py; the thread count then follows the machine's load).
+_configure_wait()
 
 if _TYPE_CHECKING:
     from masgraph.serve.agent import Agent

@@ -42,6 +42,7 @@ from masgraph.runtime.cancel import raise_if_cancelled
 from masgraph.runtime.runner import Runner
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Item, Task
+from masgraph.threads import working
 from masgraph.trace import LLMCall, Trace
 from masgraph.trainers.algorithm import TrainAlgorithm, TrainContext
 from masgraph.trainers.checks import node_knob_problems, owner_values
@@ -361,10 +362,11 @@ class FlowGRPO(TrainAlgorithm):
     def update(self, traces: list[Trace], seed: int | str = 0) -> dict[str, float]:
         """`ppo_epochs` passes over the rows of `traces`, each shuffled (seeded by `seed`) into `num_mini_batches`
         mini-batches with one optimizer step per adapter each; returns metrics (loss, kl, clip fraction, ...)."""
-        if self.lockstep:  # FSDP's own collectives too: a lost rank is PeerLost's one error line
-            with self.dp.guard("sharded update"):
-                return self._update(traces, seed)
-        return self._update(traces, seed)
+        with working():  # rollouts decoding beside it share the cores (masgraph/threads.py)
+            if self.lockstep:  # FSDP's own collectives too: a lost rank is PeerLost's one error line
+                with self.dp.guard("sharded update"):
+                    return self._update(traces, seed)
+            return self._update(traces, seed)
 
     def _update(self, traces: list[Trace], seed: int | str) -> dict[str, float]:
         cfg = self.config

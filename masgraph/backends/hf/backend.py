@@ -23,6 +23,7 @@ from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
 from masgraph.streaming import TextSink, sink_for
+from masgraph.threads import fit_threads, full_threads
 
 if TYPE_CHECKING:
     from masgraph.backends.base import AdapterSource
@@ -209,9 +210,14 @@ class HFBackend:
         deterministic mode), whatever their static prompt prefixes (their cached KVs stacked, left-padded), the rest
         of each prompt left-padded and KV-cached. `stop` (default: the batcher's, when run from it) set ends the
         batch at its next decode step with `Stopped`."""
+        with full_threads(self.deterministic):  # its sums in one order whatever the load (masgraph/threads.py)
+            return self._generate(requests, stop)
+
+    def _generate(self, requests: list[Request], stop: threading.Event | None) -> list[Completion]:
         if stop is None:
             stop = getattr(self._batch_stop, "event", None)
         t0 = time.perf_counter()
+        fit_threads()  # the prefills before the decode loop (which fits them per step)
         encoded = [self.layout.encode(r.messages, r.sampling.max_tokens) for r in requests]
         prompts = [ids for ids, _ in encoded]
         prefixes = [() if encoded[i][1] else self.layout.static_prefix(r.messages, prompts[i])

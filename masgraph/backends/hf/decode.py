@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 from masgraph.backends.base import Request
 from masgraph.backends.hf.batcher import Stopped
 from masgraph.backends.hf.layout import left_pad
+from masgraph.threads import fit_threads
 
 
 def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], requests: list[Request],
@@ -51,6 +52,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     for step in range(max(limits)):
         if stop is not None and stop.is_set():  # a host-side flag: no device sync
             raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
+        fit_threads()  # one thread while other processes hold the cores (masgraph/threads.py)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                        use_cache=True, logits_to_keep=1, **(forward or {})).logits[:, -1, :]  # (B, V)
         toks, lps = sample(logits.float(), requests, generators, done, temps)

@@ -16,6 +16,7 @@ from masgraph.backends.hf.logprobs import check_head, model_head, selected_logpr
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import PackPlan, plan_rows
+from masgraph.threads import fit_threads
 
 
 class HFLearner:
@@ -94,6 +95,7 @@ class HFLearner:
         """Per-token logprobs of each row's completion under `adapter` (None: the reference, adapters off)."""
         if adapter is not None:
             self._check(adapter)
+        fit_threads()  # this pass's forward and backward: one thread while other processes hold the cores
         # one forward per pass when checkpointing (a cache cannot be recomputed) or sharded (every rank must all-gather
         # the layers as often as the others)
         plan = plan_rows(rows, share=not (self.weights.gradient_checkpointing or self.sharded), pack=self.pack)

@@ -15,6 +15,7 @@ from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.device import describe, is_out_of_memory, resolve_device
 from masgraph.errors import MasgraphError
 from masgraph.model import resolve_model
+from masgraph.threads import hold_threads
 
 
 class HFModel:
@@ -35,8 +36,9 @@ class HFModel:
         hf_logging.disable_progress_bar()  # a 0.1 s load needs no bar; our own progress goes to stderr
         # peft calls a transformers API deprecated in 5.x; the warning is not actionable for users
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if threads:
+        if threads:  # the user's count, kept whatever the machine's load (masgraph/threads.py)
             torch.set_num_threads(threads)
+            hold_threads()
         path = resolve_model(model)
         self.name = model
         self.device: torch.device = resolve_device(device)
