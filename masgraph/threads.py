@@ -169,10 +169,7 @@ def fit_threads() -> None:
 def working() -> Iterator[None]:
     """Within: the calling thread's kernels count as one team of this process for all of it (`LoadGuard.working`)."""
     g = guard()
-    if g is None:
-        yield
-        return
-    with g.working():
+    with g.working() if g is not None else contextlib.nullcontext():
         yield
 
 
@@ -189,7 +186,7 @@ def full_threads(on: bool = True) -> Iterator[None]:
 
 
 def hold_threads() -> None:
-    """From now on, the full thread count everywhere (deterministic mode; an explicit `threads:` setting)."""
+    """From now on, the full thread count everywhere (the deterministic mode; `HFModel(threads=N)`)."""
     g = guard()
     if g is not None:
         g.hold()
