@@ -116,7 +116,8 @@ def side(io: Path, graph: str) -> None:
     out = {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
            "rows": metrics.get("rows/trained", metrics.get("rows", 0.0)), "loss": metrics.get("loss/total"),
-           "weights": {a: [p.detach().clone() for p in learner.parameters(a)] for a in start}}
+           "weights": {a: [p.detach().clone() for p in learner.parameters(a)] for a in start},
+           "tokens": {k.removeprefix("rows/"): v for k, v in metrics.items() if k.startswith("rows/tokens")}}
     torch.save(out, io / f"result-{os.getpid()}.pt")
     print(json.dumps({k: v for k, v in out.items() if k != "weights"}))
 
@@ -202,7 +203,8 @@ def main() -> None:
                 files[-1].unlink()
                 results[name].append(r)
                 print(f"{name}: {r['seconds']:.1f} s wall, {r['cpu_s']:.0f} CPU-s, peak RSS {r['peak_rss_gib']:.2f} "
-                      f"GiB, rows {r['rows']:.0f}, loss {r['loss']:.6f}", flush=True)
+                      f"GiB, rows {r['rows']:.0f}, loss {r['loss']:.6f}, tokens {r['tokens'] or 'not counted'}",
+                      flush=True)
     then_s = statistics.median(r["seconds"] for r in results["then"])
     now_s = statistics.median(r["seconds"] for r in results["now"])
     a, b = results["then"][0]["weights"], results["now"][0]["weights"]
