@@ -30,8 +30,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-THREAD_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MASGRAPH_THREADS")
-"""What `import masgraph` sets (this process imported today's): each side starts without them and takes its own."""
 
 
 def validate_leniently(cls, data: dict):
@@ -78,7 +76,7 @@ def _installed_plugins_only() -> None:
     registry.entry_points = present
 
 
-def side(io: Path, graph: str) -> None:
+def side(io: Path, graph: str, out_path: Path) -> None:
     """One update in this process (today's modules or the earlier commit's, whichever the path gives)."""
     import torch
 
@@ -118,7 +116,7 @@ def side(io: Path, graph: str) -> None:
            "rows": metrics.get("rows/trained", metrics.get("rows", 0.0)), "loss": metrics.get("loss/total"),
            "weights": {a: [p.detach().clone() for p in learner.parameters(a)] for a in start},
            "tokens": {k.removeprefix("rows/"): v for k, v in metrics.items() if k.startswith("rows/tokens")}}
-    torch.save(out, io / f"result-{os.getpid()}.pt")
+    torch.save(out, out_path)
     print(json.dumps({k: v for k, v in out.items() if k != "weights"}))
 
 
@@ -169,9 +167,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="updates per side, alternating")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--side", type=Path, help=argparse.SUPPRESS)  # one update in this process: its io directory
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # ... and where its result goes
     args = ap.parse_args()
     if args.side:
-        return side(args.side, args.graph)
+        return side(args.side, args.graph, args.out)
+    # what `import masgraph` sets (this process imports today's): each side starts without them and takes its own
+    from masgraph.threads import AUTO, USER_SETTINGS
+
+    thread_vars = (*USER_SETTINGS, AUTO)
 
     with tempfile.TemporaryDirectory(prefix="masgraph-then-now-") as tmp:
         io, then = Path(tmp) / "io", Path(tmp) / "then"
@@ -190,17 +193,16 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in ("then", "now"):
                 home = then if name == "then" else ROOT
-                env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}  # each side its own default
+                env = {k: v for k, v in os.environ.items() if k not in thread_vars}
                 if name == "then":
                     env["PYTHONPATH"] = str(then)
+                out = io / f"{name}-{len(results[name])}.pt"
                 proc = subprocess.run([sys.executable, str(HERE / "update_then_now.py"), "--side", str(io),
-                                       "--graph", str(home / args.graph)], cwd=home, env=env,
+                                       "--out", str(out), "--graph", str(home / args.graph)], cwd=home, env=env,
                                       capture_output=True, text=True)
                 if proc.returncode != 0:
                     sys.exit(f"error: the {name} side failed:\n{proc.stderr[-3000:]}")
-                files = sorted(io.glob("result-*.pt"), key=os.path.getmtime)
-                r = torch.load(files[-1], weights_only=True)
-                files[-1].unlink()
+                r = torch.load(out, weights_only=True)
                 results[name].append(r)
                 print(f"{name}: {r['seconds']:.1f} s wall, {r['cpu_s']:.0f} CPU-s, peak RSS {r['peak_rss_gib']:.2f} "
                       f"GiB, rows {r['rows']:.0f}, loss {r['loss']:.6f}, tokens {r['tokens'] or 'not counted'}",
