@@ -67,6 +67,10 @@ class PolicySpec(_Strict):
     device: str = Field("auto", json_schema_extra={"pattern": DEVICE_PATTERN})
     """Where an in-process (hf) model runs: `auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda`,
     `cuda:N`. `--device` on run/train/serve overrides it for every hf policy."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The local model's weight dtype (hf, vllm): `auto` takes the faster of bf16 and fp32 on this machine (measured
+    once and cached); pin it where results must repeat across machines. A resumed training run keeps the dtype its
+    checkpoint records."""
 
     @field_validator("device")
     @classmethod

@@ -87,6 +87,23 @@ def base_device(spec: GraphSpec) -> str:
     return device
 
 
+def base_dtype(spec: GraphSpec, resumed: str = "auto") -> str:
+    """The learner's weight dtype: `resumed` when given (a checkpoint's: a resumed run keeps the dtype it trained in),
+    else the one the local policies pin, else `auto`. A pin that differs from it is a located error: the local
+    policies all decode from the learner's one set of weights."""
+    served = {n: p.dtype for n, p in spec.policies.items() if p.backend in LEARNABLE_BACKENDS and p.dtype != "auto"}
+    first = next(iter(served), None)
+    want = resumed if resumed != "auto" else served.get(first, "auto")
+    why = "the dtype the run was given (a resumed run's checkpoint)" if resumed != "auto" else f"policy {first!r}"
+    problems = [Problem(f"policies.{n}.dtype", f"{d!r} differs from {want!r} of {why}; training serves every local "
+                        "policy from the learner's one set of weights",
+                        f"set `dtype: {want}` here, or leave it `auto`")
+                for n, d in served.items() if d != want]
+    if problems:
+        raise SpecError(problems)
+    return want
+
+
 def _same_device(name: str) -> torch.device:
     """A device setting resolved, `cuda` as the GPU it means (so `auto`, `cuda` and `cuda:0` compare equal there)."""
     device = resolve_device(name)
@@ -129,7 +146,8 @@ class TrainLoop:
             self.cfg.algorithm).implementation()
         torch.manual_seed(self.cfg.seed)  # LoRA init
         model = base_model(spec, needs_trainable=algorithm.trains_adapters)
-        self.learner: Learner = learner or local_learner(model, dtype=dtype, device=base_device(spec))
+        self.learner: Learner = learner or local_learner(model, dtype=base_dtype(spec, dtype),
+                                                                device=base_device(spec))
         if self.cfg.deterministic and getattr(self.learner, "device", None) is not None:
             deterministic_kernels(self.learner.device)  # a GPU's repeatable kernels: exact runs and resumes
         trains_lora = isinstance(self.cfg, LoraTrainBase)  # else: the adapters stay as attached (zero-effect)

@@ -14,7 +14,7 @@ from masgraph.spec import PolicySpec
 def _hf(policy: PolicySpec, **options: Any) -> Backend:
     from masgraph.backends.hf import HFBackend
 
-    return HFBackend(policy.model, device=policy.device, **options)
+    return HFBackend(policy.model, device=policy.device, dtype=policy.dtype, **options)
 
 
 def _litellm(policy: PolicySpec, **options: Any) -> Backend:
@@ -26,7 +26,7 @@ def _litellm(policy: PolicySpec, **options: Any) -> Backend:
 def _vllm(policy: PolicySpec, **options: Any) -> Backend:
     from masgraph.backends.vllm import VLLMBackend
 
-    return VLLMBackend(policy.model, api_base=policy.api_base, **options)
+    return VLLMBackend(policy.model, api_base=policy.api_base, dtype=policy.dtype, **options)
 
 
 def _hf_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool = False, seed: int = 0,

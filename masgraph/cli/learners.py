@@ -106,6 +106,17 @@ def join(args: argparse.Namespace, graph: Graph) -> tuple[DataParallel | None, G
     return init_from_env(device, args.learner_timeout), graph
 
 
+def agreed_dtype(dp: DataParallel | None, graph: Graph, dtype: str) -> str:
+    """The weight dtype every learner rank loads: `dtype` (a checkpoint's) or the trainable policies' pin as they
+    stand, else rank 0's measured choice, broadcast: ranks that measured for themselves could choose differently."""
+    if dp is None or dtype != "auto" or any(p.dtype != "auto" for p in graph.spec.policies.values() if p.trainable):
+        return dtype
+    from masgraph.backends.hf.dtype import pick_dtype
+
+    mine = str(pick_dtype(learner_device(graph))).removeprefix("torch.") if dp.writes else ""
+    return dp.broadcast(mine, "the weights' dtype")
+
+
 def learner_device(graph: Graph) -> Any:
     """The torch device the trainable policies (the learner) are on."""
     from masgraph.device import resolve_device

@@ -21,7 +21,17 @@ from masgraph.cli.common import (
 )
 from masgraph.cli.flags import backend_args, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.interrupt import drive_then_close
-from masgraph.cli.learners import follow, join, leading, learner_args, learner_device, relaunch, shared_run_dir, writes
+from masgraph.cli.learners import (
+    agreed_dtype,
+    follow,
+    join,
+    leading,
+    learner_args,
+    learner_device,
+    relaunch,
+    shared_run_dir,
+    writes,
+)
 from masgraph.cli.progress import TrainProgress
 from masgraph.cli.ray_setup import ray_args, ray_config
 from masgraph.errors import MasgraphError, SpecError
@@ -134,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(run_dir) if args.resume else None
     if checkpoint is not None:
         checkpoint_adapters(checkpoint, graph.spec)  # a broken or foreign one is reported before the model loads
-    dtype = checkpoint_dtype(checkpoint) if checkpoint else "auto"
+    dtype = agreed_dtype(dp, graph, checkpoint_dtype(checkpoint) if checkpoint else "auto")
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
     progress = None if args.watch or not writes(dp) else TrainProgress(train.steps, every_s=args.progress_every,

@@ -114,11 +114,11 @@ class Engine(EngineLike):
                     deterministic_kernels(backend.device)
 
     def policy(self, name: str, pol: PolicySpec) -> Policy:
-        """`pol` bound to its backend: the one already serving its (backend, model, api_base, device), else a new
-        one kept with the others (closed by `aclose`). The graph's policies are made so; so is a policy outside
+        """`pol` bound to its backend: the one already serving its (backend, model, api_base, device, dtype), else a
+        new one kept with the others (closed by `aclose`). The graph's policies are made so; so is a policy outside
         the graph, such as a task's judge (`masgraph.tasks.judge`), which then shares the graph's model when it names
         the same one."""
-        key = (pol.backend, pol.model, pol.api_base, pol.device)
+        key = (pol.backend, pol.model, pol.api_base, pol.device, pol.dtype)
         if key not in self.backends:
             self.backends[key] = self._given.get(pol.backend) or self.registry.backend(pol, vars(self.options))
         backend = self.backends[key]

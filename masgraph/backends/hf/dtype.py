@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -30,12 +34,26 @@ def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None 
                    platform.processor())
         key = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
     path = cache_dir() / "dtype-choice.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
+    if key in (known := _read(path)):
         return getattr(torch, known[key])
+    # one process measures and the others wait for its choice: processes that measured at once (two learner ranks,
+    # a test run beside another) could choose differently, and the later write dropped the other's key
+    with _locked(path):
+        if key in (known := _read(path)):
+            return getattr(torch, known[key])
+        choice = _measure(device, reps, margin)
+        known[key] = str(choice).removeprefix("torch.")
+        try:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache only costs a re-measurement next time
+    return choice
+
+
+def _measure(device: torch.device, reps: int, margin: float) -> torch.dtype:
+    """bf16 if a decode-shaped matmul runs `margin`x faster in it than in fp32 on `device`, else fp32."""
     times = {}
     # operands from a private generator: drawing them from torch's global one would move the seed the caller set
     # (the LoRA init of `train.seed`) on the first run on a machine only, and that run would differ from the next
@@ -55,16 +73,30 @@ def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None 
             _sync(device)
             best = min(best, time.perf_counter() - t0)
         times[dtype] = best
-    choice = torch.bfloat16 if times[torch.bfloat16] * margin < times[torch.float32] else torch.float32
-    known[key] = str(choice).removeprefix("torch.")
+    return torch.bfloat16 if times[torch.bfloat16] * margin < times[torch.float32] else torch.float32
+
+
+def _read(path: Path) -> dict[str, str]:
+    """The cached choices; an unreadable file or entry is measured again rather than trusted."""
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in known.items() if v in ("float32", "bfloat16")} if isinstance(known, dict) else {}
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path` while the block runs (none where the cache cannot be written)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
+        f = open(path.with_name(f".{path.name}.lock"), "a")
     except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-    return choice
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _sync(device: torch.device) -> None:
