@@ -148,18 +148,20 @@ def train(graph_path: str, task_name: str, seed: int, minutes: float, eval_n: in
           flow_grpo: dict | None = None, steps: int | None = None, model: str | None = None,
           device: str | None = None, runs_dir: Path = ROOT / "runs", clock: str = "wall",
           edit: Callable[[GraphSpec], GraphSpec] | None = None, checkpoint_every: int = 10_000,
-          resume: Path | None = None) -> dict:
+          resume: Path | None = None, max_staleness: int | None = None) -> dict:
     """One training run (baseline eval, `minutes` of training or `steps` steps, whichever ends first, final eval);
     returns its metrics. `flow_grpo` overrides knobs of the graph's `train.flow_grpo` (validated like the YAML);
     `clock` is what `minutes` counts (`wall`, or the process's `cpu` time); `edit` changes the loaded graph
-    (a benchmark's variant of a shipped one). `resume` continues that run directory from its latest checkpoint
-    (`graph_path` is then its spec.yaml): `minutes` is the whole budget, the time its checkpoint spent included."""
+    (a benchmark's variant of a shipped one); `max_staleness` sets `train.max_staleness`. `resume` continues that
+    run directory from its latest checkpoint (`graph_path` is then its spec.yaml): `minutes` is the whole budget,
+    the time its checkpoint spent included."""
     spec = place(load_spec(graph_path), model, device)
     spec = edit(spec) if edit else spec
     fg = with_overrides(spec.train.flow_grpo, flow_grpo or {})
     cfg = spec.train.model_copy(update={"flow_grpo": fg, "seed": seed, "max_minutes": minutes, "budget_clock": clock,
                                         "steps": steps or 10_000, "eval_every": 10_000, "eval_n": eval_n,
-                                        "checkpoint_every": checkpoint_every})
+                                        "checkpoint_every": checkpoint_every,
+                                        **({} if max_staleness is None else {"max_staleness": max_staleness})})
     graph = compile_spec(spec.model_copy(update={"train": cfg}), graph_path)
     run_dir = resume or runs_dir / f"bench-learns-{spec.name}-{task_name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     progress = Progress(spec.name, seed, check_rule)
@@ -195,6 +197,9 @@ def main() -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KNOB=VALUE",
                    help="override train.flow_grpo knobs of every trained graph, e.g. credit.parse_penalty=0.5")
     p.add_argument("--steps", type=int, default=None, help="stop each run after this many steps (and --minutes)")
+    p.add_argument("--max-staleness", type=int, default=None, choices=(0, 1),
+                   help="train.max_staleness of every trained graph (1: rollouts overlap the update; default: as the "
+                        "graph says)")
     p.add_argument("--device", default=None,
                    help="every hf policy's device: auto, cpu, cuda, cuda:N (default: as the graph says)")
     p.add_argument("--model", default=None, help="every hf policy's model (default: as the graph says); "
@@ -205,7 +210,8 @@ def main() -> int:
                    help="where the run directories and bench-learns-last.json go (default runs/)")
     args = p.parse_args()
     model = resolve(args.model, args.device or "auto") if args.model else None
-    where = {"steps": args.steps, "model": model, "device": args.device, "runs_dir": args.runs_dir}
+    where = {"steps": args.steps, "model": model, "device": args.device, "runs_dir": args.runs_dir,
+             "max_staleness": args.max_staleness}
     overrides = knob_overrides(args.set)
     task = args.task or load_spec(args.graph).train.task
     print(f"rule: greedy ≤ {GREEDY_MAX:.0%} (n={args.eval_n}) and pass@{K} ≥ {PASSK_MIN:.0%} (n={args.passk_n})",
@@ -250,6 +256,7 @@ def main() -> int:
                 f"(n={args.eval_n} held-out items). Budget {args.minutes:g} min of training wall-clock per run"
                 + (f" or {args.steps} steps, whichever ends first" if args.steps else "")
                 + (f"; hf policies on `{args.device}`" if args.device else "")
+                + (f"; `train.max_staleness: {args.max_staleness}`" if args.max_staleness is not None else "")
                 + (f"; model `{args.model}`" if args.model else "") + ".\n\n"
                 f"{table}\n")
     args.runs_dir.mkdir(parents=True, exist_ok=True)

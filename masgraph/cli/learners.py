@@ -113,8 +113,8 @@ def agreed_dtype(dp: DataParallel | None, graph: Graph, dtype: str) -> str:
         return dtype
     from masgraph.backends.hf.dtype import pick_dtype
 
-    mine = str(pick_dtype(learner_device(graph))).removeprefix("torch.") if dp.writes else ""
-    return dp.broadcast(mine, "the weights' dtype")
+    mine = str(pick_dtype(device=learner_device(graph))).removeprefix("torch.") if dp.writes else ""
+    return dp.broadcast(mine, "dtype broadcast")
 
 
 def learner_device(graph: Graph) -> Any:

@@ -260,6 +260,22 @@ def test_masgraph_train_with_two_learners_trains_and_resumes_as_one_learner_does
     _same_step(one_run, two_then_sharded, 2)
 
 
+def test_learner_ranks_on_an_empty_cache_load_the_dtype_rank_0_measured(tiny, tmp_path):
+    """`dtype: auto` under `--learners 2`, on a machine that has not measured yet: rank 0 measures (once; the choice
+    is cached) and broadcasts it, and the run trains in it (`masgraph.cli.learners.agreed_dtype`)."""
+    (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny).replace("dtype: float32,", "dtype: auto,"))
+    (tmp_path / "alt.py").write_text(ALTERNATING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASGRAPH_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
+                           f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu", "--learners", "2", "--runs-dir",
+                           str(tmp_path / "runs")], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and done.stdout.count("done: 1 steps") == 1, done.stderr[-3000:]
+    [(key, choice)] = json.loads((tmp_path / "cache" / "dtype-choice.json").read_text()).items()
+    assert key.endswith("|1") and f"learner on cpu, {choice}" in done.stderr
+    [run] = list((tmp_path / "runs").iterdir())
+    assert json.loads((run / "checkpoints" / "step-1" / "state.json").read_text())["dtype"] == choice
+
+
 def _train_args(tmp_path: Path, model: Path, steps: int) -> list[str]:
     """`masgraph train --learners 2` of GRAPH for `steps` steps (a checkpoint each), with its files in `tmp_path`."""
     (tmp_path / "g.yaml").write_text(GRAPH.format(model=model).replace("steps: 1,",

@@ -81,12 +81,12 @@ def test_learner_ranks_load_the_dtype_rank_0_measured(monkeypatch):
             return "bfloat16"  # what rank 0 sent
 
     measured = []
-    monkeypatch.setattr(dtype_module, "pick_dtype", lambda device=None: measured.append(device) or torch.float32)
+    monkeypatch.setattr(dtype_module, "pick_dtype", lambda *, device=None: measured.append(device) or torch.float32)
     graph = compile_spec(parse_spec(GRAPH.format(model="smollm2-135m", a="auto", b="auto"), "dt.yaml"),
                          check_models=False)
     one, zero = Rank(1), Rank(0)
     assert agreed_dtype(one, graph, "auto") == "bfloat16" and not measured  # rank 1 takes rank 0's, measures nothing
-    assert agreed_dtype(zero, graph, "auto") == "bfloat16" and zero.sent == [("float32", "the weights' dtype")]
+    assert agreed_dtype(zero, graph, "auto") == "bfloat16" and zero.sent == [("float32", "dtype broadcast")]
     assert agreed_dtype(None, graph, "auto") == "auto"  # one learner: the loop picks for itself
     assert agreed_dtype(one, graph, "float32") == "float32" and len(one.sent) == 1  # a checkpoint's
     pinned = compile_spec(parse_spec(GRAPH.format(model="smollm2-135m", a="float32", b="auto"), "dt.yaml"),
