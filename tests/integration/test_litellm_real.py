@@ -101,7 +101,7 @@ def test_a_judge_served_through_litellm_records_the_servers_counts(served, tmp_p
     spec = JudgeSpec.model_validate({"policy": {"backend": "litellm", "model": model, "api_base": api_base},
                                      "cache_path": str(tmp_path / "v.sqlite")})
     judge = Judge(engine.policy("judge", spec.policy), spec, engine.registry)
-    assert ("litellm", model, api_base, "auto") in engine.backends  # its own backend beside the graph's
+    assert ("litellm", model, api_base, "auto", "auto") in engine.backends  # its own backend beside the graph's
     v = run(judge.verdict("What is the capital of Peru?", ["Lima"], "Lima"))
     assert v.call is not None and v.call.text == v.text and v.score in (0.0, 1.0)
     assert v.call.prompt_tokens > 200 and 1 <= v.call.completion_tokens <= 4  # the server's counts (4: max_tokens)
