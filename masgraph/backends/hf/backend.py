@@ -16,6 +16,7 @@ import torch
 
 from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Request
 from masgraph.backends.hf.batcher import Batcher
+from masgraph.backends.hf.cascade import Cascade, install
 from masgraph.backends.hf.decode import decode
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill, stack_prefixes
@@ -81,6 +82,10 @@ class HFBackend:
         or those of one adapter and static prefix ("prefix": the layout before). On this project's 2-core CPU
         "batch" measured no faster than "adapter" on the AgentFlow graph (results/rollout_throughput.md,
         2026-12-02): it is kept for devices where a decode step costs the same at any batch size (not measured)."""
+        self.cascade = install(self.weights.model)
+        """Rows on a cached static prefix attend its KV where it is, once per distinct prefix (cascade attention,
+        masgraph/backends/hf/cascade.py), instead of a copy per row; on where the model's attention allows it (off
+        only to compare with the layout before)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -311,8 +316,19 @@ class HFBackend:
             if prefix:
                 with self.weights.use(adapter):
                     cached[adapter, prefix] = self._prefix_cache(prefix, adapter)
-        past_mask = None
-        if not cached:  # no row has a cached prefix: the cache starts empty
+        past_mask, cascade = None, None
+        if cached and self.cascade:  # the prefixes attended where they are; the cache holds the rows' own positions
+            cache = DynamicCache()
+            if len(distinct) == 1:
+                prefix_kv = cached[distinct[0]]
+                prefix_mask = torch.ones((1, len(distinct[0][1])), dtype=torch.bool, device=device)
+            else:
+                prefix_kv, prefix_mask = stack_prefixes([cached.get(h) for h in distinct],
+                                                        [len(h[1]) for h in distinct], device)
+            cascade = Cascade(prefix_kv, prefix_mask, [[c for c in range(clusters) if histories[firsts[c]] == h]
+                                                       for h in distinct],
+                              [len(prefixes[k]) for k in firsts], device)
+        elif not cached:  # no row has a cached prefix: the cache starts empty
             cache = DynamicCache()
         elif len(distinct) == 1:  # one history: its KV broadcast to the clusters
             cache = copy.deepcopy(cached[distinct[0]])
@@ -325,11 +341,12 @@ class HFBackend:
         names = {"adapter_names": [a if a is not None else "__base__" for a in adapters]} if mixed else {}
         with contextlib.nullcontext() if mixed else self.weights.use(adapters[0]):
             return self._decode_rows(cache, past_mask, prefixes[0], cluster, shared, firsts, suffixes, requests,
-                                     names, stop)
+                                     names, stop, cascade)
 
     def _decode_rows(self, cache: Any, past_mask: torch.Tensor | None, prefix: tuple[int, ...], cluster: list[int],
                      shared: list[int], firsts: list[int], suffixes: list[list[int]], requests: list[Request],
-                     names: dict[str, Any], stop: threading.Event | None) -> list[tuple[list[int], list[float], str]]:
+                     names: dict[str, Any], stop: threading.Event | None, cascade: Cascade | None = None
+                     ) -> list[tuple[list[int], list[float], str]]:
         """The shared prompt parts (one row per cluster), then every row's own prompt and completion."""
         device = self.weights.device
         B = len(suffixes)
@@ -337,18 +354,26 @@ class HFBackend:
         if clusters < B:
             t0 = time.perf_counter()
             middles = [suffixes[k][:shared[k]] for k in firsts]
-            if past_mask is None:
+            if cascade is not None:
+                ids, tail, _ = left_pad(0, middles, self.pad_id, device)
+                cascade.row_mask = tail.bool()
+                pos = (cascade.offsets[:, None] + tail.cumsum(-1) - 1).clamp(min=0)
+            elif past_mask is None:
                 ids, past_mask, pos = left_pad(len(prefix), middles, self.pad_id, device)
             else:
                 ids, tail, _ = left_pad(0, middles, self.pad_id, device)
                 past_mask = torch.cat([past_mask, tail], dim=1)
                 pos = (past_mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
             per_cluster = {k: [v[i] for i in firsts] for k, v in names.items()}
-            self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1, **per_cluster)
+            with cascade.active() if cascade is not None else contextlib.nullcontext():
+                self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1, **per_cluster)
             pick = torch.tensor(cluster, dtype=torch.long, device=device)
             cache.batch_select_indices(pick)
-            past_mask = past_mask.index_select(0, pick)
+            if cascade is not None:
+                cascade.select(cluster)
+            else:
+                past_mask = past_mask.index_select(0, pick)
             suffixes = [x[n:] for x, n in zip(suffixes, shared)]
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens_computed"] += sum(shared[k] for k in firsts)
@@ -360,7 +385,7 @@ class HFBackend:
         self.stats["prompt_tokens_computed"] += sum(map(len, suffixes))
         self.stats["decode_loops"] += 1
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
-                      stop, on_token, past_mask, self.stats, names)
+                      stop, on_token, past_mask, self.stats, names, cascade)
 
 
 class _TokenText:

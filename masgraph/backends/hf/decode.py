@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf.batcher import Stopped
+from masgraph.backends.hf.cascade import Cascade
 from masgraph.backends.hf.layout import left_pad
 from masgraph.threads import fit_threads
 
@@ -20,7 +22,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
            on_token: Sequence[Callable[[int], None] | None] | None = None,
            past_mask: torch.Tensor | None = None, phases: dict[str, Any] | None = None,
-           forward: dict[str, Any] | None = None) -> list[tuple[list[int], list[float], str]]:
+           forward: dict[str, Any] | None = None, cascade: Cascade | None = None
+           ) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
@@ -33,10 +36,16 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     more than the shared prefix: a prompt part prefilled once for several rows, left-padded). `phases`, where given,
     has the seconds of the first step (the suffixes' prefill and the first pick) added to its "prefill_s" and those
     of the steps after to its "decode_s" (host clock; each step ends in a sync, so device time is included).
-    `forward`: more arguments of every forward pass (PEFT's per-row `adapter_names`)."""
+    `forward`: more arguments of every forward pass (PEFT's per-row `adapter_names`). `cascade`, where given, holds
+    the rows' prefixes (masgraph/backends/hf/cascade.py): `cache` then has only the rows' own positions (empty, or a
+    prompt part prefilled before, `cascade.row_mask` saying which are real), and `prefix_len`/`past_mask` are unused."""
     device = model.device
     B = len(suffixes)
-    if past_mask is None:
+    if cascade is not None:
+        ids, tail, _ = left_pad(0, suffixes, pad_id, device)
+        mask = tail.bool() if cascade.row_mask is None else torch.cat([cascade.row_mask, tail.bool()], dim=1)
+        pos = (cascade.offsets[:, None] + mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    elif past_mask is None:
         ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
     else:
         ids, tail_mask, _ = left_pad(0, suffixes, pad_id, device)
@@ -44,7 +53,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     limits = [r.sampling.max_tokens for r in requests]
     temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=device)[:, None]  # (B, 1)
-    ones = torch.ones((B, 1), dtype=torch.long, device=device)
+    attend = cascade.active if cascade is not None else contextlib.nullcontext
+    ones = torch.ones((B, 1), dtype=mask.dtype, device=device)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     out_lp: list[list[float]] = [[] for _ in range(B)]
     done, finish = [False] * B, ["length"] * B
@@ -53,8 +63,11 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         if stop is not None and stop.is_set():  # a host-side flag: no device sync
             raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
         fit_threads()  # one thread while other processes hold the cores (masgraph/threads.py)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1, **(forward or {})).logits[:, -1, :]  # (B, V)
+        if cascade is not None:
+            cascade.row_mask = mask
+        with attend():
+            logits = model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1, **(forward or {})).logits[:, -1, :]
         toks, lps = sample(logits.float(), requests, generators, done, temps)
         # the step's one device-to-host copy (float64 holds every token id and float32 logprob exactly)
         picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()

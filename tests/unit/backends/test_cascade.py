@@ -1,0 +1,93 @@
+"""Cascade attention (masgraph/backends/hf/cascade.py): rows on a cached static prefix attend its KV once per
+distinct prefix instead of a copy per row. It must decode what the copy-per-row layout decodes (same tokens,
+logprobs within fp32 rounding) in every batch shape the backend builds, and the decode cache must hold only the
+rows' own positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import masgraph.backends.hf.backend as backend_module
+from masgraph.backends.base import Request
+from masgraph.backends.hf import HFBackend
+from masgraph.backends.hf.cascade import NAME
+from masgraph.spec import SamplingSpec
+
+SYSTEM_A = {"role": "system", "content": "You are a careful assistant who checks each step. " * 3}
+SYSTEM_B = {"role": "system", "content": "You plan the next tool call and say nothing else. " * 2}
+
+
+def _requests() -> list[Request]:
+    """Two static prefixes, a row with none, two rows sharing more than their prefix (a question's samples), suffixes
+    of different lengths, greedy and seeded sampling rows (top-p too)."""
+    question = "Tell me the sum of 17 and 25 and then the product of 3 and 4, showing each step of the work."
+    prompts = [[SYSTEM_A, {"role": "user", "content": f"What is {i} + {i}?" + " Think." * i}] for i in range(3)]
+    prompts += [[SYSTEM_B, {"role": "user", "content": "Plan: add two numbers."}],
+                [{"role": "user", "content": "No system prompt here at all."}],
+                [SYSTEM_A, {"role": "user", "content": question}], [SYSTEM_A, {"role": "user", "content": question}]]
+    return [Request(m, sampling=SamplingSpec(temperature=0.0 if i % 3 == 0 else 1.0, top_p=0.9 if i == 4 else 1.0,
+                                             max_tokens=5 + i), seed=i)
+            for i, m in enumerate(prompts)]
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.completion_ids == y.completion_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 2e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("per", ["adapter", "prefix"])
+def test_cascade_decodes_what_the_copied_prefixes_decode(tiny_model, arch, per):
+    backend = HFBackend(str(tiny_model(arch)), dtype="float32")
+    assert backend.cascade and backend.model.config._attn_implementation == NAME
+    backend.one_loop_per = per
+    reqs = _requests()
+    cascaded = backend.generate(reqs)
+    backend.cascade = False
+    copied = backend.generate(reqs)
+    _same(cascaded, copied)
+    assert backend.stats["prompt_tokens_shared"] > 0  # the rows sharing a question went through the middle path
+    backend.cascade, backend.deterministic = True, True  # rows alone (batch 1) on the cascade too
+    _same(backend.generate(reqs), copied)
+
+
+def test_the_decode_cache_holds_only_each_rows_own_positions(tiny_model, monkeypatch):
+    backend = HFBackend(str(tiny_model("llama")), dtype="float32")
+    seen = []
+    decode = backend_module.decode
+
+    def watched(model, cache, prefix_len, suffixes, *args, **kwargs):
+        out = decode(model, cache, prefix_len, suffixes, *args, **kwargs)
+        seen.append((cache.layers[0].keys.shape[2], kwargs.get("cascade", args[-1])))
+        return out
+
+    monkeypatch.setattr(backend_module, "decode", watched)
+    reqs = [r for r in _requests() if r.messages[0] is SYSTEM_A][:3]
+    done = backend.generate(reqs)
+    [(kv_length, cascade)] = seen
+    assert cascade is not None
+    prefix = len(backend.layout.static_prefix(reqs[0].messages, done[0].prompt_ids))
+    assert prefix > 16
+    # the cached positions: each row's prompt after the system prompt and its completion, never the prefix per row
+    own = max(len(c.prompt_ids) for c in done) - prefix + max(len(c.completion_ids) for c in done)
+    assert kv_length <= own
+
+
+def test_models_it_cannot_serve_keep_sdpa(tiny_model):
+    backend = HFBackend(str(tiny_model("mistral")), dtype="float32")  # a sliding window: its own cache layers
+    assert not backend.cascade and backend.model.config._attn_implementation == "sdpa"
+    done = backend.generate(_requests()[:2])
+    assert all(c.completion_ids for c in done)
+
+
+def test_outside_a_cascade_the_attention_is_sdpas(tiny_model):
+    """The learner's passes run on the same model object: with no cascade active they must be sdpa's, bit for bit."""
+    backend = HFBackend(str(tiny_model("qwen2")), dtype="float32")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ours = backend.model(input_ids=ids).logits
+        backend.model.config._attn_implementation = "sdpa"
+        theirs = backend.model(input_ids=ids).logits
+    assert torch.equal(ours, theirs)
