@@ -22,7 +22,7 @@ import torch
 
 NAME = "masgraph_cascade"
 _thread = threading.local()  # .state: the Cascade of the forward pass running on this thread, if any
-_MAX_SCORES = 1 << 25  # score elements per prefix matmul (a prefill's many queries are cut into row chunks)
+_MAX_SCORES = 1 << 25  # score elements per matmul: a long prefill's queries go in chunks
 
 
 class Cascade:
@@ -66,55 +66,60 @@ class Cascade:
                ) -> torch.Tensor:
         """Attention output (B, q, H, D) of `query` (B, H, q, D) over each row's prefix and its own `key`/`value`
         (B, Hkv, n, D), the last q of which are the query tokens (causal among themselves)."""
-        assert self.row_mask is not None, "the decode loop sets row_mask before each forward pass"
+        assert self.row_mask is not None and self.row_mask.shape == (query.shape[0], key.shape[2]), \
+            "the decode loop sets row_mask (rows x own positions) before each forward pass"
         B, H, q, D = query.shape
         hkv, n = key.shape[1], key.shape[2]
         rep = H // hkv
-        qs = query.reshape(B, hkv, rep * q, D)  # head h = kv * rep + r, as transformers' repeat_kv orders them
+        # (B, Hkv, q * rep, D), query-major: head h = kv * rep + r, as transformers' repeat_kv orders them
+        qs = query.reshape(B, hkv, rep, q, D).transpose(2, 3).reshape(B, hkv, q * rep, D)
         # the rows' own keys: real (not padding) and not after the query token
-        assert self.row_mask.shape == (B, n), (tuple(self.row_mask.shape), (B, n))
-        own = self.row_mask[:, None, :].expand(B, q, n) & (
+        own = self.row_mask[:, None, :] & (
             torch.arange(n, device=key.device)[None, :] <= torch.arange(n - q, n, device=key.device)[:, None])
-        own = own[:, None, None].expand(B, 1, rep, q, n).reshape(B, 1, rep * q, n)
+        own = own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n)
         m_own, s_own, o_own = _partial(qs, key, value, own, scale)
         m_pre = torch.full_like(m_own, float("-inf"))
         s_pre, o_pre = torch.zeros_like(s_own), torch.zeros_like(o_own)
         k_pre, v_pre = self.prefix.layers[layer].keys, self.prefix.layers[layer].values  # (G, Hkv, P, D)
-        P = k_pre.shape[2]
         for g, rows in enumerate(self._index):
-            if not len(self.groups[g]) or not P:
+            if not self.groups[g] or not k_pre.shape[2]:
                 continue
-            step = max(1, _MAX_SCORES // max(1, hkv * rep * q * P))
-            for start in range(0, len(self.groups[g]), step):
-                pick = rows[start:start + step]
-                k = len(pick)
-                # the rows of one prefix as one batch of queries against its keys (read once)
-                qg = qs.index_select(0, pick).transpose(0, 1).reshape(1, hkv, k * rep * q, D)
-                mask = self.prefix_mask[g][None, None, None, :]
-                m, s, o = _partial(qg, k_pre[g:g + 1], v_pre[g:g + 1], mask, scale)
-                for into, part in ((m_pre, m), (s_pre, s), (o_pre, o)):
-                    into.index_copy_(0, pick, part.reshape(hkv, k, rep * q, part.shape[-1]).transpose(0, 1))
+            k = len(self.groups[g])
+            # the rows of one prefix as one batch of queries against its keys, read once
+            qg = qs.index_select(0, rows).transpose(0, 1).reshape(1, hkv, k * q * rep, D)
+            m, s, o = _partial(qg, k_pre[g:g + 1], v_pre[g:g + 1], self.prefix_mask[g][None, None, None, :], scale)
+            for into, part in ((m_pre, m), (s_pre, s), (o_pre, o)):
+                into.index_copy_(0, rows, part.reshape(hkv, k, q * rep, part.shape[-1]).transpose(0, 1))
         m = torch.maximum(m_own, m_pre)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a padding query attends nothing: its output is 0
         w_own, w_pre = torch.exp(m_own - m), torch.exp(m_pre - m)
         total = s_own * w_own + s_pre * w_pre
         # never a NaN, even where nothing is attended: a padding position's keys and values are read (times 0) later
         out = (o_own * w_own + o_pre * w_pre) / torch.where(total > 0, total, torch.ones_like(total))
-        return out.to(query.dtype).reshape(B, hkv, rep, q, D).reshape(B, H, q, D).transpose(1, 2).contiguous()
+        return out.to(query.dtype).reshape(B, hkv, q, rep, D).transpose(1, 2).reshape(B, q, H, D)
 
 
 def _partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention of `query` (b, Hkv, Q, D) over `key`/`value` (b, Hkv, n, D) where `allowed` (broadcast to
     (b, Hkv, Q, n)), unnormalised: the scores' max m (-inf where nothing is allowed), sum s of exp(score - m), and
-    the exp-weighted sum o of the values; in float32."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
-    p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
-    s = p.sum(-1, keepdim=True)
-    o = torch.matmul(p.to(value.dtype), value).float()
-    return m, s, o
+    the exp-weighted sum o of the values; in float32, `_MAX_SCORES` scores at a time (a long prefill's queries in
+    chunks)."""
+    b, hkv, Q = query.shape[:3]
+    n = key.shape[2]
+    size = max(1, _MAX_SCORES // max(1, b * hkv * n))
+    parts = []
+    for start in range(0, Q, size):
+        part = allowed if allowed.shape[2] == 1 else allowed[:, :, start:start + size]
+        scores = torch.matmul(query[:, :, start:start + size], key.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~part, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+        parts.append((m, p.sum(-1, keepdim=True), torch.matmul(p.to(value.dtype), value).float()))
+    if len(parts) == 1:
+        return parts[0]
+    m, s, o = zip(*parts)
+    return torch.cat(m, 2), torch.cat(s, 2), torch.cat(o, 2)
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

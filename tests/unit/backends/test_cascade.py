@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import masgraph.backends.hf.backend as backend_module
+import masgraph.backends.hf.cascade as cascade_module
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf.cascade import NAME
@@ -39,7 +40,10 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("per", ["adapter", "prefix"])
-def test_cascade_decodes_what_the_copied_prefixes_decode(tiny_model, arch, per):
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_cascade_decodes_what_the_copied_prefixes_decode(tiny_model, arch, per, chunk, monkeypatch):
+    if chunk:  # a long prefill's queries attend in chunks
+        monkeypatch.setattr(cascade_module, "_MAX_SCORES", chunk)
     backend = HFBackend(str(tiny_model(arch)), dtype="float32")
     assert backend.cascade and backend.model.config._attn_implementation == NAME
     backend.one_loop_per = per
