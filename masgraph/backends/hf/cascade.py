@@ -105,17 +105,18 @@ def _partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowe
     (b, Hkv, Q, n)), unnormalised: the scores' max m (-inf where nothing is allowed), sum s of exp(score - m), and
     the exp-weighted sum o of the values; in float32, `_MAX_SCORES` scores at a time (a long prefill's queries in
     chunks)."""
+    query, key, value = query.float(), key.float(), value.float()  # bf16 scores would round before the softmax
     b, hkv, Q = query.shape[:3]
     n = key.shape[2]
     size = max(1, _MAX_SCORES // max(1, b * hkv * n))
     parts = []
     for start in range(0, Q, size):
         part = allowed if allowed.shape[2] == 1 else allowed[:, :, start:start + size]
-        scores = torch.matmul(query[:, :, start:start + size], key.transpose(-1, -2)).float() * scale
+        scores = torch.matmul(query[:, :, start:start + size], key.transpose(-1, -2)) * scale
         scores = scores.masked_fill(~part, float("-inf"))
         m = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
-        parts.append((m, p.sum(-1, keepdim=True), torch.matmul(p.to(value.dtype), value).float()))
+        parts.append((m, p.sum(-1, keepdim=True), torch.matmul(p, value)))
     if len(parts) == 1:
         return parts[0]
     m, s, o = zip(*parts)
