@@ -62,8 +62,8 @@ def run_graph(graph, backend, task, n, concurrency, profile: dict | None = None)
 
 
 PROFILE_HEAD = ("| run | wall s | in generate s | prompt prefill s | one-token steps s | outside generate s | "
-                "batches | rows / batch | rows / decode loop | prompt tokens received | computed | generated tokens |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+                "batches | rows / batch | rows / decode loop | prompt tokens received | computed | with padding | "
+                "generated tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
 
 def profile_row(name: str, p: dict) -> str:
@@ -72,7 +72,8 @@ def profile_row(name: str, p: dict) -> str:
     return (f"| {name} | {p['wall_s']:.1f} | {p['generate_s']:.1f} | {p['prefill_s']:.1f} | {p['decode_s']:.1f} | "
             f"{p['wall_s'] - p['generate_s']:.1f} | {p['batches']} | {p['rows'] / max(p['batches'], 1):.1f} | "
             f"{p['rows'] / max(p['decode_loops'], 1):.1f} | "
-            f"{p['prompt_tokens']} | {p['prompt_tokens_computed']} | {p['generated_tokens']} |\n")
+            f"{p['prompt_tokens']} | {p['prompt_tokens_computed']} | {p.get('prompt_positions_run', '')} | "
+            f"{p['generated_tokens']} |\n")
 
 
 def on(spec: GraphSpec, model: str, device: str) -> GraphSpec:

@@ -99,12 +99,13 @@ class HFBackend:
             error=_generate_error)
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
                       "prefix_hits": 0, "prefix_misses": 0, "prompt_tokens_shared": 0,
-                      "prompt_tokens": 0, "prompt_tokens_computed": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "decode_loops": 0}
+                      "prompt_tokens": 0, "prompt_tokens_computed": 0, "prompt_positions_run": 0, "prefill_s": 0.0,
+                      "decode_s": 0.0, "decode_loops": 0}
         """Counters since the backend started. Where rollout time goes: `prompt_tokens` received vs
         `prompt_tokens_computed` (run through the model: what the cached static prefixes and the shared prompt
-        parts saved), `prefill_s` (prompt tokens through the model, with each batch's first pick) vs `decode_s`
-        (the one-token steps after); `generate_s` is their sum plus encoding and bookkeeping. `decode_loops`: the
+        parts saved), `prompt_positions_run` (those and the left padding beside them: what the passes ran),
+        `prefill_s` (prompt tokens through the model, with each batch's first pick) vs `decode_s` (the one-token
+        steps after); `generate_s` is their sum plus encoding and bookkeeping. `decode_loops`: the
         decode loops the batches ran (`one_loop_per` says which rows share one; rows / decode_loops is the
         batch size decoding saw)."""
 
@@ -275,6 +276,7 @@ class HFBackend:
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prefix_misses"] += 1
             self.stats["prompt_tokens_computed"] += len(prefix)
+            self.stats["prompt_positions_run"] += len(prefix)
         else:
             self.stats["prefix_hits"] += 1
         self._prefix_kv[key] = cache  # most recently used last
@@ -377,6 +379,7 @@ class HFBackend:
             suffixes = [x[n:] for x, n in zip(suffixes, shared)]
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens_computed"] += sum(shared[k] for k in firsts)
+            self.stats["prompt_positions_run"] += ids.numel()
             self.stats["prompt_tokens_shared"] += sum(shared) - sum(shared[k] for k in firsts)
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]

@@ -86,6 +86,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         if step == 0:
             reserve(cache, max(limits))
             if phases is not None:
+                phases["prompt_positions_run"] = phases.get("prompt_positions_run", 0) + ids.numel()
                 now = time.perf_counter()
                 phases["prefill_s"] += now - started
                 started = now

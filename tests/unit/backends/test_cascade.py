@@ -95,3 +95,19 @@ def test_outside_a_cascade_the_attention_is_sdpas(tiny_model):
         backend.model.config._attn_implementation = "sdpa"
         theirs = backend.model(input_ids=ids).logits
     assert torch.equal(ours, theirs)
+
+
+def test_the_stats_count_the_padding_the_prompt_passes_ran(tiny_model):
+    backend = HFBackend(str(tiny_model("llama")), dtype="float32")
+    sampling = SamplingSpec(temperature=0.0, max_tokens=2)
+    short = Request([SYSTEM_A, {"role": "user", "content": "Hi."}], sampling=sampling)
+    long = Request([SYSTEM_A, {"role": "user", "content": "Explain, in words, " + "why and how " * 6}],
+                   sampling=sampling)
+    backend.generate([short])
+    assert backend.stats["prompt_positions_run"] == backend.stats["prompt_tokens_computed"]  # one row: no padding
+    before = dict(backend.stats)
+    backend.generate([short, long])
+    computed = backend.stats["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    run = backend.stats["prompt_positions_run"] - before["prompt_positions_run"]
+    lengths = [len(backend.encode(r.messages, 2)[0]) for r in (short, long)]
+    assert run == computed + lengths[1] - lengths[0]  # the short row's left padding beside the long one
