@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 from collections import Counter
@@ -12,7 +11,6 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import LoraConfigSpec, TokenRow
-from masgraph.backends.hf.cascade import Cascade, install
 from masgraph.backends.hf.layout import left_pad, pad_token_id, pick_rows, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
@@ -184,7 +182,7 @@ class HFAdapterSource:
 
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
                       chunk_tokens: int | None = None, pack: bool = True,
-                      plan: PackPlan | None = None, cascade: bool = True) -> list[torch.Tensor]:
+                      plan: PackPlan | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
     on the model's device: the backbone's final hidden states at the completion positions go through
     `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
@@ -195,38 +193,24 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     question's samples, its later turns) once per cluster; their KV caches are broadcast to the rows that extend
     them (gradients flow back through them, summed). Layout, as
     in generation (`left_pad`): prefix | left-padded middles | left-padded tails. `share_prefix=False` runs whole
-    sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags.
-    With `cascade` (where the model's attention allows it) the rows attend the prefix's KV where it is, once, instead
-    of a copy per row (off only to compare with the layout before)."""
+    sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags."""
     device = model.device
     head = model_head(model)
     plan = plan or plan_rows(rows, share=share_prefix, pack=pack)
     seqs = [list(rows[h].prompt_ids) + list(rows[h].completion_ids) for h in plan.hosts]
     P, H = plan.prefix, len(seqs)
     cache = prefill(model, seqs[0][:P]) if P else None
-    # the shared prefix attended where it is (batch 1) by every row, not broadcast: masgraph/backends/hf/cascade.py
-    spread = Cascade(cache, torch.ones((1, P), dtype=torch.bool, device=device), [list(range(plan.groups or H))],
-                     [P] * (plan.groups or H), device) if P and cascade and install(model) else None
-    if spread is not None:
-        cache = None
-    middle_mask = torch.ones((H, 0 if spread is not None else P), dtype=torch.long, device=device)
+    middle_mask = torch.ones((H, P), dtype=torch.long, device=device)
     if plan.groups:  # each distinct middle once, then its KV picked for every host that extends it
         firsts = [plan.group.index(g) for g in range(plan.groups)]
-        ids, mask, pos = left_pad(0 if spread is not None else P, [seqs[k][P:plan.start[k]] for k in firsts], pad_id,
-                                  device)
+        ids, mask, pos = left_pad(P, [seqs[k][P:plan.start[k]] for k in firsts], pad_id, device)
         if cache is not None:
             cache.batch_repeat_interleave(plan.groups)
         cache = _as_cache(cache)
-        if spread is not None:
-            spread.row_mask, pos = mask.bool(), pos + P
-        with spread.active() if spread is not None else contextlib.nullcontext():
-            head.backbone(input_ids=ids, attention_mask=None if spread is not None else mask, position_ids=pos,
-                          past_key_values=cache, use_cache=True)
+        head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         pick = torch.tensor(plan.group, dtype=torch.long, device=device)
         pick_rows(cache, pick)  # deterministic backward (not `batch_select_indices`)
         middle_mask = mask.index_select(0, pick)
-        if spread is not None:
-            spread.select(plan.group)
     elif cache is not None:
         cache.batch_repeat_interleave(H)
     tails = [s[b:] for s, b in zip(seqs, plan.start)]
@@ -234,11 +218,8 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     mask = torch.cat([middle_mask, tail_mask], dim=1)  # (H, past + S): every position a host's tokens may attend
     S = ids.shape[1]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -S:]
-    if spread is not None:
-        spread.row_mask, pos, cache = mask.bool(), pos + P, _as_cache(cache)
-    with spread.active() if spread is not None else contextlib.nullcontext():
-        hidden = head.backbone(input_ids=ids, attention_mask=None if spread is not None else mask, position_ids=pos,
-                               past_key_values=cache, use_cache=cache is not None).last_hidden_state  # (H, S, hidden)
+    hidden = head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=cache is not None).last_hidden_state  # (H, S, hidden)
     # a row's n completion tokens are predicted by its host's positions p = len(prompt)-1 .. len(prompt)+n-2, which
     # sit in the host's right-aligned tail at column S - len(tail) + (p - start)
     where = [k * S + S - len(tails[k]) + p - plan.start[k]
