@@ -36,10 +36,12 @@ class Cascade:
     def __init__(self, prefix: Any, prefix_mask: torch.Tensor, groups: list[list[int]], offsets: list[int],
                  device: torch.device | str):
         self.prefix, self.prefix_mask = prefix, prefix_mask.bool()
-        self.groups = [g for g in groups]
+        self.groups = list(groups)
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.row_mask: torch.Tensor | None = None
         self._index = [torch.tensor(g, dtype=torch.long, device=device) for g in groups]
+        self._own: tuple[Any, ...] = ()  # (row_mask, q, rep, the mask they give): the same for every layer of a pass
+        self._prefix32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its prefix KV in float32, once
 
     def select(self, rows: list[int]) -> None:
         """Keep batch rows `rows` (repeats allowed), as the decode cache's `batch_select_indices` does."""
@@ -69,18 +71,16 @@ class Cascade:
         assert self.row_mask is not None and self.row_mask.shape == (query.shape[0], key.shape[2]), \
             "the decode loop sets row_mask (rows x own positions) before each forward pass"
         B, H, q, D = query.shape
-        hkv, n = key.shape[1], key.shape[2]
+        hkv = key.shape[1]
         rep = H // hkv
         # (B, Hkv, q * rep, D), query-major: head h = kv * rep + r, as transformers' repeat_kv orders them
         qs = query.reshape(B, hkv, rep, q, D).transpose(2, 3).reshape(B, hkv, q * rep, D)
-        # the rows' own keys: real (not padding) and not after the query token
-        own = self.row_mask[:, None, :] & (
-            torch.arange(n, device=key.device)[None, :] <= torch.arange(n - q, n, device=key.device)[:, None])
-        own = own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n)
-        m_own, s_own, o_own = _partial(qs, key, value, own, scale)
+        m_own, s_own, o_own = _partial(qs, key, value, self._own_mask(q, rep), scale)
         m_pre = torch.full_like(m_own, float("-inf"))
         s_pre, o_pre = torch.zeros_like(s_own), torch.zeros_like(o_own)
-        k_pre, v_pre = self.prefix.layers[layer].keys, self.prefix.layers[layer].values  # (G, Hkv, P, D)
+        if layer not in self._prefix32:  # (G, Hkv, P, D); a no-op for a float32 model
+            self._prefix32[layer] = (self.prefix.layers[layer].keys.float(), self.prefix.layers[layer].values.float())
+        k_pre, v_pre = self._prefix32[layer]
         for g, rows in enumerate(self._index):
             if not self.groups[g] or not k_pre.shape[2]:
                 continue
@@ -97,6 +97,19 @@ class Cascade:
         # never a NaN, even where nothing is attended: a padding position's keys and values are read (times 0) later
         out = (o_own * w_own + o_pre * w_pre) / torch.where(total > 0, total, torch.ones_like(total))
         return out.to(query.dtype).reshape(B, hkv, q, rep, D).transpose(1, 2).reshape(B, q, H, D)
+
+
+    def _own_mask(self, q: int, rep: int) -> torch.Tensor:
+        """(B, 1, q * rep, n): which of its own keys each query attends (real, not after the query token); built once
+        per forward pass, not per layer."""
+        mask = self.row_mask
+        assert mask is not None
+        if not self._own or self._own[0] is not mask or self._own[1:3] != (q, rep):
+            B, n = mask.shape
+            own = mask[:, None, :] & (
+                torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None])
+            self._own = (mask, q, rep, own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n))
+        return self._own[3]
 
 
 def _partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
