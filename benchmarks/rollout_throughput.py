@@ -162,24 +162,21 @@ def main() -> None:
     eps1, eps16 = args.n / t1, args.n / t16
     print(f"agentflow: c=1 {eps1:.3f} ep/s, c=16 {eps16:.3f} ep/s -> {eps16 / eps1:.2f}x "
           f"(acc {r1.summary['accuracy']:.2f} / {r16.summary['accuracy']:.2f})", flush=True)
-    arms = {}  # other layouts, same run: every row in one loop (adapters mixed); each row's copy of its prefix KV
-    for label, setting in (("one decode loop per batch", ("one_loop_per", "batch")),
-                           ("the prefix KV copied per row (before)", ("cascade", False))):
-        kept = getattr(backend, setting[0])
-        setattr(backend, *setting)
+    arms = {}  # the layouts before, same run: each change off alone, then both
+    before = {"one left-padded prompt pass per batch": {"pass_overhead": None},
+              "finished rows riding along": {"drop_finished": False},
+              "both (the layout before)": {"pass_overhead": None, "drop_finished": False}}
+    for label, settings in before.items():
+        kept = {name: getattr(backend, name) for name in settings}
+        for name, value in settings.items():
+            setattr(backend, name, value)
         prof: dict = {}
         _, took = run_graph(agentflow, backend, task, args.n, 16, prof)
-        setattr(backend, setting[0], kept)
+        for name, value in kept.items():
+            setattr(backend, name, value)
         arms[label] = (args.n / took, prof)
         print(f"agentflow c=16, {label} {args.n / took:.3f} ep/s -> c=16 / c=1 {args.n / took / eps1:.2f}x",
               flush=True)
-    if backend.cascade:  # c=1 pays a copy of the prefix KV per call too without the cascade
-        backend.cascade = False
-        prof = {}
-        _, took = run_graph(agentflow, backend, task, args.n, 1, prof)
-        backend.cascade = True
-        arms["c=1, the prefix KV copied per call (before)"] = (args.n / took, prof)
-        print(f"agentflow c=1 with the prefix KV copied per call {args.n / took:.3f} ep/s", flush=True)
     profile = (PROFILE_HEAD + profile_row("agentflow c=1", p1) + profile_row("agentflow c=16", p16)
                + "".join(profile_row(f"agentflow {label if label.startswith('c=1') else 'c=16, ' + label}", prof)
                          for label, (_, prof) in arms.items()))

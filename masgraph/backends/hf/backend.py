@@ -16,10 +16,11 @@ import torch
 
 from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Request
 from masgraph.backends.hf.batcher import Batcher
+from masgraph.backends.hf.buckets import pass_cost
 from masgraph.backends.hf.cascade import Cascade, install
-from masgraph.backends.hf.decode import decode
+from masgraph.backends.hf.decode import decode, prefill_shared
 from masgraph.backends.hf.dtype import pick_dtype
-from masgraph.backends.hf.layout import TokenLayout, left_pad, prefill, stack_prefixes
+from masgraph.backends.hf.layout import TokenLayout, prefill, stack_prefixes
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
@@ -86,6 +87,14 @@ class HFBackend:
         """Rows on a cached static prefix attend its KV where it is, once per distinct prefix (cascade attention,
         masgraph/backends/hf/cascade.py), instead of a copy per row; on where the model's attention allows it (off
         only to compare with the layout before)."""
+        self.pass_overhead = pass_cost(self.weights.model)
+        """A batch's prompt parts of different lengths run as passes over rows of similar length, `plan` weighing
+        this many positions per pass (masgraph/backends/hf/buckets.py); None: one pass, left-padded to the longest
+        (another device than a CPU, a windowed model, or to compare with the layout before)."""
+        self.drop_finished = True
+        """A row that finished (EOS or its max_tokens) leaves its decode batch at the end of that step; off only to
+        compare with the layout before (the row rode along until the batch's longest row ended: on a CPU a step
+        costs in proportion to its rows)."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
@@ -355,31 +364,13 @@ class HFBackend:
         clusters = len(firsts)
         if clusters < B:
             t0 = time.perf_counter()
-            middles = [suffixes[k][:shared[k]] for k in firsts]
-            if cascade is not None:
-                ids, tail, _ = left_pad(0, middles, self.pad_id, device)
-                cascade.row_mask = tail.bool()
-                pos = (cascade.offsets[:, None] + tail.cumsum(-1) - 1).clamp(min=0)
-            elif past_mask is None:
-                ids, past_mask, pos = left_pad(len(prefix), middles, self.pad_id, device)
-            else:
-                ids, tail, _ = left_pad(0, middles, self.pad_id, device)
-                past_mask = torch.cat([past_mask, tail], dim=1)
-                pos = (past_mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            per_cluster = {k: [v[i] for i in firsts] for k, v in names.items()}
-            with cascade.active() if cascade is not None else contextlib.nullcontext():
-                self.model(input_ids=ids, attention_mask=past_mask, position_ids=pos, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1, **per_cluster)
-            pick = torch.tensor(cluster, dtype=torch.long, device=device)
-            cache.batch_select_indices(pick)
-            if cascade is not None:
-                cascade.select(cluster)
-            else:
-                past_mask = past_mask.index_select(0, pick)
+            past_mask, run = prefill_shared(self.model, cache, past_mask, len(prefix),
+                                            [suffixes[k][:shared[k]] for k in firsts], cluster, self.pad_id, cascade,
+                                            {k: [v[i] for i in firsts] for k, v in names.items()}, self.pass_overhead)
             suffixes = [x[n:] for x, n in zip(suffixes, shared)]
             self.stats["prefill_s"] += time.perf_counter() - t0
             self.stats["prompt_tokens_computed"] += sum(shared[k] for k in firsts)
-            self.stats["prompt_positions_run"] += ids.numel()
+            self.stats["prompt_positions_run"] += run
             self.stats["prompt_tokens_shared"] += sum(shared) - sum(shared[k] for k in firsts)
         gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
                 for r in requests]
@@ -388,7 +379,7 @@ class HFBackend:
         self.stats["prompt_tokens_computed"] += sum(map(len, suffixes))
         self.stats["decode_loops"] += 1
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
-                      stop, on_token, past_mask, self.stats, names, cascade)
+                      stop, on_token, past_mask, self.stats, names, cascade, self.pass_overhead, self.drop_finished)
 
 
 class _TokenText:

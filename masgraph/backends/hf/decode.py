@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf.batcher import Stopped
+from masgraph.backends.hf.buckets import plan, run_passes
 from masgraph.backends.hf.cascade import Cascade
 from masgraph.backends.hf.layout import left_pad
 from masgraph.threads import fit_threads
@@ -22,8 +23,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
            generators: list[torch.Generator], pad_id: int, eos_ids: set[int], stop: threading.Event | None = None,
            on_token: Sequence[Callable[[int], None] | None] | None = None,
            past_mask: torch.Tensor | None = None, phases: dict[str, Any] | None = None,
-           forward: dict[str, Any] | None = None, cascade: Cascade | None = None
-           ) -> list[tuple[list[int], list[float], str]]:
+           forward: dict[str, Any] | None = None, cascade: Cascade | None = None, pass_overhead: int | None = None,
+           drop_finished: bool = True) -> list[tuple[list[int], list[float], str]]:
     """Decode each row's completion after its prompt, `cache` holding the KV of the shared prefix (already
     broadcast to the batch) or being empty; each row samples from its own generator (on the model's device) and
     stops at EOS or at its `max_tokens`. Returns (completion ids, their logprobs, "stop" | "length") per row.
@@ -38,7 +39,10 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     of the steps after to its "decode_s" (host clock; each step ends in a sync, so device time is included).
     `forward`: more arguments of every forward pass (PEFT's per-row `adapter_names`). `cascade`, where given, holds
     the rows' prefixes (masgraph/backends/hf/cascade.py): `cache` then has only the rows' own positions (empty, or a
-    prompt part prefilled before, `cascade.row_mask` saying which are real), and `prefix_len`/`past_mask` are unused."""
+    prompt part prefilled before, `cascade.row_mask` saying which are real), and `prefix_len`/`past_mask` are unused.
+    `pass_overhead`, where given, runs the suffixes' prompt pass as passes over rows of similar length
+    (masgraph/backends/hf/buckets.py; None: one pass, left-padded to the longest). `drop_finished`: a row that
+    finished leaves the batch at the end of its step (off only to compare: the rows then ride along to the end)."""
     device = model.device
     B = len(suffixes)
     if cascade is not None:
@@ -57,7 +61,16 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     ones = torch.ones((B, 1), dtype=mask.dtype, device=device)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     out_lp: list[list[float]] = [[] for _ in range(B)]
-    done, finish = [False] * B, ["length"] * B
+    finish = ["length"] * B
+    # the batch's rows: which request row each is, and its request, generator and token sink; a row that finished
+    # leaves the batch at the end of its step (a finished row riding along costs a step as much as a live one)
+    alive, reqs, gens = list(range(B)), list(requests), list(generators)
+    emits = list(on_token) if on_token is not None else [None] * B
+    extra = dict(forward or {})
+    done = [False] * B  # per batch row: finished, still in the batch (a cache whose layers cannot drop rows)
+    compact = False
+    passes = plan([len(x) for x in suffixes], pass_overhead)
+    run = ids.numel()
     started = time.perf_counter()
     for step in range(max(limits)):
         if stop is not None and stop.is_set():  # a host-side flag: no device sync
@@ -65,39 +78,90 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         fit_threads()  # one thread while other processes hold the cores (masgraph/threads.py)
         if cascade is not None:
             cascade.row_mask = mask
-        with attend():
-            logits = model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1, **(forward or {})).logits[:, -1, :]
-        toks, lps = sample(logits.float(), requests, generators, done, temps)
+        if step == 0 and len(passes) > 1:
+            logits, run = run_passes(model, cache, ids, mask, pos, [len(x) for x in suffixes], passes, cascade,
+                                     forward)
+        else:
+            with attend():
+                logits = model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
+                               past_key_values=cache, use_cache=True, logits_to_keep=1, **extra).logits[:, -1, :]
+        toks, lps = sample(logits.float(), reqs, gens, done, temps)
         # the step's one device-to-host copy (float64 holds every token id and float32 logprob exactly)
         picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()
-        for i, (tok, lp) in enumerate(zip(picked_ids, picked_lps)):
-            if done[i]:
+        for j, (tok, lp) in enumerate(zip(picked_ids, picked_lps)):
+            if done[j]:
                 continue
-            tok = int(tok)
+            i, tok = alive[j], int(tok)
             out_ids[i].append(tok)
             out_lp[i].append(lp)
-            if on_token is not None and (emit := on_token[i]) is not None:
+            if (emit := emits[j]) is not None:
                 emit(tok)
             if tok in eos_ids:
-                done[i], finish[i] = True, "stop"
+                done[j], finish[i] = True, "stop"
             elif len(out_ids[i]) >= limits[i]:
-                done[i] = True
+                done[j] = True
         if step == 0:
             reserve(cache, max(limits))
+            compact = drop_finished and all(type(layer) is Reserved for layer in getattr(cache, "layers", []))
             if phases is not None:
-                phases["prompt_positions_run"] = phases.get("prompt_positions_run", 0) + ids.numel()
+                phases["prompt_positions_run"] = phases.get("prompt_positions_run", 0) + run
                 now = time.perf_counter()
                 phases["prefill_s"] += now - started
                 started = now
         if all(done):
             break
-        ids = toks[:, None]  # (B, 1); a finished row's next input is never read back
-        mask = torch.cat([mask, ones], dim=1)
+        ids = toks[:, None]  # (rows, 1); a finished row's next input is never read back
+        mask = torch.cat([mask, ones[:len(alive)]], dim=1)
         pos = pos[:, -1:] + 1
+        if compact and any(done):  # the finished rows leave the batch
+            keep = [j for j in range(len(alive)) if not done[j]]
+            pick = torch.tensor(keep, dtype=torch.long, device=device)
+            ids, mask, pos, temps = (t.index_select(0, pick) for t in (ids, mask, pos, temps))
+            for layer in getattr(cache, "layers", []):
+                layer.keep(pick)
+            if cascade is not None:
+                cascade.select(keep)
+            alive, reqs, gens, emits = ([x[j] for j in keep] for x in (alive, reqs, gens, emits))
+            extra = {k: [v[j] for j in keep] for k, v in extra.items()}
+            done = [False] * len(keep)
     if phases is not None:
         phases["decode_s"] += time.perf_counter() - started
     return list(zip(out_ids, out_lp, finish))
+
+
+def prefill_shared(model: Any, cache: Any, past_mask: torch.Tensor | None, prefix_len: int,
+                   middles: list[list[int]], cluster: list[int], pad_id: int, cascade: Cascade | None,
+                   forward: dict[str, Any], pass_overhead: int | None) -> tuple[torch.Tensor | None, int]:
+    """Prefill the prompt parts that several rows share, once per cluster (`middles`, one per row of `cache`), then
+    give each batch row its cluster's KV (row i: `cluster[i]`), as `decode` then expects it. `past_mask`/`prefix_len`
+    describe what `cache` holds as `decode` takes them. Returns the rows' `past_mask` (None with a `cascade`, which
+    is narrowed to the rows itself) and the positions the passes ran."""
+    device = model.device
+    if cascade is not None:
+        ids, tail, _ = left_pad(0, middles, pad_id, device)
+        mask = cascade.row_mask = tail.bool()
+        pos = (cascade.offsets[:, None] + tail.cumsum(-1) - 1).clamp(min=0)
+    elif past_mask is None:
+        ids, mask, pos = left_pad(prefix_len, middles, pad_id, device)
+    else:
+        ids, tail, _ = left_pad(0, middles, pad_id, device)
+        mask = torch.cat([past_mask, tail], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    lengths = [len(m) for m in middles]
+    passes = plan(lengths, pass_overhead)
+    if len(passes) > 1:
+        _, run = run_passes(model, cache, ids, mask, pos, lengths, passes, cascade, forward)
+    else:
+        run = ids.numel()
+        with cascade.active() if cascade is not None else contextlib.nullcontext():
+            model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
+                  past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)
+    pick = torch.tensor(cluster, dtype=torch.long, device=device)
+    cache.batch_select_indices(pick)
+    if cascade is not None:
+        cascade.select(cluster)
+        return None, run
+    return mask.index_select(0, pick), run
 
 
 class Reserved(DynamicLayer):
@@ -125,6 +189,11 @@ class Reserved(DynamicLayer):
         self.filled = end
         self.keys, self.values = self.key_room[..., :end, :], self.value_room[..., :end, :]
         return self.keys, self.values
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` (their room too)."""
+        self.key_room, self.value_room = self.key_room.index_select(0, rows), self.value_room.index_select(0, rows)
+        self.keys, self.values = self.key_room[..., :self.filled, :], self.value_room[..., :self.filled, :]
 
 
 def reserve(cache: Any, room: int) -> None:
