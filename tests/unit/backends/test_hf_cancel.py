@@ -63,8 +63,12 @@ async def _settled(running, within_s: float) -> None:
         left.exception()
 
 
-async def _started(model: SlowModel, steps: int = 4) -> None:
+async def _started(model: SlowModel, steps: int = 4, within_s: float = 120.0) -> None:
+    """Wait for the batch's first `steps` decode steps; fail (not hang) if the decode thread never gets there."""
+    deadline = time.monotonic() + within_s
     while len(model.calls) < steps:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the decode made {len(model.calls)} steps in {within_s:.0f}s (it raised, or never started)")
         await asyncio.sleep(0.005)
 
 
