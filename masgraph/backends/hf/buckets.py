@@ -10,14 +10,13 @@ are far apart."""
 
 from __future__ import annotations
 
-import copy
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from masgraph.backends.hf.cascade import Cascade
+from masgraph.backends.hf.cascade import Cascade, windowed
 
 PASS_COST = {"cpu": 32}
 """What one more pass costs, in prompt positions, per device type: on a CPU a pass of SmolLM2-135M costs about what
@@ -28,12 +27,7 @@ devices (a GPU runs a few thousand positions in about the time of one) the batch
 def pass_cost(model: Any) -> int | None:
     """The overhead `plan` weighs for `model`'s device, or None where the batch keeps one pass: another device type,
     or a model with windowed attention (its cache layers are not plain, so their KV cannot be regrouped here)."""
-    cost = PASS_COST.get(model.device.type)
-    config = model.config
-    types = getattr(config, "layer_types", None)
-    windowed = any(t != "full_attention" for t in types) if types else bool(
-        getattr(config, "use_sliding_window", getattr(config, "sliding_window", None)))
-    return None if windowed else cost
+    return None if windowed(model.config) else PASS_COST.get(model.device.type)
 
 
 def plan(lengths: list[int], overhead: int | None) -> list[list[int]]:
@@ -82,13 +76,7 @@ def run_passes(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, po
         sub = DynamicCache(ddp_cache_data=[(k.index_select(0, pick), v.index_select(0, pick)) for k, v in old]
                            ) if old else DynamicCache()
         sub_mask = torch.cat([mask[:, :n], mask[:, n + L - width:]], dim=1).index_select(0, pick)
-        attend = nullcontext
-        if cascade is not None:
-            part = copy.copy(cascade)  # shares the prefix and its float32 copies
-            part._own = ()
-            part.select(rows)
-            part.row_mask = sub_mask
-            attend = part.active
+        attend = cascade.subset(rows, sub_mask).active if cascade is not None else nullcontext
         extra = {k: [v[i] for i in rows] for k, v in (forward or {}).items()}
         with attend():
             out = model(input_ids=ids.index_select(0, pick)[:, L - width:],

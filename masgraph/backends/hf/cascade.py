@@ -14,6 +14,7 @@ sdpa attention unless a `Cascade` is active on the calling thread (`with cascade
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +54,15 @@ class Cascade:
         self.offsets = self.offsets.index_select(0, pick)
         if self.row_mask is not None:
             self.row_mask = self.row_mask.index_select(0, pick)
+
+    def subset(self, rows: list[int], row_mask: torch.Tensor) -> Cascade:
+        """A cascade over batch rows `rows` only (a prompt pass over part of the batch), sharing this one's prefix
+        and its float32 copies; `row_mask` (len(rows), n) says which of those rows' own positions are real."""
+        part = copy.copy(self)
+        part._own = ()
+        part.select(rows)
+        part.row_mask = row_mask
+        return part
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -155,6 +165,15 @@ PLAIN = {"llama", "qwen2", "qwen3", "phi3", "mistral"}
 """Model types whose attention is plain scaled-dot-product (no sinks, soft-capping or biases) where it attends all."""
 
 
+def windowed(config: Any) -> bool:
+    """Whether some layer of the model attends a sliding window, not the whole context (its cache layers then
+    differ from transformers' plain `DynamicLayer`)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(config, "use_sliding_window", getattr(config, "sliding_window", None)))
+
+
 def install(model: Any) -> bool:
     """Run `model` under `NAME` if it is of a `PLAIN` type, runs under sdpa now and every layer attends the whole
     context (no sliding window); returns whether it does. Registration with transformers happens once per process."""
@@ -164,10 +183,7 @@ def install(model: Any) -> bool:
     config = model.config
     if getattr(config, "_attn_implementation", None) == NAME:
         return True
-    types = getattr(config, "layer_types", None)
-    windowed = any(t != "full_attention" for t in types) if types else bool(
-        getattr(config, "use_sliding_window", getattr(config, "sliding_window", None)))
-    if getattr(config, "model_type", None) not in PLAIN or config._attn_implementation != "sdpa" or windowed:
+    if getattr(config, "model_type", None) not in PLAIN or config._attn_implementation != "sdpa" or windowed(config):
         return False
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -45,16 +45,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     finished leaves the batch at the end of its step (off only to compare: the rows then ride along to the end)."""
     device = model.device
     B = len(suffixes)
-    if cascade is not None:
-        ids, tail, _ = left_pad(0, suffixes, pad_id, device)
-        mask = tail.bool() if cascade.row_mask is None else torch.cat([cascade.row_mask, tail.bool()], dim=1)
-        pos = (cascade.offsets[:, None] + mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-    elif past_mask is None:
-        ids, mask, pos = left_pad(prefix_len, suffixes, pad_id, device)
-    else:
-        ids, tail_mask, _ = left_pad(0, suffixes, pad_id, device)
-        mask = torch.cat([past_mask, tail_mask], dim=1)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    ids, mask, pos = new_positions(suffixes, pad_id, device, prefix_len, past_mask, cascade)
     limits = [r.sampling.max_tokens for r in requests]
     temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=device)[:, None]  # (B, 1)
     attend = cascade.active if cascade is not None else contextlib.nullcontext
@@ -69,7 +60,8 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     extra = dict(forward or {})
     done = [False] * B  # per batch row: finished, still in the batch (a cache whose layers cannot drop rows)
     compact = False
-    passes = plan([len(x) for x in suffixes], pass_overhead)
+    lengths = [len(x) for x in suffixes]
+    passes = plan(lengths, pass_overhead)
     run = ids.numel()
     started = time.perf_counter()
     for step in range(max(limits)):
@@ -79,8 +71,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
         if cascade is not None:
             cascade.row_mask = mask
         if step == 0 and len(passes) > 1:
-            logits, run = run_passes(model, cache, ids, mask, pos, [len(x) for x in suffixes], passes, cascade,
-                                     forward)
+            logits, run = run_passes(model, cache, ids, mask, pos, lengths, passes, cascade, forward)
         else:
             with attend():
                 logits = model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
@@ -129,6 +120,24 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     return list(zip(out_ids, out_lp, finish))
 
 
+def new_positions(rows: list[list[int]], pad_id: int, device: torch.device | str, prefix_len: int = 0,
+                  past_mask: torch.Tensor | None = None, cascade: Cascade | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids (B, L), attention mask and position ids (B, L) of each row's new tokens `rows[i]`, left-padded,
+    after what the cache holds: a shared prefix of `prefix_len` positions, or the positions `past_mask` says are
+    real, or, with a `cascade`, the rows' own positions `cascade.row_mask` says are real (none yet where it is None),
+    numbered on from each row's prefix length. The mask covers the cached positions and the new ones (bool with a
+    cascade: its `row_mask` for the pass)."""
+    if cascade is None and past_mask is None:
+        return left_pad(prefix_len, rows, pad_id, device)
+    ids, tail, _ = left_pad(0, rows, pad_id, device)
+    if cascade is None:
+        mask = torch.cat([past_mask, tail], dim=1)
+        return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    mask = tail.bool() if cascade.row_mask is None else torch.cat([cascade.row_mask, tail.bool()], dim=1)
+    return ids, mask, (cascade.offsets[:, None] + mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+
+
 def prefill_shared(model: Any, cache: Any, past_mask: torch.Tensor | None, prefix_len: int,
                    middles: list[list[int]], cluster: list[int], pad_id: int, cascade: Cascade | None,
                    forward: dict[str, Any], pass_overhead: int | None) -> tuple[torch.Tensor | None, int]:
@@ -137,16 +146,9 @@ def prefill_shared(model: Any, cache: Any, past_mask: torch.Tensor | None, prefi
     describe what `cache` holds as `decode` takes them. Returns the rows' `past_mask` (None with a `cascade`, which
     is narrowed to the rows itself) and the positions the passes ran."""
     device = model.device
+    ids, mask, pos = new_positions(middles, pad_id, device, prefix_len, past_mask, cascade)
     if cascade is not None:
-        ids, tail, _ = left_pad(0, middles, pad_id, device)
-        mask = cascade.row_mask = tail.bool()
-        pos = (cascade.offsets[:, None] + tail.cumsum(-1) - 1).clamp(min=0)
-    elif past_mask is None:
-        ids, mask, pos = left_pad(prefix_len, middles, pad_id, device)
-    else:
-        ids, tail, _ = left_pad(0, middles, pad_id, device)
-        mask = torch.cat([past_mask, tail], dim=1)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        cascade.row_mask = mask
     lengths = [len(m) for m in middles]
     passes = plan(lengths, pass_overhead)
     if len(passes) > 1:

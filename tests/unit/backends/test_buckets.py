@@ -9,12 +9,12 @@ import itertools
 import random
 
 import pytest
-import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf.buckets import pass_cost, plan
 from masgraph.spec import SamplingSpec
+from tests.unit.backends.adapters import perturbed
 
 SYSTEM_A = {"role": "system", "content": "You are a careful assistant who checks each step. " * 3}
 SYSTEM_B = {"role": "system", "content": "You plan the next tool call and say nothing else. " * 2}
@@ -74,15 +74,6 @@ def _same(a, b) -> None:
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 2e-5
 
 
-def _perturbed(backend: HFBackend, name: str, seed: int) -> None:
-    backend.add_adapter(name)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, param in backend.weights.model.named_parameters():
-            if f"lora_B.{name}." in key:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("cascade", [True, False])
 @pytest.mark.parametrize("per", ["adapter", "batch"])
@@ -92,7 +83,7 @@ def test_bucketed_passes_decode_what_one_pass_decodes(tiny_model, arch, cascade,
     backend.cascade, backend.one_loop_per = backend.cascade and cascade, per
     reqs = _requests()
     if per == "batch":  # several adapters in one loop: each pass names its rows' adapters
-        _perturbed(backend, "planner", 1)
+        perturbed(backend, "planner", 1)
         reqs = [dataclasses.replace(r, adapter="planner" if i % 2 else None) for i, r in enumerate(reqs)]
     backend.pass_overhead = None
     backend.generate(reqs)  # the static prefixes' KV cached: the runs compared below compute only the rest

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.spec import SamplingSpec
+from tests.unit.backends.adapters import perturbed
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who checks each step of the work. " * 2}
 
@@ -40,12 +40,7 @@ def test_finished_rows_leave_the_batch(tiny_model, cascade, per):
     backend.share_prompts, backend.pass_overhead = False, None  # one prompt pass, then the one-token steps
     reqs = _requests()
     if per == "batch":  # several adapters in one loop: the adapter names follow the rows that stay
-        backend.add_adapter("planner")
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for key, param in backend.weights.model.named_parameters():
-                if "lora_B.planner." in key:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        perturbed(backend, "planner", 1)
         reqs = [dataclasses.replace(r, adapter="planner" if i % 2 else None) for i, r in enumerate(reqs)]
     backend.generate(reqs)  # the static prefix's KV cached: the passes below are the decode's own
     backend.drop_finished = False

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.spec import SamplingSpec
+from tests.unit.backends.adapters import perturbed
 
 SYSTEMS = ["1 + 2 = 3 . 4 + 5 = 9 . 6 * 2 = 12 . 8 - 3 = 5 . 7 + 7 = 14 .",
            "You plan. Write the steps one per line, then stop. Be brief and exact in every step you write.",
@@ -54,23 +54,13 @@ def test_rows_on_different_prefixes_decode_in_one_loop_as_each_alone(tiny, tempe
         assert t.batch_size == len(requests)
 
 
-def _perturbed(backend: HFBackend, name: str, seed: int) -> None:
-    """A new adapter whose LoRA B is not zero, so it changes what the model says."""
-    backend.add_adapter(name)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, param in backend.weights.model.named_parameters():
-            if f"lora_B.{name}." in key:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rows_of_several_adapters_decode_in_one_loop_as_each_alone(tiny, temperature):
     """The base and two adapters in one batch, on four prefixes: one loop (PEFT's mixed-adapter forward), the
     completions each row gets alone under its own adapter."""
     backend = HFBackend(str(tiny), dtype="float32")
-    _perturbed(backend, "planner", 1)
-    _perturbed(backend, "verifier", 2)
+    perturbed(backend, "planner", 1)
+    perturbed(backend, "verifier", 2)
     names = [None, "planner", "verifier"]
     requests = [dataclasses.replace(r, adapter=names[i % 3]) for i, r in enumerate(_requests(temperature))]
     alone = [backend.generate([r])[0] for r in requests]
@@ -94,7 +84,7 @@ def test_a_model_in_training_mode_decodes_its_adapters_apart(tiny):
     adapter, the same completions."""
     backend = HFBackend(str(tiny), dtype="float32")
     backend.one_loop_per = "batch"
-    _perturbed(backend, "planner", 1)
+    perturbed(backend, "planner", 1)
     requests = [dataclasses.replace(r, adapter="planner" if i % 2 else None) for i, r in enumerate(_requests(0.0))]
     together = backend.generate(requests)
     assert backend.stats["decode_loops"] == 1
@@ -108,7 +98,7 @@ def test_a_model_in_training_mode_decodes_its_adapters_apart(tiny):
 def test_rows_of_several_adapters_without_any_cached_prefix_decode_in_one_loop(tiny):
     """Mixed adapters, no static prefix anywhere (single-message prompts): nothing to stack, one loop from scratch."""
     backend = HFBackend(str(tiny), dtype="float32")
-    _perturbed(backend, "planner", 1)
+    perturbed(backend, "planner", 1)
     requests = [Request([{"role": "user", "content": f"no system prompt: {i} + {i} ?"}],
                         adapter="planner" if i % 2 else None, sampling=SamplingSpec(temperature=0.0, max_tokens=5))
                 for i in range(4)]
