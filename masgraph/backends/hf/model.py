@@ -52,6 +52,7 @@ class HFModel:
                                    "a smaller model, or another device (`--device cuda:N` with more free memory, "
                                    "or `--device cpu`)") from None
             raise
+        contiguous_head_input(self.model)
         self.base_model = self.model
         self.gradient_checkpointing = False
         self.full: dict[str, torch.Tensor] | None = None
@@ -271,6 +272,33 @@ class HFModel:
             return self.model.disable_adapter()
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
+
+
+def contiguous_head_input(model: Any) -> None:
+    """Give `model`'s output head a row-major input. A decode pass asks for the last position's logits only
+    (`logits_to_keep=1`), and transformers hands the head `hidden[:, -1:, :]`, a strided (B, 1, H) view; torch's
+    `linear` cannot fold that into one matrix product and runs a batched one over the head's weight copied per row
+    (pytorch/pytorch#151934, #186148): 872 vs 7 ms for 10 rows of SmolLM2-135M's 49k x 576 head in bf16 on a 2-core
+    CPU. The copy of a (B, 1, H) input costs nothing beside that."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return
+
+    def pre_hook(module: torch.nn.Module, args: tuple) -> tuple | None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.stride() != _row_major(x.shape):  # size-1 dims' strides count too:
+            return (x.clone(memory_format=torch.contiguous_format), *args[1:])  # `is_contiguous` ignores them
+        return None
+
+    head.register_forward_pre_hook(pre_hook)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _read_adapter(path: str) -> tuple[Any, dict[str, torch.Tensor]]:
