@@ -36,6 +36,7 @@ from results_file import results_file
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
+from masgraph.backends.hf.model import contiguous_head_input
 from masgraph.device import describe
 from masgraph.graph import compile_spec
 from masgraph.loader import load_spec
@@ -177,9 +178,21 @@ def main() -> None:
         arms[label] = (args.n / took, prof)
         print(f"agentflow c=16, {label} {args.n / took:.3f} ep/s -> c=16 / c=1 {args.n / took / eps1:.2f}x",
               flush=True)
+    # the output head on a strided input (before 8113b7a): both concurrencies change, so both run again without it
+    weights = backend.weights
+    weights.head_hook.remove()
+    p1_head, p16_head = {}, {}
+    _, t1_head = run_graph(agentflow, backend, task, args.n, 1, p1_head)
+    _, t16_head = run_graph(agentflow, backend, task, args.n, 16, p16_head)
+    weights.head_hook = contiguous_head_input(weights.model)
+    head_ratio = t1_head / t16_head
+    print(f"agentflow with the head on a strided input: c=1 {args.n / t1_head:.3f} ep/s, c=16 {args.n / t16_head:.3f} "
+          f"ep/s -> {head_ratio:.2f}x", flush=True)
     profile = (PROFILE_HEAD + profile_row("agentflow c=1", p1) + profile_row("agentflow c=16", p16)
                + "".join(profile_row(f"agentflow {label if label.startswith('c=1') else 'c=16, ' + label}", prof)
-                         for label, (_, prof) in arms.items()))
+                         for label, (_, prof) in arms.items())
+               + profile_row("agentflow c=1, head on a strided input", p1_head)
+               + profile_row("agentflow c=16, head on a strided input", p16_head))
     print(profile, flush=True)
     # 4. AgentFlow generated tokens/s at c=16 vs the same calls replayed into the batched decode
     tok_a16 = sum(t.completion_tokens for t in r16.traces)
@@ -245,6 +258,9 @@ def main() -> None:
                 + "".join(f"| agentflow episodes/s, {label if label.startswith('c=1') else 'c=16 with ' + label} vs "
                           f"c=1 | {eps:.3f} | {eps1:.3f} | {eps / eps1:.2f}x | (layouts compared) |\n"
                           for label, (eps, _) in arms.items())
+                + f"| agentflow episodes/s, c=16 vs c=1, both with the output head on a strided input (before "
+                f"8113b7a) | {args.n / t16_head:.3f} | {args.n / t1_head:.3f} | {head_ratio:.2f}x | "
+                "(layouts compared) |\n"
                 + f"| agentflow episodes/s at c=16, deterministic (rows decode alone) vs batched | {eps_det:.3f} | "
                 f"{eps16:.3f} | {eps_det / eps16:.2f}x | (the cost of determinism) |\n"
                 f"| agentflow generated tokens/s at c=16 vs its calls replayed into the batched decode | "

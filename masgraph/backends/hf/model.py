@@ -52,7 +52,8 @@ class HFModel:
                                    "a smaller model, or another device (`--device cuda:N` with more free memory, "
                                    "or `--device cpu`)") from None
             raise
-        contiguous_head_input(self.model)
+        self.head_hook = contiguous_head_input(self.model)
+        """The hook that gives the output head a row-major input (removable: the rollout benchmark's arm without it)."""
         self.base_model = self.model
         self.gradient_checkpointing = False
         self.full: dict[str, torch.Tensor] | None = None
@@ -274,15 +275,15 @@ class HFModel:
         return contextlib.nullcontext()
 
 
-def contiguous_head_input(model: Any) -> None:
+def contiguous_head_input(model: Any) -> Any:
     """Give `model`'s output head a row-major input. A decode pass asks for the last position's logits only
     (`logits_to_keep=1`), and transformers hands the head `hidden[:, -1:, :]`, a strided (B, 1, H) view; torch's
     `linear` cannot fold that into one matrix product and runs a batched one over the head's weight copied per row
     (pytorch/pytorch#151934, #186148): 872 vs 7 ms for 10 rows of SmolLM2-135M's 49k x 576 head in bf16 on a 2-core
-    CPU. The copy of a (B, 1, H) input costs nothing beside that."""
+    CPU. The copy of a (B, 1, H) input costs nothing beside that. Returns the hook's handle (None without a head)."""
     head = model.get_output_embeddings()
     if head is None:
-        return
+        return None
 
     def pre_hook(module: torch.nn.Module, args: tuple) -> tuple | None:
         x = args[0] if args else None
@@ -290,7 +291,7 @@ def contiguous_head_input(model: Any) -> None:
             return (x.clone(memory_format=torch.contiguous_format), *args[1:])  # `is_contiguous` ignores them
         return None
 
-    head.register_forward_pre_hook(pre_hook)
+    return head.register_forward_pre_hook(pre_hook)
 
 
 def _row_major(shape: torch.Size) -> tuple[int, ...]:
