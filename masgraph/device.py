@@ -54,7 +54,7 @@ def deterministic_kernels(device: torch.device) -> None:
     """On a GPU, make torch pick repeatable kernels (the deterministic mode's bit-exactness; a kernel that has no
     deterministic version warns instead of failing). A CPU's kernels repeat already, save an accumulating indexed
     write (`x[idx]`'s backward adds repeated indices by atomic adds across threads), which the learner does not use
-    (`backends.hf.layout.pick_rows`); so the process-wide switch is left alone on a CPU. The CPU thread count, which
+    (`backends.hf.layout.picked_rows`); so the process-wide switch is left alone on a CPU. The CPU thread count, which
     orders its parallel sums, is held (`masgraph.threads.hold_threads`)."""
     import torch
 

@@ -155,12 +155,19 @@ def stack_prefixes(caches: list[Any | None], lengths: list[int], device: torch.d
     return out, mask
 
 
-def pick_rows(cache: Any, rows: torch.Tensor) -> None:
-    """Keep batch rows `rows` (repeats allowed) of every layer of a DynamicCache, by `index_select`. Transformers'
-    `batch_select_indices` indexes with `keys[rows]`, whose backward on a CPU accumulates repeated rows with atomic
-    adds in no fixed order, so a gradient through a KV that several rows share changed in its last bits from run to
-    run (and Adam turned that into weight differences of ~lr/10); `index_select`'s backward sums in index order."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+def picked_rows(cache: Any, rows: list[int]) -> Any:
+    """A new DynamicCache of batch rows `rows` (repeats allowed) of `cache` (None stays None), by `index_select`.
+    Transformers' `batch_select_indices` indexes with `keys[rows]`, whose backward on a CPU accumulates repeated rows
+    with atomic adds in no fixed order, so a gradient through a KV that several rows share changed in its last bits
+    from run to run (and Adam turned that into weight differences of ~lr/10); `index_select`'s backward sums in index
+    order."""
+    if cache is None:
+        return None
+    from transformers import DynamicCache
+
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    if not layers:
+        return DynamicCache()
+    pick = torch.tensor(rows, dtype=torch.long, device=layers[0].keys.device)
+    return DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, pick), layer.values.index_select(0, pick))
+                                        for layer in layers])

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import LoraConfigSpec, TokenRow
-from masgraph.backends.hf.layout import left_pad, pad_token_id, pick_rows, prefill
+from masgraph.backends.hf import buckets
+from masgraph.backends.hf.layout import left_pad, pad_token_id, picked_rows, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
 from masgraph.errors import MasgraphError
@@ -41,6 +42,10 @@ class HFLearner:
         """Merge turns and share prompts in a pass (`masgraph.learn.packing`); off only to compare with the layout
         before packing (the prefix common to all rows alone)."""
         self._pack: Counter[str] = Counter()
+        self.pass_overhead: int | None = buckets.pass_cost(self.weights.model)
+        """The tails of a logprob pass run as passes over rows of similar length, grouped by this per-pass cost in
+        positions (`buckets.plan`; None: one left-padded pass). A sharded learner keeps one pass: every rank must run
+        as many passes as the others."""
         check_head(self.weights.model, model_head(self.weights.model))  # the log-probs' head is the model's own
 
     @property
@@ -102,7 +107,8 @@ class HFLearner:
         if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
             self._pack.update(plan.stats(rows))
         with self.weights.use(adapter):
-            return sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan)
+            return sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan,
+                                     pass_overhead=None if self.sharded else self.pass_overhead)
 
     def pack_stats(self) -> dict[str, int]:
         """Rows, sequences and tokens (received, computed) of the gradient passes since the last call; resets."""
@@ -182,7 +188,7 @@ class HFAdapterSource:
 
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
                       chunk_tokens: int | None = None, pack: bool = True,
-                      plan: PackPlan | None = None) -> list[torch.Tensor]:
+                      plan: PackPlan | None = None, pass_overhead: int | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
     on the model's device: the backbone's final hidden states at the completion positions go through
     `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
@@ -193,7 +199,9 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     question's samples, its later turns) once per cluster; their KV caches are broadcast to the rows that extend
     them (gradients flow back through them, summed). Layout, as
     in generation (`left_pad`): prefix | left-padded middles | left-padded tails. `share_prefix=False` runs whole
-    sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags."""
+    sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags.
+    `pass_overhead` (positions; `buckets.plan`): the tails run as passes over hosts of similar length instead of one
+    pass left-padded to the longest; None: one pass."""
     device = model.device
     head = model_head(model)
     plan = plan or plan_rows(rows, share=share_prefix, pack=pack)
@@ -201,36 +209,44 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     P, H = plan.prefix, len(seqs)
     cache = prefill(model, seqs[0][:P]) if P else None
     middle_mask = torch.ones((H, P), dtype=torch.long, device=device)
-    if plan.groups:  # each distinct middle once, then its KV picked for every host that extends it
+    source = [0] * H  # each host's row of `cache`: the prefix's one row, or its group's middle
+    if plan.groups:  # each distinct middle once; each host's pass picks its group's KV
         firsts = [plan.group.index(g) for g in range(plan.groups)]
         ids, mask, pos = left_pad(P, [seqs[k][P:plan.start[k]] for k in firsts], pad_id, device)
         if cache is not None:
             cache.batch_repeat_interleave(plan.groups)
         cache = _as_cache(cache)
         head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        pick = torch.tensor(plan.group, dtype=torch.long, device=device)
-        pick_rows(cache, pick)  # deterministic backward (not `batch_select_indices`)
-        middle_mask = mask.index_select(0, pick)
-    elif cache is not None:
-        cache.batch_repeat_interleave(H)
+        source = list(plan.group)
+        middle_mask = mask.index_select(0, torch.tensor(source, dtype=torch.long, device=device))
     tails = [s[b:] for s, b in zip(seqs, plan.start)]
-    ids, tail_mask, _ = left_pad(0, tails, pad_id, device)
-    mask = torch.cat([middle_mask, tail_mask], dim=1)  # (H, past + S): every position a host's tokens may attend
-    S = ids.shape[1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -S:]
-    hidden = head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=cache is not None).last_hidden_state  # (H, S, hidden)
+    hidden, end = [], {}  # the tails' passes' final hidden states, flattened; host -> the flat index of its last token
+    at = 0
+    for hosts in buckets.plan([len(t) for t in tails], pass_overhead):
+        # hosts of similar tail length in one pass, each with its own rows of the past KV (summed back in backward)
+        if not any(tails[k] for k in hosts):
+            continue  # nothing of theirs to run (and no completion token they predict)
+        sub = picked_rows(cache, [source[k] for k in hosts])
+        ids, tail_mask, _ = left_pad(0, [tails[k] for k in hosts], pad_id, device)
+        mask = torch.cat([middle_mask[hosts], tail_mask], dim=1)  # (h, past + S): every position a host may attend
+        S = ids.shape[1]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -S:]
+        out = head.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=sub,
+                            use_cache=sub is not None).last_hidden_state  # (h, S, hidden)
+        hidden.append(out.reshape(len(hosts) * S, -1))
+        end.update({k: at + i * S + S - 1 for i, k in enumerate(hosts)})
+        at += len(hosts) * S
     # a row's n completion tokens are predicted by its host's positions p = len(prompt)-1 .. len(prompt)+n-2, which
-    # sit in the host's right-aligned tail at column S - len(tail) + (p - start)
-    where = [k * S + S - len(tails[k]) + p - plan.start[k]
+    # sit in the host's right-aligned tail, len(host's sequence) - 1 - p positions before its last token
+    where = [end[k] - (len(seqs[k]) - 1 - p)
              for r, k in zip(rows, plan.host_of)
              for p in range(len(r.prompt_ids) - 1, len(r.prompt_ids) + len(r.completion_ids) - 1)]
     lengths = [len(r.completion_ids) for r in rows]
     targets = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long, device=device)  # (N,)
     temps = torch.tensor([r.temperature for r, n in zip(rows, lengths) for _ in range(n)], device=device)  # (N,)
     where_t = torch.tensor(where, dtype=torch.long, device=device)
-    picked = selected_logprobs(hidden.reshape(H * S, -1).index_select(0, where_t), head, targets, temps,
-                               chunk_tokens)
+    flat = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+    picked = selected_logprobs(flat.index_select(0, where_t), head, targets, temps, chunk_tokens)
     return list(picked.split(lengths))
 
 

@@ -120,6 +120,51 @@ def test_the_packed_pass_equals_every_row_computed_alone(share):
         assert (g - w).abs().max().item() <= GRAD_RTOL * w.abs().max().item()
 
 
+def _long_tails(vocab: int = 64) -> list[TRow]:
+    """Rows whose tails (what follows the shared prompt) differ in length by up to 20x."""
+    gen = torch.Generator().manual_seed(7)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    system, q = toks(9), toks(4)
+    return [*_rows(vocab), TRow(system + q, toks(40), 0.9), TRow(system + toks(30), toks(25), 1.0),
+            TRow(system + q, toks(2), 1.1)]
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("overhead", [0, 6])
+def test_tails_in_length_buckets_equal_one_left_padded_pass(share, overhead):
+    """The tails run as passes over hosts of similar length (`buckets.plan`): the same log-probs and LoRA gradients
+    as one pass left-padded to the longest, with fewer positions run."""
+    from masgraph.backends.hf.logprobs import model_head
+
+    model = _tiny_peft()
+    rows = _long_tails()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    upstream = torch.randn(sum(len(r.completion_ids) for r in rows), generator=torch.Generator().manual_seed(3))
+    positions: list[int] = []
+    hook = model_head(model).backbone.register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()), with_kwargs=True)
+
+    def run(pass_overhead):
+        positions.clear()
+        model.zero_grad(set_to_none=True)
+        out = sequence_logprobs(model, rows, 0, share_prefix=share, pass_overhead=pass_overhead)
+        (torch.cat(out) * upstream).sum().backward()
+        return [o.detach() for o in out], [p.grad.clone() for p in lora], list(positions)
+
+    try:
+        want, want_grads, one = run(None)
+        got, got_grads, bucketed = run(overhead)
+    finally:
+        hook.remove()
+    assert len(bucketed) > len(one) and sum(bucketed) < sum(one)  # more passes, fewer positions (less padding)
+    assert max((g - w).abs().max().item() for g, w in zip(got, want)) <= VALUE_ATOL
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).abs().max().item() <= GRAD_RTOL * w.abs().max().item()
+
+
 # ---- a multi-turn graph through the runner and one Flow-GRPO update --------------------------------------------
 
 GRAPH = """\
