@@ -14,9 +14,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from masgraph.backends.hf.cascade import Cascade, windowed
+from masgraph.backends.hf.layout import picked_rows
 
 PASS_COST = {"cpu": 32}
 """What one more pass costs, in prompt positions, per device type: on a CPU a pass of SmolLM2-135M costs about what
@@ -73,8 +73,7 @@ def run_passes(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, po
         if not width:
             continue  # nothing new for these rows: their positions stay padding
         pick = torch.tensor(rows, dtype=torch.long, device=ids.device)
-        sub = DynamicCache(ddp_cache_data=[(k.index_select(0, pick), v.index_select(0, pick)) for k, v in old]
-                           ) if old else DynamicCache()
+        sub = picked_rows(cache, rows)
         sub_mask = torch.cat([mask[:, :n], mask[:, n + L - width:]], dim=1).index_select(0, pick)
         attend = cascade.subset(rows, sub_mask).active if cascade is not None else nullcontext
         extra = {k: [v[i] for i in rows] for k, v in (forward or {}).items()}
