@@ -23,6 +23,7 @@ import math
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -445,13 +446,20 @@ class FlowGRPO(TrainAlgorithm):
         kept (only the values are needed), under the base model (`reference`: adapters off) or the row's adapter;
         rows of one adapter share forward passes."""
         out: dict[int, torch.Tensor] = {}
-        for adapter, chunk, real in self._schedule(rows, shares):
-            raise_if_cancelled()  # Ctrl-C / SIGTERM: the update stops here, uncommitted (trainers/loop.py)
-            with torch.no_grad():
-                lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
-            if real:
-                out.update(zip(chunk, lps))
+        with self._shared_prefixes():
+            for adapter, chunk, real in self._schedule(rows, shares):
+                raise_if_cancelled()  # Ctrl-C / SIGTERM: the update stops here, uncommitted (trainers/loop.py)
+                with torch.no_grad():
+                    lps = self.learner.sequence_logprobs([rows[i] for i in chunk], None if reference else adapter)
+                if real:
+                    out.update(zip(chunk, lps))
         return out
+
+    def _shared_prefixes(self) -> AbstractContextManager[Any]:
+        """The learner's scope in which one phase's passes compute each adapter's prompt prefix once
+        (`HFLearner.shared_prefixes`); nothing for a learner without one."""
+        scope = getattr(self.learner, "shared_prefixes", None)
+        return scope() if scope is not None else nullcontext()
 
     def _schedule(self, rows: list[Row], shares: list[list[int]]) -> list[tuple[str, list[int], bool]]:
         """This rank's forward passes over its share of `rows` as (adapter, positions, real), adapter by adapter in
@@ -485,16 +493,17 @@ class FlowGRPO(TrainAlgorithm):
         total: torch.Tensor | float = 0.0  # on the model's device: one host sync per update, not per pass
         self.learner.train()
         try:
-            for adapter, chunk, real in self._schedule(rows, self._shares(rows)):
-                raise_if_cancelled()
-                new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
-                if not real:  # a lockstep pass: no gradient of its own, but the layers' reduce-scatter as the others'
-                    (0.0 * new[0].sum()).backward()
-                    continue
-                loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
-                           for k, lp in zip(chunk, new))
-                loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
-                total = total + loss.detach().double()
+            with self._shared_prefixes():  # its exit sends the prefixes' gradient back through them: before the step
+                for adapter, chunk, real in self._schedule(rows, self._shares(rows)):
+                    raise_if_cancelled()
+                    new = self.learner.sequence_logprobs([rows[k] for k in chunk], adapter)
+                    if not real:  # a lockstep pass: no gradient of its own, but the layers' reduce-scatter as others'
+                        (0.0 * new[0].sum()).backward()
+                        continue
+                    loss = sum(weights[k] * self._token_loss(rows[k], lp, ref[k], totals).sum()
+                               for k, lp in zip(chunk, new))
+                    loss.backward()  # weighted so the chunks' losses sum to the configured aggregate
+                    total = total + loss.detach().double()
         finally:
             self.learner.train(False)
         if self.dp:  # every adapter of the mini-batch, in order, zeros where this rank had none of its rows; a sharded

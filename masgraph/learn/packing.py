@@ -96,11 +96,13 @@ def share_middles(middles: Sequence[Sequence[int]]) -> tuple[list[int], list[int
     return cluster, shared
 
 
-def plan_rows(rows: Sequence[TokenRow], share: bool = True, pack: bool = True) -> PackPlan:
+def plan_rows(rows: Sequence[TokenRow], share: bool = True, pack: bool = True, known: int = 0) -> PackPlan:
     """The layout of one logprob pass over `rows` (of one adapter). `share` computes the prefix common to all rows
     once (off when gradient checkpointing, which cannot recompute a cache); `pack` (off: that prefix alone, the layout
     before packing) also folds a row whose prompt + completion is a prefix of another row's sequence into that row,
-    and computes the prompt prefix each cluster of rows shares beyond it once (`share_middles`)."""
+    and computes the prompt prefix each cluster of rows shares beyond it once (`share_middles`). `known`: leading
+    tokens every row shares whose KV is at hand (an earlier pass's, `hf/prefixes.py`): with `share`, the prefix is at
+    least that long (up to a token before the first scored position), one host alone too."""
     seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in rows]
     hosted = merge_hosts(seqs) if pack else list(range(len(rows)))
     hosts = sorted(set(hosted))
@@ -112,7 +114,8 @@ def plan_rows(rows: Sequence[TokenRow], share: bool = True, pack: bool = True) -
         first[host_of[i]] = min(first[host_of[i]], len(r.prompt_ids) - 1)
     host_seqs = [seqs[h] for h in hosts]
     if not share or len(hosts) < 2:
-        return PackPlan(hosts, host_of, 0, [0] * len(hosts), [0] * len(hosts), 0)
+        at = max(0, min(known, min(first) - 1)) if share else 0
+        return PackPlan(hosts, host_of, at, [at] * len(hosts), [0] * len(hosts), 0)
     # the common prefix stops a token short of every scored position, so each middle segment holds a token or more
     prefix = common_prefix(host_seqs, min(first) - 1)
     if not pack or min(first) - prefix < 1:

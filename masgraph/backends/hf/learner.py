@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from masgraph.backends.hf import buckets
 from masgraph.backends.hf.layout import left_pad, pad_token_id, picked_rows, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
+from masgraph.backends.hf.prefixes import PrefixStore
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import PackPlan, plan_rows
 from masgraph.threads import fit_threads
@@ -42,6 +44,7 @@ class HFLearner:
         """Merge turns and share prompts in a pass (`masgraph.learn.packing`); off only to compare with the layout
         before packing (the prefix common to all rows alone)."""
         self._pack: Counter[str] = Counter()
+        self._prefixes: PrefixStore | None = None
         self.pass_overhead: int | None = buckets.pass_cost(self.weights.model)
         """The tails of a logprob pass run as passes over rows of similar length, grouped by this per-pass cost in
         positions (`buckets.plan`; None: one left-padded pass). A sharded learner keeps one pass: every rank must run
@@ -103,12 +106,34 @@ class HFLearner:
         fit_threads()  # this pass's forward and backward: one thread while other processes hold the cores
         # one forward per pass when checkpointing (a cache cannot be recomputed) or sharded (every rank must all-gather
         # the layers as often as the others)
-        plan = plan_rows(rows, share=not (self.weights.gradient_checkpointing or self.sharded), pack=self.pack)
-        if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
-            self._pack.update(plan.stats(rows))
+        share = not (self.weights.gradient_checkpointing or self.sharded)
+        store = self._prefixes if share and self.pack else None
+        known = store.known(adapter, [list(r.prompt_ids) + list(r.completion_ids) for r in rows]) if store else 0
+        plan = plan_rows(rows, share=share, pack=self.pack, known=known)
+        reused = store.reused if store else 0
         with self.weights.use(adapter):
-            return sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan,
-                                     pass_overhead=None if self.sharded else self.pass_overhead)
+            out = sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan,
+                                    pass_overhead=None if self.sharded else self.pass_overhead, prefixes=store,
+                                    adapter=adapter)
+        if torch.is_grad_enabled():  # the update's own passes (not the reference's): what `pack_stats` reports
+            stats = plan.stats(rows)
+            stats["tokens_computed"] -= (store.reused - reused) if store else 0
+            self._pack.update(stats)
+        return out
+
+    @contextmanager
+    def shared_prefixes(self) -> Iterator[None]:
+        """Within: each adapter's logprob passes read the prompt prefix an earlier pass computed instead of computing
+        it again (`hf/prefixes.py`); on a normal exit, the gradient the passes sent into it goes back through its one
+        forward. Open it around the passes of one adapter version (a reference pass; one optimizer step's passes),
+        and close it before the optimizer steps. Off with `pack` off, gradient checkpointing or sharding."""
+        store = PrefixStore()
+        self._prefixes = store
+        try:
+            yield
+            store.backward()
+        finally:
+            self._prefixes = None
 
     def pack_stats(self) -> dict[str, int]:
         """Rows, sequences and tokens (received, computed) of the gradient passes since the last call; resets."""
@@ -188,7 +213,8 @@ class HFAdapterSource:
 
 def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_prefix: bool = True,
                       chunk_tokens: int | None = None, pack: bool = True,
-                      plan: PackPlan | None = None, pass_overhead: int | None = None) -> list[torch.Tensor]:
+                      plan: PackPlan | None = None, pass_overhead: int | None = None,
+                      prefixes: PrefixStore | None = None, adapter: str | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each row's completion under `model` at the row's own temperature (teacher-forced),
     on the model's device: the backbone's final hidden states at the completion positions go through
     `selected_logprobs`, which never builds a (rows x tokens x vocabulary) tensor (`chunk_tokens` x V at a time).
@@ -201,13 +227,22 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     in generation (`left_pad`): prefix | left-padded middles | left-padded tails. `share_prefix=False` runs whole
     sequences (gradient checkpointing cannot recompute a cache). A given `plan` (of these rows) replaces both flags.
     `pass_overhead` (positions; `buckets.plan`): the tails run as passes over hosts of similar length instead of one
-    pass left-padded to the longest; None: one pass."""
+    pass left-padded to the longest; None: one pass. `prefixes`: the prefix is read from (or kept in) this store,
+    under `adapter`'s key (the one active on `model`)."""
     device = model.device
     head = model_head(model)
-    plan = plan or plan_rows(rows, share=share_prefix, pack=pack)
+    if plan is None:
+        known = prefixes.known(adapter, [list(r.prompt_ids) + list(r.completion_ids) for r in rows]) \
+            if prefixes is not None and share_prefix and pack else 0
+        plan = plan_rows(rows, share=share_prefix, pack=pack, known=known)
     seqs = [list(rows[h].prompt_ids) + list(rows[h].completion_ids) for h in plan.hosts]
     P, H = plan.prefix, len(seqs)
-    cache = prefill(model, seqs[0][:P]) if P else None
+    if not P:
+        cache = None
+    elif prefixes is not None:
+        cache = prefixes.cache(model, adapter, seqs[0][:P])
+    else:
+        cache = prefill(model, seqs[0][:P])
     middle_mask = torch.ones((H, P), dtype=torch.long, device=device)
     source = [0] * H  # each host's row of `cache`: the prefix's one row, or its group's middle
     if plan.groups:  # each distinct middle once; each host's pass picks its group's KV

@@ -191,7 +191,10 @@ def _two_turn_agent():
         return NodeOutput(text=second.text, answer=second.text.strip())
 
 
-def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny):
+@pytest.mark.parametrize("micro_batch", [16, 3])
+def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny, micro_batch):
+    """One pass, and passes of 3 rows (each adapter's prompt prefix computed by the first and read by the others,
+    `hf/prefixes.py`): the same loss and adapter as every row computed alone."""
     from masgraph.backends.hf import HFBackend
     from masgraph.backends.hf.learner import HFLearner
     from masgraph.graph import compile_spec
@@ -239,7 +242,8 @@ def test_a_multi_turn_graphs_update_is_the_same_packed_and_unpacked(tiny):
     results = {}
     for pack in (True, False):
         learner = learner_after_update(pack)
-        metrics = FlowGRPO(learner, {"answer": "answer"}, FlowGRPOConfig(lr=0.05)).update(traces)
+        config = FlowGRPOConfig.model_validate({"lr": 0.05, "batching": {"micro_batch": micro_batch}})
+        metrics = FlowGRPO(learner, {"answer": "answer"}, config).update(traces)
         results[pack] = metrics, [p.detach().clone() for p in learner.parameters("answer")]
     (merged, w_merged), (plain, w_plain) = results[True], results[False]
     assert merged["rows/sequences"] < merged["rows/trained"] == plain["rows/sequences"]
