@@ -131,7 +131,9 @@ class HFLearner:
         self._prefixes = store
         try:
             yield
-            store.backward()
+            for adapter in store.adapters():
+                with self.weights.use(adapter):
+                    store.backward(adapter)
         finally:
             self._prefixes = None
 

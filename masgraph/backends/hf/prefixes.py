@@ -33,8 +33,8 @@ class _Kept:
 class PrefixStore:
     """Prefix KV caches of one update phase, per adapter (None: the reference), shared by its passes.
 
-    Use it within one adapter version: a kept prefix is the adapter's as it was when computed. Call `backward()`
-    after the phase's last backward pass and before the optimizer steps."""
+    Use it within one adapter version: a kept prefix is the adapter's as it was when computed. Call `backward()` per
+    adapter after the phase's last backward pass and before the optimizer steps."""
 
     def __init__(self) -> None:
         self._kept: dict[str | None, list[_Kept]] = {}
@@ -66,15 +66,19 @@ class PrefixStore:
                   logits_to_keep=1)
         return cache
 
-    def backward(self) -> None:
-        """Send the kept prefixes' summed KV gradients back through their forwards (once each), then forget them."""
+    def adapters(self) -> list[str | None]:
+        """The adapters (None: the reference) with kept prefixes."""
+        return list(self._kept)
+
+    def backward(self, adapter: str | None) -> None:
+        """Send `adapter`'s kept prefixes' summed KV gradients back through their forwards (once each), then forget
+        them. Run it with `adapter` active: PEFT's `set_adapter` turns the other adapters' `requires_grad` off, and
+        autograd drops a gradient for a parameter that no longer requires one."""
         outs, grads = [], []
-        for kept in self._kept.values():
-            for computed, leaf in ((c, x) for k in kept for c, x in zip(k.computed, k.leaves)):
-                if leaf.grad is not None and computed.requires_grad:
-                    outs.append(computed)
-                    grads.append(leaf.grad)
-        self._kept.clear()
+        for computed, leaf in ((c, x) for k in self._kept.pop(adapter, []) for c, x in zip(k.computed, k.leaves)):
+            if leaf.grad is not None and computed.requires_grad:
+                outs.append(computed)
+                grads.append(leaf.grad)
         if outs:
             torch.autograd.backward(outs, grads)
 

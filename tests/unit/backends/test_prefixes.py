@@ -5,6 +5,8 @@ prefix's gradient is summed over the passes before its backward instead of after
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def _run(model, passes, store: PrefixStore | None):
             (torch.cat(out) * upstream).sum().backward()
             values += [o.detach() for o in out]
         if store is not None:
-            store.backward()
+            store.backward("pol")
     finally:
         hook.remove()
     return values, [p.grad.clone() for p in lora], sum(positions)
@@ -65,7 +67,7 @@ def test_without_the_deferred_backward_the_prefix_gradient_is_missing():
     _, want_grads, _ = _run(model, passes, None)
 
     class NoBackward(PrefixStore):
-        def backward(self) -> None:
+        def backward(self, adapter) -> None:
             self._kept.clear()
 
     _, got_grads, _ = _run(model, passes, NoBackward())
@@ -99,3 +101,38 @@ def test_prefixes_are_kept_per_adapter(adapter):
         sequence_logprobs(model, rows, 0, prefixes=store, adapter="pol")
         sequence_logprobs(model, rows, 0, prefixes=store, adapter=adapter)
     assert store.reused == (plan_rows(rows).prefix if adapter == "pol" else 0)
+
+
+def test_two_adapters_in_one_scope_get_their_prefix_gradients(tiny):
+    """`HFLearner.shared_prefixes` around passes of two adapters (as one optimizer step of a two-node graph): each
+    adapter's LoRA gradients equal those of passes computing their own prefix. The first adapter's prefix gradient
+    goes back after the second adapter's passes, when PEFT has turned the first's `requires_grad` off: run without
+    the first adapter active, autograd drops it."""
+    from masgraph.backends.base import LoraConfigSpec
+    from masgraph.backends.hf.learner import HFLearner
+
+    torch.manual_seed(0)
+    learner = HFLearner(str(tiny), dtype="float32")
+    for name in ("a", "b"):
+        learner.add_adapter(name, LoraConfigSpec())
+        with torch.no_grad():  # non-zero B: gradients reach both LoRA matrices
+            for p in learner.parameters(name):
+                p.add_(0.1 * torch.randn_like(p))
+    rows = {"a": _rows(30), "b": [TRow([7, 3, *r.prompt_ids], r.completion_ids, r.temperature) for r in _rows(30)]}
+    everything = [p for name in rows for p in learner.parameters(name)]
+
+    def grads(scope) -> list[torch.Tensor]:
+        for p in everything:
+            p.grad = None
+        learner.train()
+        with scope:
+            for name, own in rows.items():
+                for chunk in (own[:4], own[4:]):
+                    torch.cat(learner.sequence_logprobs(chunk, name)).sum().backward()
+        learner.train(False)
+        return [p.grad.clone() for p in everything]
+
+    want = grads(contextlib.nullcontext())
+    got = grads(learner.shared_prefixes())
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() <= GRAD_RTOL * w.abs().max().item()
