@@ -108,6 +108,8 @@ class HFLearner:
         # the layers as often as the others)
         share = not (self.weights.gradient_checkpointing or self.sharded)
         store = self._prefixes if share and self.pack else None
+        if store is not None:  # passes come adapter by adapter: the others' kept prefixes (and graphs) are done
+            self._release(store, keep=(adapter,))
         known = store.known(adapter, [list(r.prompt_ids) + list(r.completion_ids) for r in rows]) if store else 0
         plan = plan_rows(rows, share=share, pack=self.pack, known=known)
         reused = store.reused if store else 0
@@ -126,16 +128,25 @@ class HFLearner:
         """Within: each adapter's logprob passes read the prompt prefix an earlier pass computed instead of computing
         it again (`hf/prefixes.py`); on a normal exit, the gradient the passes sent into it goes back through its one
         forward. Open it around the passes of one adapter version (a reference pass; one optimizer step's passes),
-        and close it before the optimizer steps. Off with `pack` off, gradient checkpointing or sharding."""
+        and close it before the optimizer steps. Off with `pack` off, gradient checkpointing or sharding.
+        Each adapter's prefix is released (its gradient sent back) when a pass of another adapter comes, so one
+        adapter's prefix graph is held at a time; an adapter that comes back computes its prefix again."""
         store = PrefixStore()
         self._prefixes = store
         try:
             yield
-            for adapter in store.adapters():
-                with self.weights.use(adapter):
-                    store.backward(adapter)
+            self._release(store)
         finally:
             self._prefixes = None
+
+    def _release(self, store: PrefixStore, keep: tuple[str | None, ...] = ()) -> None:
+        """Send the kept prefixes' gradients back (but those of `keep`), each with its adapter active (PEFT's
+        `set_adapter` turns the others' `requires_grad` off, and autograd drops a gradient for a parameter that does
+        not require one), and forget them."""
+        for adapter in store.adapters():
+            if adapter not in keep:
+                with self.weights.use(adapter):
+                    store.backward(adapter)
 
     def pack_stats(self) -> dict[str, int]:
         """Rows, sequences and tokens (received, computed) of the gradient passes since the last call; resets."""

@@ -105,9 +105,10 @@ def test_prefixes_are_kept_per_adapter(adapter):
 
 def test_two_adapters_in_one_scope_get_their_prefix_gradients(tiny):
     """`HFLearner.shared_prefixes` around passes of two adapters (as one optimizer step of a two-node graph): each
-    adapter's LoRA gradients equal those of passes computing their own prefix. The first adapter's prefix gradient
-    goes back after the second adapter's passes, when PEFT has turned the first's `requires_grad` off: run without
-    the first adapter active, autograd drops it."""
+    adapter's LoRA gradients equal those of passes computing their own prefix, and one adapter's prefix is held at a
+    time. The first adapter's prefix gradient goes back once the second adapter is active (here before its first
+    pass, as when a backend decodes with it), and PEFT has turned the first's `requires_grad` off: sent back without
+    the first adapter active again, autograd drops it."""
     from masgraph.backends.base import LoraConfigSpec
     from masgraph.backends.hf.learner import HFLearner
 
@@ -121,18 +122,24 @@ def test_two_adapters_in_one_scope_get_their_prefix_gradients(tiny):
     rows = {"a": _rows(30), "b": [TRow([7, 3, *r.prompt_ids], r.completion_ids, r.temperature) for r in _rows(30)]}
     everything = [p for name in rows for p in learner.parameters(name)]
 
+    held: list[list[str | None]] = []  # the adapters with a kept prefix after each pass
+
     def grads(scope) -> list[torch.Tensor]:
         for p in everything:
             p.grad = None
         learner.train()
         with scope:
             for name, own in rows.items():
+                learner.weights.use(name)  # active before its first pass (as when a backend decodes with it)
                 for chunk in (own[:4], own[4:]):
                     torch.cat(learner.sequence_logprobs(chunk, name)).sum().backward()
+                    held.append(learner._prefixes.adapters() if learner._prefixes else [])
         learner.train(False)
         return [p.grad.clone() for p in everything]
 
     want = grads(contextlib.nullcontext())
+    held.clear()
     got = grads(learner.shared_prefixes())
+    assert held == [["a"], ["a"], ["b"], ["b"]]  # a's prefix (and its graph) released when b's passes begin
     for g, w in zip(got, want, strict=True):
         assert (g - w).abs().max().item() <= GRAD_RTOL * w.abs().max().item()
