@@ -81,7 +81,7 @@ class BatchingConfig(_Section):
     """Episodes that timed out, failed or were cancelled: leave them out of their group, or score them 0."""
     micro_batch: int = Field(16, ge=1)
     """Rows per forward/backward pass (memory bound; a node's rows share their prompt prefix, computed once per
-    pass)."""
+    update phase on the hf learner, `masgraph/backends/hf/prefixes.py`)."""
     micro_batch_tokens: int | None = Field(None, ge=1)
     """Also cap a forward/backward pass at this many prompt + completion tokens (the GPU memory knob: activations
     and logits grow with tokens, not rows); None = rows only."""
