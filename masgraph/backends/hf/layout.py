@@ -118,11 +118,12 @@ def left_pad(prefix_len: int, suffixes: list[list[int]], pad_id: int, device: to
     return ids, mask, pos
 
 
-def prefill(model: Any, prefix: list[int] | tuple[int, ...]) -> Any:
-    """KV cache of `prefix` at batch 1 (a DynamicCache; `batch_repeat_interleave` broadcasts it)."""
+def prefill(model: Any, prefix: list[int] | tuple[int, ...], cache: Any = None) -> Any:
+    """KV cache of `prefix` at batch 1 (a DynamicCache; `batch_repeat_interleave` broadcasts it), or `cache` (batch
+    1) extended by `prefix`, its positions continuing from the cache's length."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     model(input_ids=torch.tensor([prefix], device=model.device), past_key_values=cache, use_cache=True,
           logits_to_keep=1)
     return cache

@@ -110,7 +110,7 @@ class HFLearner:
         store = self._prefixes if share and self.pack else None
         if store is not None:  # passes come adapter by adapter: the others' kept prefixes (and graphs) are done
             self._release(store, keep=(adapter,))
-        known = store.known(adapter, [list(r.prompt_ids) + list(r.completion_ids) for r in rows]) if store else 0
+        known = store.known(adapter, rows) if store else 0
         plan = plan_rows(rows, share=share, pack=self.pack, known=known)
         reused = store.reused if store else 0
         with self.weights.use(adapter):
@@ -245,8 +245,7 @@ def sequence_logprobs(model: Any, rows: Sequence[TokenRow], pad_id: int, share_p
     device = model.device
     head = model_head(model)
     if plan is None:
-        known = prefixes.known(adapter, [list(r.prompt_ids) + list(r.completion_ids) for r in rows]) \
-            if prefixes is not None and share_prefix and pack else 0
+        known = prefixes.known(adapter, rows) if prefixes is not None and share_prefix and pack else 0
         plan = plan_rows(rows, share=share_prefix, pack=pack, known=known)
     seqs = [list(rows[h].prompt_ids) + list(rows[h].completion_ids) for h in plan.hosts]
     P, H = plan.prefix, len(seqs)

@@ -12,11 +12,13 @@ the sum back through the prefix's one forward, so the adapter gets the same grad
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from masgraph.backends.base import TokenRow
 from masgraph.backends.hf.layout import prefill
 from masgraph.learn.packing import common_prefix
 
@@ -41,8 +43,10 @@ class PrefixStore:
         self.reused = 0
         """Prefix tokens passes read here instead of computing them (what `pack_stats` no longer counts)."""
 
-    def known(self, adapter: str | None, seqs: list[list[int]]) -> int:
-        """How many leading tokens every one of `seqs` shares with one kept prefix of `adapter` (0: none)."""
+    def known(self, adapter: str | None, rows: Sequence[TokenRow]) -> int:
+        """How many leading tokens every row's prompt + completion shares with one kept prefix of `adapter` (0:
+        none)."""
+        seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in rows]
         return max((min(_common(k.tokens, s) for s in seqs) for k in self._kept.get(adapter, [])), default=0)
 
     def cache(self, model: Any, adapter: str | None, prefix: list[int]) -> Any:
@@ -61,10 +65,7 @@ class PrefixStore:
             self.reused += n
         pairs = zip(best.leaves[0::2], best.leaves[1::2])
         cache = DynamicCache(ddp_cache_data=[(k[:, :, :n], v[:, :, :n]) for k, v in pairs])
-        if n < len(prefix):  # positions continue from the cache's length
-            model(input_ids=torch.tensor([prefix[n:]], device=model.device), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        return cache
+        return prefill(model, prefix[n:], cache) if n < len(prefix) else cache
 
     def adapters(self) -> list[str | None]:
         """The adapters (None: the reference) with kept prefixes."""
