@@ -138,10 +138,12 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 
 
-def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch.device
+def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch.device, micro_batch: int | None = None
             ) -> tuple[dict, list[float], list[int], list[float]]:
     """TRL GRPOTrainer on the same prompts/items/reward; returns config, step times, completion tokens per step and
-    peak device memory per step (GiB; empty on a CPU)."""
+    peak device memory per step (GiB; empty on a CPU). `micro_batch`: rows per forward / backward pass, the step's
+    rows accumulated over passes (TRL's `per_device_train_batch_size` with `gradient_accumulation_steps`; one
+    generation batch and one optimizer step per step either way); default all of a step's rows in one pass."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -172,12 +174,13 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     cpu = device.type == "cpu"
+    rows = mg["group_size"] * mg["queries_per_step"]
     gen = {"min_new_tokens": mg["max_completion_tokens"]} if mg["fixed_length"] else None
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, use_cpu=cpu, bf16=dtype == torch.bfloat16, fp16=False, max_steps=steps,
             learning_rate=mg["lr"],
-            per_device_train_batch_size=mg["group_size"] * mg["queries_per_step"], gradient_accumulation_steps=1,
+            per_device_train_batch_size=micro_batch or rows, gradient_accumulation_steps=rows // (micro_batch or rows),
             num_generations=mg["group_size"], max_completion_length=mg["max_completion_tokens"],
             temperature=mg["temperature"], top_p=1.0, top_k=0, epsilon=mg["clip"][0], epsilon_high=mg["clip"][1],
             beta=mg["kl_coef"], num_iterations=1, lr_scheduler_type="constant", shuffle_dataset=False, report_to=[],
@@ -192,7 +195,8 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
                               callbacks=[Timer()])
         loaded = resident(device)
         trainer.train()
-    trl_config = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
+    trl_config = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                "generation_batch_size", "num_generations",
                                                 "max_completion_length", "temperature", "learning_rate", "epsilon",
                                                 "epsilon_high", "beta", "loss_type", "lr_scheduler_type", "use_cpu",
                                                 "bf16",
@@ -231,6 +235,9 @@ def main() -> int:
                    "for masgraph, GRPOConfig.gradient_checkpointing for TRL)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="masgraph's train.flow_grpo.micro_batch_tokens (TRL has no such knob; default none)")
+    p.add_argument("--trl-micro-batch", type=int, default=None,
+                   help="TRL's rows per forward / backward pass (per_device_train_batch_size, the step's rows "
+                   "accumulated: gradient_accumulation_steps); must divide the step's rows; default all in one pass")
     p.add_argument("--no-trl", action="store_true", help="run masgraph alone (its tokens/s and memory)")
     p.add_argument("--record", type=Path, default=results_file("train_throughput"),
                    help="markdown file the results section is appended to (default results/train_throughput.md)")
@@ -245,31 +252,43 @@ def main() -> int:
     if args.side:
         return run_side(args)
     resolve(args.model, args.device)  # a random model is built once here, not by each side
+    train = load_spec(ROOT / "graphs" / "single.yaml").train
+    step_rows = train.flow_grpo.group_size * train.queries_per_step  # before the masgraph side's minutes, not after
+    if args.trl_micro_batch is not None and (args.trl_micro_batch < 1 or step_rows % args.trl_micro_batch):
+        p.error(f"--trl-micro-batch must divide a step's {step_rows} rows (e.g. 8 or 16)")
 
     print(f"[masgraph] Flow-GRPO, {args.model} on {describe(device)}, {args.dtype}, {args.steps} steps", flush=True)
+    tr, failed = None, None
     with tempfile.TemporaryDirectory() as tmp:
         io = Path(tmp) / "side.pkl"
         side(args, "masgraph", io)
         mg = pickle.loads(io.read_bytes())
+        mg_config, records = mg["config"], mg["records"]
+        mg_tok = sum(r["tokens"] for r in records[1:])
+        mg_s = sum(r["time/step_s"] for r in records[1:])
+        mg_peak = [r["peak_gib"] for r in records if "peak_gib" in r]
+        split = ", ".join(f"{r.get('time/rollout_s', 0):.1f} + {r.get('time/update_s', 0):.1f}" for r in records[1:])
+        print("masgraph config:", json.dumps(mg_config))
+        print(f"masgraph: {mg_tok:.0f} completion tokens in {mg_s:.1f} s = {mg_tok / mg_s:.2f} tok/s "
+              f"({mg_s / (len(records) - 1):.1f} s/step), peak device memory per step GiB {gib(mg_peak)}")
+        print(f"masgraph seconds per counted step, rollouts + update: {split}", flush=True)
         if not args.no_trl:
             print(f"[TRL] GRPOTrainer, same settings, {args.steps} steps", flush=True)
-            side(args, "trl", io)
-            tr = pickle.loads(io.read_bytes())
-    mg_config, records = mg["config"], mg["records"]
-    mg_tok = sum(r["tokens"] for r in records[1:])
-    mg_s = sum(r["time/step_s"] for r in records[1:])
-    mg_peak = [r["peak_gib"] for r in records if "peak_gib" in r]
-    print("masgraph config:", json.dumps(mg_config))
-    print(f"masgraph: {mg_tok:.0f} completion tokens in {mg_s:.1f} s = {mg_tok / mg_s:.2f} tok/s "
-          f"({mg_s / (len(records) - 1):.1f} s/step), peak device memory per step GiB {gib(mg_peak)}")
+            try:
+                side(args, "trl", io)
+                tr = pickle.loads(io.read_bytes())
+            except subprocess.CalledProcessError as exc:  # masgraph's side is still recorded, with the reason
+                killed = exc.returncode < 0 and -exc.returncode == 9
+                failed = f"exit {exc.returncode}" + (" (SIGKILL: the kernel's out-of-memory killer?)" if killed else "")
+                print(f"error: TRL's side failed: {failed}", file=sys.stderr)
     rows = [f"| masgraph Flow-GRPO | {mg_tok:.0f} | {mg_s:.1f} | {mg_tok / mg_s:.2f} | "
             f"{mg_s / (len(records) - 1):.1f} | {gib(mg_peak)} |"]
-    split = ", ".join(f"{r.get('time/rollout_s', 0):.1f} + {r.get('time/update_s', 0):.1f}" for r in records[1:])
-    print(f"masgraph seconds per counted step, rollouts + update: {split}")
     lines = [f"- masgraph config: `{json.dumps(mg_config)}`",
              f"- masgraph seconds per counted step, rollouts + update: {split}"]
+    if failed:
+        lines.append(f"- TRL's side failed: {failed}; no ratio")
     ratio = None
-    if not args.no_trl:
+    if tr is not None:
         trl_config, times, tokens, trl_peak = tr["config"], tr["times"], tr["tokens"], tr["peak"]
         trl_tok, trl_s = sum(tokens[1:]), sum(times[1:])
         print(f"TRL {tr['version']} config:", json.dumps(trl_config))
@@ -282,7 +301,7 @@ def main() -> int:
         lines.append(f"- TRL config: `{json.dumps(trl_config)}`")
     with open(args.record, "a") as f:
         stamp = time.strftime('%Y-%m-%d %H:%M')
-        peer = "" if args.no_trl else f" vs TRL {tr['version']} GRPOTrainer"
+        peer = "" if tr is None else f" vs TRL {tr['version']} GRPOTrainer"
         f.write(f"\n### Training throughput{peer}, {args.model} on {describe(device)} ({stamp})\n\n"
                 f"`{' '.join([Path(sys.executable).name, *sys.argv])}` — single-turn `{TASK}` on graphs/single.yaml, "
                 f"{args.steps} steps each, first step of each side not counted"
@@ -293,7 +312,7 @@ def main() -> int:
                 "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
                 + (f"\nRatio of training tokens/s: **{ratio:.2f}x** (target on a CPU ≥ 2.0x; on a GPU ≥ 1.5x)\n"
                    if ratio is not None else ""))
-    return 0
+    return 1 if failed else 0
 
 
 def side(args: argparse.Namespace, name: str, io: Path) -> None:
@@ -326,7 +345,7 @@ def run_side(args: argparse.Namespace) -> int:
 
     mg = pickle.loads(args.io.read_bytes())
     config, times, tokens, peak = run_trl(args.steps, mg["config"], mg["prompts"], mg["items"],
-                                          resolve_device(args.device))
+                                          resolve_device(args.device), args.trl_micro_batch)
     config = json.loads(json.dumps(config, default=str))
     args.io.write_bytes(pickle.dumps({"config": config, "times": times, "tokens": tokens, "peak": peak,
                                       "version": trl.__version__}))
