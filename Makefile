@@ -15,6 +15,10 @@ export TOKENIZERS_PARALLELISM := false
 # The tests keep torch's threads passive (they sleep at once when they wait) at a fixed count: they must pass on a busy
 # CI machine whatever its load does. Everything else takes masgraph's own choice (masgraph/threads.py).
 test test-fast test-slow test-unit test-integration test-gpu test-vllm: export OMP_WAIT_POLICY ?= PASSIVE
+# ... and let Python keep its compiled modules (its default; some machines set PYTHONDONTWRITEBYTECODE): the tiers start
+# hundreds of Python processes (pytest workers, CLI and server subprocesses), and each one compiled masgraph and
+# rewrote the test modules again from source (~7 s a process for the unit tests' collection).
+test test-fast test-slow test-unit test-integration test-gpu test-vllm: export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-fast test-slow test-unit test-integration test-gpu test-vllm vllm lint docs setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
@@ -81,9 +85,10 @@ docs: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -r docs/requirements.txt
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
-# day-to-day: the unit tests not marked slow (2:18 here on 2026-12-03, quiet; the brief asks under a minute); `make test` and CI run everything
+# day-to-day: the unit tests not marked slow, in two pytest-xdist workers (most of these tests wait on subprocesses,
+# sockets and timers); `make test` and CI run everything, in one process
 test-fast: setup
-	$(VENV)/bin/pytest -q --durations=5 -m "not slow" tests/unit
+	$(VENV)/bin/pytest -q --durations=5 -n 2 --dist worksteal -m "not slow" tests/unit
 
 test-unit: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/unit
