@@ -15,6 +15,7 @@ from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf.buckets import pass_cost, plan
 from masgraph.spec import SamplingSpec
 from tests.unit.backends.adapters import perturbed
+from tests.unit.backends.grids import grid
 
 SYSTEM_A = {"role": "system", "content": "You are a careful assistant who checks each step. " * 3}
 SYSTEM_B = {"role": "system", "content": "You plan the next tool call and say nothing else. " * 2}
@@ -74,9 +75,8 @@ def _same(a, b) -> None:
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 2e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("cascade", [True, False])
-@pytest.mark.parametrize("per", ["adapter", "batch"])
+@pytest.mark.parametrize(*grid({"per": ["adapter", "batch"], "cascade": [True, False], "arch": ["llama", "qwen2"]},
+                              fast=[("adapter", True, "qwen2"), ("batch", False, "llama")]))
 def test_bucketed_passes_decode_what_one_pass_decodes(tiny_model, arch, cascade, per):
     backend = HFBackend(str(tiny_model(arch)), dtype="float32")
     assert backend.pass_overhead == 32  # on by default on a CPU

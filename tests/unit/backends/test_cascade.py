@@ -14,6 +14,7 @@ from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.backends.hf.cascade import NAME
 from masgraph.spec import SamplingSpec
+from tests.unit.backends.grids import grid
 
 SYSTEM_A = {"role": "system", "content": "You are a careful assistant who checks each step. " * 3}
 SYSTEM_B = {"role": "system", "content": "You plan the next tool call and say nothing else. " * 2}
@@ -38,9 +39,8 @@ def _same(a, b) -> None:
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 2e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("per", ["adapter", "prefix"])
-@pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.parametrize(*grid({"chunk": [None, 64], "per": ["adapter", "prefix"], "arch": ["llama", "qwen2"]},
+                              fast=[(None, "prefix", "qwen2"), (64, "adapter", "llama")]))
 def test_cascade_decodes_what_the_copied_prefixes_decode(tiny_model, arch, per, chunk, monkeypatch):
     if chunk:  # a long prefill's queries attend in chunks
         monkeypatch.setattr(cascade_module, "_MAX_SCORES", chunk)

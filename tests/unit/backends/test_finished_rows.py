@@ -11,6 +11,7 @@ from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
 from masgraph.spec import SamplingSpec
 from tests.unit.backends.adapters import perturbed
+from tests.unit.backends.grids import grid
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who checks each step of the work. " * 2}
 
@@ -32,8 +33,8 @@ def _rows_per_forward(backend: HFBackend, requests: list[Request]) -> tuple[list
     return done, seen
 
 
-@pytest.mark.parametrize("cascade", [True, False])
-@pytest.mark.parametrize("per", ["adapter", "batch"])
+@pytest.mark.parametrize(*grid({"per": ["adapter", "batch"], "cascade": [True, False]},
+                              fast=[("adapter", True), ("batch", False)]))
 def test_finished_rows_leave_the_batch(tiny_model, cascade, per):
     backend = HFBackend(str(tiny_model("llama")), dtype="float32")
     backend.cascade, backend.one_loop_per = backend.cascade and cascade, per
