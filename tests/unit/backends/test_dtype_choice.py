@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import multiprocessing
 import time
+from pathlib import Path
 
 import torch
 
+import masgraph.backends.hf.dtype as dtype_module
 from masgraph.backends.hf.dtype import pick_dtype
 
 
@@ -29,39 +29,45 @@ def test_measuring_the_dtype_leaves_the_callers_seed_alone(tmp_path, monkeypatch
     assert torch.equal(torch.rand(8), want)
 
 
-def test_processes_measuring_at_once_keep_every_choice_and_one_measures_per_key(tmp_path):
+def _measuring_process(threads: int, where: Path, i: int) -> None:
+    """One process of the test below (forked: torch and masgraph already imported): its own thread count (a key of
+    its own, or one it shares), a slow stand-in for the measurement, and a start on the test's signal."""
+    torch.set_num_threads(threads)
+
+    def slow(*_):
+        (where / f"measured-{i}").touch()
+        time.sleep(0.5)
+        return torch.float32
+    dtype_module._measure = slow
+    (where / f"ready-{i}").touch()
+    while not (where / "go").exists():
+        time.sleep(0.01)
+    (where / f"chose-{i}").write_text(str(pick_dtype()))
+
+
+def test_processes_measuring_at_once_keep_every_choice_and_one_measures_per_key(tmp_path, monkeypatch):
     """Processes that start on an empty cache together (two learner ranks; CI's test tiers side by side) measure one
     at a time: each key is measured once, and no process's write drops another's key. Without the lock each read
     the empty file, measured, and the last write won: a later run re-measured and could load the other dtype."""
-    go = tmp_path / "go"
-    child = (
-        "import sys, time, pathlib, torch\n"
-        "from masgraph.backends.hf import dtype\n"
-        "torch.set_num_threads(int(sys.argv[1]))  # a key of its own (or, for two, a shared one)\n"
-        "def slow(*a):\n"
-        "    (pathlib.Path(sys.argv[2]) / f'measured-{sys.argv[3]}').touch()\n"
-        "    time.sleep(0.5)\n"
-        "    return torch.float32\n"
-        "dtype._measure = slow\n"
-        "(pathlib.Path(sys.argv[2]) / f'ready-{sys.argv[3]}').touch()\n"
-        "while not (pathlib.Path(sys.argv[2]) / 'go').exists():\n"
-        "    time.sleep(0.01)\n"
-        "print(dtype.pick_dtype())\n")
-    env = {**os.environ, "MASGRAPH_CACHE": str(tmp_path / "cache")}
+    monkeypatch.setenv("MASGRAPH_CACHE", str(tmp_path / "cache"))
     threads = [1, 2, 2]  # the last two share a key
-    procs = [subprocess.Popen([sys.executable, "-c", child, str(n), str(tmp_path), str(i)], env=env,
-                              stdout=subprocess.PIPE, text=True) for i, n in enumerate(threads)]
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_measuring_process, args=(n, tmp_path, i)) for i, n in enumerate(threads)]
+    for p in procs:
+        p.start()
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("ready-*"))) < len(procs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs)
             time.sleep(0.05)
-        go.touch()
-        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+        (tmp_path / "go").touch()
+        for p in procs:
+            p.join(timeout=120)
     finally:
         for p in procs:
             p.kill()
-    assert outs == ["torch.float32"] * len(procs)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    assert [(tmp_path / f"chose-{i}").read_text() for i in range(len(procs))] == ["torch.float32"] * len(procs)
     known = json.loads((tmp_path / "cache" / "dtype-choice.json").read_text())
     assert sorted(k.rsplit("|", 1)[1] for k in known) == ["1", "2"], known
     assert len(list(tmp_path.glob("measured-*"))) == 2  # the shared key was measured once
