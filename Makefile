@@ -67,9 +67,10 @@ demo: setup
 	$(VENV)/bin/masgraph topology "$$(ls -td runs/router-train-* | head -1)"
 	VENV=$(VENV) scripts/serve_demo.sh
 
-# every unit test and the integration tests not marked slow (~7 min here); CI also runs test-slow and test-vllm
+# every unit test and the integration tests not marked slow, in two pytest-xdist workers (8 min here, quiet; 13-15 min
+# in one process: benchmarks/results/ci.md); CI also runs test-slow and test-vllm
 test: setup
-	$(VENV)/bin/pytest -q --durations=15 -m "not (integration and slow)" tests --ignore=tests/vllm
+	$(VENV)/bin/pytest -q --durations=15 -n 2 --dist worksteal -m "not (integration and slow)" tests --ignore=tests/vllm
 
 # the long real-model integration tests (SIGKILL + resume beside busy processes, Ray workers, a served bundle,
 # 100 concurrent requests, whole training steps): ~21 min here; .ci/run runs them beside `make test`
@@ -86,7 +87,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 # day-to-day: the unit tests not marked slow, in two pytest-xdist workers (most of these tests wait on subprocesses,
-# sockets and timers); `make test` and CI run everything, in one process
+# sockets and timers; ~1 m 10 s here); `make test` and CI run everything
 test-fast: setup
 	$(VENV)/bin/pytest -q --durations=5 -n 2 --dist worksteal -m "not slow" tests/unit
 
