@@ -19,6 +19,8 @@ test test-fast test-slow test-unit test-integration test-gpu test-vllm: export O
 # hundreds of Python processes (pytest workers, CLI and server subprocesses), and each one compiled masgraph and
 # rewrote the test modules again from source (~7 s a process for the unit tests' collection).
 test test-fast test-slow test-unit test-integration test-gpu test-vllm: export PYTHONDONTWRITEBYTECODE :=
+# `make test` and `make test-fast` run in two pytest-xdist workers (see results/ci.md for what that measured)
+XDIST := -n 2 --dist worksteal
 
 .PHONY: demo test test-fast test-slow test-unit test-integration test-gpu test-vllm vllm lint docs setup bench bench-learn bench-topology bench-serve bench-watch bench-gpu clean
 
@@ -70,7 +72,7 @@ demo: setup
 # every unit test and the integration tests not marked slow, in two pytest-xdist workers (8 min here, quiet; 13-15 min
 # in one process: benchmarks/results/ci.md); CI also runs test-slow and test-vllm
 test: setup
-	$(VENV)/bin/pytest -q --durations=15 -n 2 --dist worksteal -m "not (integration and slow)" tests --ignore=tests/vllm
+	$(VENV)/bin/pytest -q --durations=15 $(XDIST) -m "not (integration and slow)" tests --ignore=tests/vllm
 
 # the long real-model integration tests (SIGKILL + resume beside busy processes, Ray workers, a served bundle,
 # 100 concurrent requests, whole training steps): ~21 min here; .ci/run runs them beside `make test`
@@ -89,7 +91,7 @@ docs: $(STAMP)
 # day-to-day: the unit tests not marked slow, in two pytest-xdist workers (most of these tests wait on subprocesses,
 # sockets and timers; ~1 m 10 s here); `make test` and CI run everything
 test-fast: setup
-	$(VENV)/bin/pytest -q --durations=5 -n 2 --dist worksteal -m "not slow" tests/unit
+	$(VENV)/bin/pytest -q --durations=5 $(XDIST) -m "not slow" tests/unit
 
 test-unit: setup
 	$(VENV)/bin/pytest -q --durations=10 tests/unit
