@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn import functional as F
 
+from masgraph.backends.hf import onednn
 from masgraph.errors import MasgraphError
 
 CHUNK_ELEMENTS = 1 << 24
@@ -137,7 +137,7 @@ class _FrozenLinearLogprobs(torch.autograd.Function):
         rows = torch.arange(min(chunk, N), device=hidden.device)
         for s in range(0, N, chunk):
             h, y, t = hidden[s:s + chunk], targets[s:s + chunk, None], temps[s:s + chunk, None]
-            logits = F.linear(h, weight, bias)
+            logits = onednn.linear(h, weight, bias)
             if scale != 1.0:
                 logits = logits * scale
             if softcap is not None:
@@ -153,7 +153,7 @@ class _FrozenLinearLogprobs(torch.autograd.Function):
                 dz.mul_(1.0 - (logits.float() / softcap) ** 2)
             if scale != 1.0:
                 dz.mul_(scale)
-            grad[s:s + chunk] = dz.to(weight.dtype) @ weight
+            grad[s:s + chunk] = onednn.linear(dz.to(weight.dtype), weight.t())
         ctx.save_for_backward(grad)
         return out
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import BackendError, LoraConfigSpec
+from masgraph.backends.hf import onednn
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.device import describe, is_out_of_memory, resolve_device
 from masgraph.errors import MasgraphError
@@ -54,6 +55,9 @@ class HFModel:
             raise
         self.head_hook = contiguous_head_input(self.model)
         """The hook that gives the output head a row-major input (removable: the rollout benchmark's arm without it)."""
+        self.onednn_layers = onednn.install(self.model) if self.device.type == "cpu" and self.dtype == torch.float32 \
+            else 0
+        """Linear layers routed through oneDNN (`masgraph/backends/hf/onednn.py`; 0 where BLAS is faster)."""
         self.base_model = self.model
         self.gradient_checkpointing = False
         self.full: dict[str, torch.Tensor] | None = None

@@ -1,0 +1,129 @@
+"""Frozen fp32 linear layers through oneDNN on a CPU, where it is measured faster than the BLAS `F.linear` uses.
+
+PyTorch's CPU build runs an fp32 `F.linear` as a BLAS sgemm (MKL); oneDNN, which it also ships, picks its kernels by
+the CPU's instruction set at run time. On an AVX-512 AMD EPYC (this project's CI machines) oneDNN ran the model's
+shapes 1.2-2x faster in fp32 (benchmarks/results/linear_kernel.md). Same dtype and fp32 accumulation: results differ
+from BLAS's by summation order only. Which one runs is measured once per machine (`measured.remembered`), or set by
+`MASGRAPH_LINEAR=onednn|blas`.
+
+Only frozen weights are routed (the LoRA base layers, a tied or frozen output head): their backward needs the input's
+gradient alone, `grad @ W`, another oneDNN linear with the transposed weight. Trainable weights, other devices and
+dtypes, and sharded (DTensor) weights keep `F.linear`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import types
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from masgraph.backends.hf.measured import machine_key, remembered
+from masgraph.errors import MasgraphError
+
+ENV = "MASGRAPH_LINEAR"
+"""`onednn` or `blas` overrides the measured choice (this process and its children)."""
+KERNELS = frozenset({"onednn", "blas"})
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's linear op for the CPU."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def kernel() -> str:
+    """"onednn" or "blas": the environment's choice, else the one measured on this machine (once, then cached)."""
+    chosen = os.environ.get(ENV, "").strip().lower()
+    if chosen and chosen not in KERNELS:
+        raise MasgraphError(f"{ENV}={chosen!r}: expected one of {sorted(KERNELS)} (or unset: measured)")
+    if not available():
+        return "blas"
+    return chosen or remembered("linear-kernel.json", machine_key(torch.device("cpu")), _measure, KERNELS)
+
+
+def _measure(reps: int = 20, margin: float = 1.1) -> str:
+    """"onednn" if it runs a decode-shaped (32 rows) plus an update-shaped (512 rows) fp32 linear layer `margin`x
+    faster than `F.linear` on this CPU, else "blas". Best of 5 trials each: robust to a busy machine."""
+    gen = torch.Generator(device="cpu").manual_seed(0)  # never the global generator: that would move the caller's seed
+    weight = torch.randn(1536, 576, generator=gen)
+    inputs = [torch.randn(rows, 576, generator=gen) for rows in (32, 512)]
+    times = {}
+    for name, fn in (("blas", F.linear), ("onednn", _onednn)):
+        total = 0.0
+        for x in inputs:
+            fn(x, weight, None)  # warm-up
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps // 5):
+                    fn(x, weight, None)
+                best = min(best, time.perf_counter() - t0)
+            total += best
+        times[name] = total
+    return "onednn" if times["onednn"] * margin < times["blas"] else "blas"
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """A CPU fp32 input and plain (non-DTensor) CPU fp32 parameters that train nothing."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and weight.dim() == 2 and not weight.requires_grad
+            and type(weight.data) is torch.Tensor and (bias is None or not bias.requires_grad))
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x W^T + b through oneDNN; the input's gradient g W through oneDNN too (a linear layer with weight W^T)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        return _onednn(grad.contiguous(), weight.t(), None), None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through oneDNN when the parameters are frozen fp32 on a CPU that runs it faster."""
+    if not eligible(x, weight, bias) or kernel() != "onednn":
+        return F.linear(x, weight, bias)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _FrozenLinear.apply(x, weight, bias)
+    return _onednn(x, weight, bias)
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Route every plain `nn.Linear` of `model` through `linear` (each call checks eligibility again, so a layer
+    that later trains, moves or is sharded falls back by itself). Returns the number of layers routed; 0 where the
+    kernel chosen is BLAS (the model is left as it is)."""
+    if kernel() != "onednn":
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in vars(module):
+            module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Undo `install`; returns the number of layers restored."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and getattr(vars(module).get("forward"), "__func__", None) is _forward:
+            del module.forward
+            count += 1
+    return count
