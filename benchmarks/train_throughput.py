@@ -91,6 +91,14 @@ def resident(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+def linear_kernel(device: torch.device, dtype: str) -> str:
+    """The kernel masgraph's side ran its frozen linear layers on: on a CPU in fp32, BLAS or oneDNN, whichever this
+    machine measured faster (masgraph/backends/hf/onednn.py); elsewhere torch's default."""
+    from masgraph.backends.hf import onednn
+
+    return onednn.kernel() if device.type == "cpu" and dtype == "float32" else "default"
+
+
 def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict, list[dict], list[str], list]:
     """Flow-GRPO through TrainLoop (rollouts via the Runner); returns config, per-step records, prompts, items."""
     spec = load_spec(ROOT / "graphs" / "single.yaml")
@@ -134,7 +142,7 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
               "zero_variance": cfg.flow_grpo.batching.zero_variance, "resident_gib": loaded,
-              "threads": thread_env()}
+              "threads": thread_env(), "linear_kernel": linear_kernel(device, loop.learner.dtype)}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 
 
