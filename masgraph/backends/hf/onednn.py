@@ -72,10 +72,12 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """A CPU fp32 input and plain (non-DTensor) CPU fp32 parameters that train nothing."""
+    """A CPU fp32 input and plain (non-DTensor) CPU fp32 parameters that train nothing, outside CPU autocast (which
+    would run `F.linear` in bf16)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and weight.dim() == 2 and not weight.requires_grad
-            and type(weight.data) is torch.Tensor and (bias is None or not bias.requires_grad))
+            and type(weight.data) is torch.Tensor and (bias is None or not bias.requires_grad)
+            and not torch.is_autocast_enabled("cpu"))
 
 
 class _FrozenLinear(torch.autograd.Function):

@@ -87,13 +87,16 @@ def test_blas_leaves_the_model_alone(kernel):
     assert "mkldnn._linear_pointwise" not in ops.names
 
 
-def test_trainable_bf16_and_sharded_weights_keep_f_linear(kernel):
+def test_trainable_weights_bf16_and_autocast_keep_f_linear(kernel):
     kernel("onednn")
     trainable = torch.nn.Linear(16, 8)
     x = torch.randn(2, 16)
     with _Ops() as ops:
         onednn.linear(x, trainable.weight, trainable.bias).sum().backward()
         onednn.linear(x.bfloat16(), trainable.weight.detach().bfloat16())
+        frozen = _frozen(16, 8, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert onednn.linear(x, frozen.weight, frozen.bias).dtype == torch.bfloat16  # as F.linear under autocast
     assert "mkldnn._linear_pointwise" not in ops.names
     assert trainable.weight.grad is not None  # the weight's gradient still flows
 
