@@ -180,7 +180,10 @@ def finish(dp: DataParallel | None) -> None:
 
     try:
         announce(dp, None)
-    except PeerLost:
+        # every rank past its last message before any tears its gloo pairs down: a rank that destroyed the group
+        # while a peer still read from it aborted in gloo's teardown (SIGABRT, ~1 run in 6 of the kill-and-resume test)
+        dist.barrier()
+    except (PeerLost, RuntimeError):
         pass
     dist.destroy_process_group()
 
