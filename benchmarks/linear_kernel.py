@@ -98,7 +98,6 @@ def main() -> None:
     args = p.parse_args()
     if not onednn.available():
         sys.exit("error: this torch build has no oneDNN linear op")
-    torch.set_num_threads(torch.get_num_threads())
     rows = kernels(args.trials)
     table = ["| phase | rows | layer | pass | BLAS GFLOPS | oneDNN GFLOPS | oneDNN speed-up |",
              "|---|---|---|---|---|---|---|"]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from masgraph.backends.hf.measured import machine_key, remembered
+from masgraph.backends.hf.measured import best_time, machine_key, remembered
 
 
 def pick_dtype(reps: int = 50, margin: float = 1.3, device: torch.device | None = None) -> torch.dtype:
@@ -35,16 +33,7 @@ def _measure(device: torch.device, reps: int, margin: float) -> str:
         m, k, n = (32, 576, 1536) if device.type == "cpu" else (512, 2048, 2048)
         x = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
         w = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
-        x @ w  # warm-up
-        best = float("inf")
-        for _ in range(5):  # best of 5 trials: robust to a busy machine
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(reps // 5):
-                x @ w
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        times[dtype] = best
+        times[dtype] = best_time(lambda x=x, w=w: x @ w, reps, lambda: _sync(device))
     return "bfloat16" if times[torch.bfloat16] * margin < times[torch.float32] else "float32"
 
 

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,21 @@ def remembered(name: str, key: str, measure: Callable[[], str], allowed: frozens
         except OSError:
             pass  # a read-only cache only costs a re-measurement next time
     return choice
+
+
+def best_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds for `reps` // 5 calls of `fn`: the best of 5 trials (robust to a busy machine), after one warm-up call.
+    `sync` waits for queued device work (a GPU's) before each clock reading."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps // 5):
+            fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _read(path: Path, allowed: frozenset[str]) -> dict[str, str]:

@@ -2,9 +2,9 @@
 
 PyTorch's CPU build runs an fp32 `F.linear` as a BLAS sgemm (MKL); oneDNN, which it also ships, picks its kernels by
 the CPU's instruction set at run time. On an AVX-512 AMD EPYC (this project's CI machines) oneDNN ran the model's
-shapes 1.2-2x faster in fp32 (benchmarks/results/linear_kernel.md). Same dtype and fp32 accumulation: results differ
-from BLAS's by summation order only. Which one runs is measured once per machine (`measured.remembered`), or set by
-`MASGRAPH_LINEAR=onednn|blas`.
+shapes 1.32-1.35x faster in fp32 (geometric means; 0.93-2.23x per shape: benchmarks/results/linear_kernel.md). Same
+dtype and fp32 accumulation: results differ from BLAS's by summation order only. Which one runs is measured once per
+machine (`measured.remembered`), or set by `MASGRAPH_LINEAR=onednn|blas`.
 
 Only frozen weights are routed (the LoRA base layers, a tied or frozen output head): their backward needs the input's
 gradient alone, `grad @ W`, another oneDNN linear with the transposed weight. Trainable weights, other devices and
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import types
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from masgraph.backends.hf.measured import machine_key, remembered
+from masgraph.backends.hf.measured import best_time, machine_key, remembered
 from masgraph.errors import MasgraphError
 
 ENV = "MASGRAPH_LINEAR"
@@ -47,23 +46,12 @@ def kernel() -> str:
 
 def _measure(reps: int = 20, margin: float = 1.1) -> str:
     """"onednn" if it runs a decode-shaped (32 rows) plus an update-shaped (512 rows) fp32 linear layer `margin`x
-    faster than `F.linear` on this CPU, else "blas". Best of 5 trials each: robust to a busy machine."""
+    faster than `F.linear` on this CPU, else "blas" (each timed by `measured.best_time`)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the global generator: that would move the caller's seed
-    weight = torch.randn(1536, 576, generator=gen)
-    inputs = [torch.randn(rows, 576, generator=gen) for rows in (32, 512)]
-    times = {}
-    for name, fn in (("blas", F.linear), ("onednn", _onednn)):
-        total = 0.0
-        for x in inputs:
-            fn(x, weight, None)  # warm-up
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(reps // 5):
-                    fn(x, weight, None)
-                best = min(best, time.perf_counter() - t0)
-            total += best
-        times[name] = total
+    weight = torch.randn(1536, 576, generator=gen, device="cpu")
+    inputs = [torch.randn(rows, 576, generator=gen, device="cpu") for rows in (32, 512)]
+    times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, weight, None), reps) for x in inputs)
+             for name, fn in (("blas", F.linear), ("onednn", _onednn))}
     return "onednn" if times["onednn"] * margin < times["blas"] else "blas"
 
 
