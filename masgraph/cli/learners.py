@@ -117,6 +117,16 @@ def agreed_dtype(dp: DataParallel | None, graph: Graph, dtype: str) -> str:
     return dp.broadcast(mine, "dtype broadcast")
 
 
+def agree_linear_kernel(dp: DataParallel | None, graph: Graph) -> None:
+    """Every CPU learner rank runs rank 0's fp32 linear kernel (`masgraph/backends/hf/onednn.py`), broadcast before
+    the model loads: ranks that measured for themselves could choose differently and compute different numbers."""
+    if dp is None or learner_device(graph).type != "cpu":
+        return
+    from masgraph.backends.hf import onednn
+
+    onednn.use(dp.broadcast(onednn.kernel() if dp.writes else "", "linear kernel broadcast"))
+
+
 def learner_device(graph: Graph) -> Any:
     """The torch device the trainable policies (the learner) are on."""
     from masgraph.device import resolve_device

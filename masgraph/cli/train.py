@@ -22,6 +22,7 @@ from masgraph.cli.common import (
 from masgraph.cli.flags import backend_args, model_flag, non_negative_int, positive_float, positive_int
 from masgraph.cli.interrupt import drive_then_close
 from masgraph.cli.learners import (
+    agree_linear_kernel,
     agreed_dtype,
     follow,
     join,
@@ -145,6 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         checkpoint_adapters(checkpoint, graph.spec)  # a broken or foreign one is reported before the model loads
     dtype = agreed_dtype(dp, graph, checkpoint_dtype(checkpoint) if checkpoint else "auto")
+    agree_linear_kernel(dp, graph)
     # a resumed run keeps the dtype it was trained in; metrics.jsonl is the loop's own sink
     trainer = registry.algorithm(train.algorithm).trainer()
     progress = None if args.watch or not writes(dp) else TrainProgress(train.steps, every_s=args.progress_every,

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +92,8 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         from masgraph.runtime.engine import BackendOptions
         from masgraph.runtime.ray_engine import RayEngine
 
-        engine = RayEngine(graph, ray, BackendOptions(deterministic, seed=seed))
+        engine = RayEngine(_learner_dtype(graph, learner), _learner_env(ray, learner),
+                           BackendOptions(deterministic, seed=seed))
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])
     else:
         kind = registry.backends[rollout_kind(spec, registry)]
@@ -106,6 +107,31 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         served.evaluation = in_process(_served_policy(spec, "hf"), learner, **{**options, "deterministic": True},
                                        replica=sharded, weights=copy)
     return _apart(served, apart)
+
+
+def _learner_dtype(graph: Graph, learner: Learner) -> Graph:
+    """The graph with its `dtype: auto` hf policies in the learner's dtype, as they decode in process: a Ray worker
+    measuring its own choice (another thread count, another machine) could decode in another dtype than the one
+    trained in."""
+    dtype = getattr(learner, "dtype", None)
+    if not dtype:
+        return graph
+    from masgraph.graph import compile_spec
+
+    spec = graph.spec
+    policies = {n: p.model_copy(update={"dtype": dtype}) if p.backend == "hf" and p.dtype == "auto" else p
+                for n, p in spec.policies.items()}
+    return graph if policies == spec.policies else compile_spec(spec.model_copy(update={"policies": policies}))
+
+
+def _learner_env(ray: RayConfig, learner: Learner) -> RayConfig:
+    """`ray` with the workers' fp32 CPU linear kernel pinned to this process's (`masgraph/backends/hf/onednn.py`):
+    measured on a worker (another thread count, another machine) it could differ, and so would the numbers."""
+    if getattr(getattr(learner, "device", None), "type", None) != "cpu":
+        return ray
+    from masgraph.backends.hf import onednn
+
+    return replace(ray, env=(*ray.env, (onednn.ENV, onednn.kernel())))
 
 
 def _apart(served: Serving, apart: bool) -> Serving:

@@ -45,6 +45,9 @@ class RayConfig:
     gpus_per_worker: float = 0.0
     """Ray GPUs each worker reserves (0.5: two workers share a GPU). Ray hides the GPUs from an actor that reserves
     none, so a worker's `device: auto` is its CPU unless this is set."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables each worker process starts with (Ray's `runtime_env`): a training run's driver pins
+    there what a worker would otherwise measure for itself (`masgraph.learn.serving`)."""
 
 
 def require_ray() -> Any:
@@ -222,8 +225,9 @@ class WorkerPool:
             raise MasgraphError(f"{config.workers} workers x --gpus-per-worker {config.gpus_per_worker:g} need "
                                 f"{need:g} GPUs, and the Ray cluster has {have:g}; fix: fewer workers, a smaller "
                                 "--gpus-per-worker, or drop it to run the workers on CPUs")
+        env = {"runtime_env": {"env_vars": dict(config.env)}} if config.env else {}
         self._actor = ray.remote(RolloutWorker).options(num_cpus=config.cpus_per_worker,
-                                                        num_gpus=config.gpus_per_worker, max_concurrency=1000)
+                                                        num_gpus=config.gpus_per_worker, max_concurrency=1000, **env)
         self._graph_ref = ray.put(graph)
         local = not config.address
         self._threads = max(1, (os.cpu_count() or 1) // config.workers) if local else None

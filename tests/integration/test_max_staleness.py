@@ -208,10 +208,17 @@ def test_on_ray_workers_the_run_equals_the_in_process_one(tiny, tmp_path):
     published through the object store as the step after starts its rollouts; deterministic, so each step's loss
     equals the in-process replica run's, and the adapters do to 1e-5 (the worker's recorded log-probs differ from
     this process's in the last bits: measured 1.5e-8 after 3 on-policy steps, 3e-7 after 3 of these; a step decoded
-    on the wrong version moves the loss by ~1e-2)."""
+    on the wrong version moves the loss by ~1e-2).
+
+    The machine's measured dtypes disagree by thread count here, as CI's fresh cache once did (there bf16 at the
+    driver's 1 thread and fp32 at the worker's 2; the worker's fp32 decode of the bf16 learner moved the losses by up
+    to 8e-5; here the other way round, so that the learner is fp32 and has a linear kernel to agree on): the worker
+    decodes in the learner's dtype with the driver's kernel, whatever it would measure."""
     (tmp_path / "g.yaml").write_text(GRAPH.format(model=tiny, staleness=1))
     (tmp_path / "alt.py").write_text(ALT_PY)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    cache, driver = _disagreeing_cache(tmp_path / "cache")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "MASGRAPH_CACHE": str(cache), "MASGRAPH_LINEAR": ""}
     cmd = [sys.executable, "-m", "masgraph", "train", str(tmp_path / "g.yaml"), "--task",
            f"{tmp_path / 'alt.py'}:Alternating", "--device", "cpu"]
     for name, more in (("local", []), ("ray", ["--ray", "--workers", "1", "--address", "local"])):
@@ -224,3 +231,23 @@ def test_on_ray_workers_the_run_equals_the_in_process_one(tiny, tmp_path):
     want, got = [load_file(run / "checkpoints" / "step-3" / "adapters" / "answer" / "adapter_model.safetensors")
                  for run in runs]
     assert want.keys() == got.keys() and max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-5
+    # the worker ran the driver's kernel: it never measured one for its own thread count
+    assert json.loads((cache / "linear-kernel.json").read_text()) == {driver: "blas"}
+
+
+def _disagreeing_cache(path: Path) -> tuple[Path, str]:
+    """A masgraph cache whose measured dtype differs between 1 thread (the driver's, under OMP_NUM_THREADS=1: fp32)
+    and all the cores (a local Ray worker's: bf16), with a linear kernel for 1 thread only; and the driver's key."""
+    from masgraph.backends.hf.measured import machine_key
+
+    was, keys = torch.get_num_threads(), []
+    try:
+        for threads in (os.cpu_count() or 1, 1):
+            torch.set_num_threads(threads)
+            keys.append(machine_key(torch.device("cpu")))
+    finally:
+        torch.set_num_threads(was)
+    path.mkdir(parents=True)
+    (path / "dtype-choice.json").write_text(json.dumps(dict(zip(keys, ["bfloat16", "float32"]))))
+    (path / "linear-kernel.json").write_text(json.dumps({keys[1]: "blas"}))
+    return path, keys[1]

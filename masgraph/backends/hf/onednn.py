@@ -44,6 +44,16 @@ def kernel() -> str:
     return chosen or remembered("linear-kernel.json", machine_key(torch.device("cpu")), _measure, KERNELS)
 
 
+def use(choice: str) -> None:
+    """Run `choice` in this process and in the processes it starts, whatever this machine measured. The processes of
+    one run (its learner ranks, its Ray rollout workers) must compute the same numbers, and their own measurements
+    could differ (another thread count, another machine); call it before a model loads."""
+    if choice not in KERNELS:
+        raise MasgraphError(f"linear kernel {choice!r}: expected one of {sorted(KERNELS)}")
+    os.environ[ENV] = choice
+    kernel.cache_clear()
+
+
 def _measure(reps: int = 20, margin: float = 1.1) -> str:
     """"onednn" if it runs a decode-shaped (32 rows) plus an update-shaped (512 rows) fp32 linear layer `margin`x
     faster than `F.linear` on this CPU, else "blas" (each timed by `measured.best_time`)."""

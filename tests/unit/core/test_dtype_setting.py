@@ -92,3 +92,34 @@ def test_learner_ranks_load_the_dtype_rank_0_measured(monkeypatch):
     pinned = compile_spec(parse_spec(GRAPH.format(model="smollm2-135m", a="float32", b="auto"), "dt.yaml"),
                           check_models=False)
     assert agreed_dtype(one, pinned, "auto") == "auto" and len(one.sent) == 1  # the loop takes the pin
+
+
+def test_cpu_learner_ranks_run_the_linear_kernel_rank_0_chose(monkeypatch):
+    """Likewise the fp32 linear kernel (`masgraph/backends/hf/onednn.py`): every CPU rank runs rank 0's, set before
+    the model loads; a rank measuring for itself is never asked."""
+    from masgraph.backends.hf import onednn
+    from masgraph.cli.learners import agree_linear_kernel
+
+    class Rank:
+        def __init__(self, rank: int):
+            self.writes, self.sent = rank == 0, []
+
+        def broadcast(self, obj, what):
+            self.sent.append((obj, what))
+            return "blas"  # what rank 0 sent
+
+    monkeypatch.setenv(onednn.ENV, "onednn")  # this rank's own choice; restored after the test
+    onednn.kernel.cache_clear()
+    cpu = GRAPH.format(model="smollm2-135m", a="auto", b="auto").replace("dtype: auto}", "dtype: auto, device: cpu}")
+    graph = compile_spec(parse_spec(cpu, "dt.yaml"), check_models=False)
+    try:
+        zero, one = Rank(0), Rank(1)
+        agree_linear_kernel(one, graph)
+        assert one.sent == [("", "linear kernel broadcast")] and onednn.kernel() == "blas"
+        monkeypatch.setenv(onednn.ENV, "onednn")
+        onednn.kernel.cache_clear()
+        agree_linear_kernel(zero, graph)
+        assert zero.sent == [("onednn", "linear kernel broadcast")] and onednn.kernel() == "blas"
+        agree_linear_kernel(None, graph)  # one learner: nothing to agree on
+    finally:
+        onednn.kernel.cache_clear()
