@@ -9,7 +9,7 @@ distinct prefix, every row of it as extra queries: one read) and the row's own k
 their log-sum-exp (exact up to rounding: softmax over the union of keys).
 
 The model runs under the attention name `NAME` (registered with transformers; its mask is sdpa's), which is plain
-sdpa attention unless a `Cascade` is active on the calling thread (`with cascade.active():`)."""
+sdpa attention (`gqa.sdpa_attention`) unless a `Cascade` is active on the calling thread (`with cascade.active():`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from masgraph.backends.hf.gqa import sdpa_attention
 
 NAME = "masgraph_cascade"
 _thread = threading.local()  # .state: the Cascade of the forward pass running on this thread, if any
@@ -150,13 +152,11 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function registered as `NAME`: cascade attention while a `Cascade` is active on this thread,
-    transformers' sdpa attention otherwise."""
+    sdpa attention otherwise (`masgraph/backends/hf/gqa.py`: transformers', with masked grouped-query passes on a CPU
+    on the key/value heads)."""
     state = getattr(_thread, "state", None)
     if state is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return state.attend(module.layer_idx, query, key, value, scale), None
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import BackendError, LoraConfigSpec
-from masgraph.backends.hf import onednn
+from masgraph.backends.hf import cascade, onednn
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.device import describe, is_out_of_memory, resolve_device
 from masgraph.errors import MasgraphError
@@ -54,6 +54,9 @@ class HFModel:
                                    "or `--device cpu`)") from None
             raise
         self.head_hook = contiguous_head_input(self.model)
+        self.attention = cascade.install(self.model)
+        """Whether the model runs under masgraph's attention (`cascade.NAME`: sdpa, masked grouped-query passes on a
+        CPU on the key/value heads, and cascade decoding where a backend asks for it); its type allows it or not."""
         """The hook that gives the output head a row-major input (removable: the rollout benchmark's arm without it)."""
         self.onednn_layers = onednn.install(self.model) if self.device.type == "cpu" and self.dtype == torch.float32 \
             else 0
