@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from linear_kernel import best  # the same time-boxed best-of-trials loop
 from masgraph.backends.hf import gqa
 from results_file import results_file
 
@@ -37,19 +37,6 @@ HERE = Path(__file__).resolve().parent
 SHAPES = [(6, 75, 410), (5, 78, 488), (9, 34, 407), (7, 41, 451), (4, 75, 396), (1, 137, 547)]
 """(rows, new positions, attended positions) of the `mixed_router` update's largest attention calls (profiled)."""
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-
-
-def best(fn, trials: int, seconds: float = 0.3) -> float:
-    """Seconds per call: the best of `trials` timed loops of ~`seconds` each (one warm-up call first)."""
-    fn()
-    out = float("inf")
-    for _ in range(trials):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            fn()
-            n += 1
-        out = min(out, (time.perf_counter() - t0) / n)
-    return out
 
 
 def kernels(trials: int) -> list[dict]:
@@ -66,7 +53,7 @@ def kernels(trials: int) -> list[dict]:
             out.backward(grad)
             for x in (query, key, value):
                 x.grad = None
-        t = {name: best(lambda a=attend: step(a), trials)
+        t = {name: best(lambda a=attend: step(a), trials, seconds=0.3)
              for name, attend in (("transformers", sdpa_attention_forward), ("masgraph", gqa.sdpa_attention))}
         rows.append({"shape": (b, q, k), "transformers": t["transformers"], "masgraph": t["masgraph"],
                      "ratio": t["masgraph"] / t["transformers"]})
