@@ -17,7 +17,7 @@ import torch
 from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Request
 from masgraph.backends.hf.batcher import Batcher
 from masgraph.backends.hf.buckets import pass_cost
-from masgraph.backends.hf.cascade import Cascade, install
+from masgraph.backends.hf.cascade import Cascade
 from masgraph.backends.hf.decode import decode, prefill_shared
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.backends.hf.layout import TokenLayout, prefill, stack_prefixes
@@ -83,7 +83,7 @@ class HFBackend:
         or those of one adapter and static prefix ("prefix": the layout before). On this project's 2-core CPU
         "batch" measured no faster than "adapter" on the AgentFlow graph (results/rollout_throughput.md,
         2026-12-02): it is kept for devices where a decode step costs the same at any batch size (not measured)."""
-        self.cascade = install(self.weights.model)
+        self.cascade = self.weights.attention  # installed when the weights loaded
         """Rows on a cached static prefix attend its KV where it is, once per distinct prefix (cascade attention,
         masgraph/backends/hf/cascade.py), instead of a copy per row; on where the model's attention allows it (off
         only to compare with the layout before)."""

@@ -5,8 +5,9 @@ given; with a mask (a batch of padded, packed or prefix-sharing rows: every trai
 key/value head once per query head of its group (`repeat_kv`: SmolLM2's 3 heads become 9 copies), and the backward
 sums the copies' gradients again. torch's CPU flash-attention kernel takes the heads as they are, mask or not: the
 same outputs bit for bit, the gradients equal up to summation order (6e-8 at the update's shapes), and a masked
-forward + backward at 0.47-0.96x the time on the `mixed_router` update's shapes (2-core EPYC; 1.0x where a row is
-alone). On a GPU a masked GQA call would leave the flash kernels, so there nothing changes."""
+forward + backward at 0.54-0.79x the time on the `mixed_router` update's shapes (2-core EPYC; 0.99x where a row is
+alone: benchmarks/results/gqa_attention.md). On a GPU a masked GQA call would leave the flash kernels, so there
+nothing changes."""
 
 from __future__ import annotations
 

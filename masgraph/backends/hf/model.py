@@ -54,10 +54,10 @@ class HFModel:
                                    "or `--device cpu`)") from None
             raise
         self.head_hook = contiguous_head_input(self.model)
+        """The hook that gives the output head a row-major input (removable: the rollout benchmark's arm without it)."""
         self.attention = cascade.install(self.model)
         """Whether the model runs under masgraph's attention (`cascade.NAME`: sdpa, masked grouped-query passes on a
         CPU on the key/value heads, and cascade decoding where a backend asks for it); its type allows it or not."""
-        """The hook that gives the output head a row-major input (removable: the rollout benchmark's arm without it)."""
         self.onednn_layers = onednn.install(self.model) if self.device.type == "cpu" and self.dtype == torch.float32 \
             else 0
         """Linear layers routed through oneDNN (`masgraph/backends/hf/onednn.py`; 0 where BLAS is faster)."""

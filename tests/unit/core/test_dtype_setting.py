@@ -65,6 +65,18 @@ def test_a_pinned_dtype_is_the_one_the_backend_and_the_learner_load(tiny, tmp_pa
     assert base == {getattr(torch, dtype)}  # the adapters keep fp32 weights for the optimizer
 
 
+class _Rank:
+    """A learner rank's `DataParallel` as the agreement helpers use it: rank 0 writes; a broadcast records what this
+    rank sent and returns `sent_by_0`, what rank 0 sent."""
+
+    def __init__(self, rank: int, sent_by_0: str):
+        self.writes, self.sent, self.sent_by_0 = rank == 0, [], sent_by_0
+
+    def broadcast(self, obj, what):
+        self.sent.append((obj, what))
+        return self.sent_by_0
+
+
 def test_learner_ranks_load_the_dtype_rank_0_measured(monkeypatch):
     """Under 2+ learner ranks an `auto` dtype is rank 0's choice, broadcast: a rank that measured for itself could
     choose otherwise on a busy machine (the ranks would then train different models). A checkpoint's or a pinned
@@ -72,19 +84,11 @@ def test_learner_ranks_load_the_dtype_rank_0_measured(monkeypatch):
     from masgraph.backends.hf import dtype as dtype_module
     from masgraph.cli.learners import agreed_dtype
 
-    class Rank:
-        def __init__(self, rank: int):
-            self.writes, self.sent = rank == 0, []
-
-        def broadcast(self, obj, what):
-            self.sent.append((obj, what))
-            return "bfloat16"  # what rank 0 sent
-
     measured = []
     monkeypatch.setattr(dtype_module, "pick_dtype", lambda *, device=None: measured.append(device) or torch.float32)
     graph = compile_spec(parse_spec(GRAPH.format(model="smollm2-135m", a="auto", b="auto"), "dt.yaml"),
                          check_models=False)
-    one, zero = Rank(1), Rank(0)
+    one, zero = _Rank(1, "bfloat16"), _Rank(0, "bfloat16")
     assert agreed_dtype(one, graph, "auto") == "bfloat16" and not measured  # rank 1 takes rank 0's, measures nothing
     assert agreed_dtype(zero, graph, "auto") == "bfloat16" and zero.sent == [("float32", "dtype broadcast")]
     assert agreed_dtype(None, graph, "auto") == "auto"  # one learner: the loop picks for itself
@@ -100,20 +104,12 @@ def test_cpu_learner_ranks_run_the_linear_kernel_rank_0_chose(monkeypatch):
     from masgraph.backends.hf import onednn
     from masgraph.cli.learners import agree_linear_kernel
 
-    class Rank:
-        def __init__(self, rank: int):
-            self.writes, self.sent = rank == 0, []
-
-        def broadcast(self, obj, what):
-            self.sent.append((obj, what))
-            return "blas"  # what rank 0 sent
-
     monkeypatch.setenv(onednn.ENV, "onednn")  # this rank's own choice; restored after the test
     onednn.kernel.cache_clear()
     cpu = GRAPH.format(model="smollm2-135m", a="auto", b="auto").replace("dtype: auto}", "dtype: auto, device: cpu}")
     graph = compile_spec(parse_spec(cpu, "dt.yaml"), check_models=False)
     try:
-        zero, one = Rank(0), Rank(1)
+        zero, one = _Rank(0, "blas"), _Rank(1, "blas")
         agree_linear_kernel(one, graph)
         assert one.sent == [("", "linear kernel broadcast")] and onednn.kernel() == "blas"
         monkeypatch.setenv(onednn.ENV, "onednn")
