@@ -4,13 +4,14 @@
 #       figure) and vs its own calls replayed into the raw batched decode, plus the other rollout ratios
 #       (benchmarks/rollout_throughput.py on random:smollm2-135m, the CPU figure's shape, and random:qwen2-0.5b);
 #   (b) Flow-GRPO training tokens/s vs TRL GRPOTrainer (no vLLM; same model, LoRA, batch, dtype, completion length)
-#       on a 0.5B-class model (benchmarks/train_throughput.py);
-#   (c) peak GPU memory per training step, 0.5B- and 1.5B-class configs, each without and with gradient
-#       checkpointing, both sides (train_throughput.py);
+#       on a 0.5B-class model at 64 completions x 512 tokens (benchmarks/train_throughput.py; its peak memory too);
+#   (c) peak GPU memory per training step at the 1.5B-class config, masgraph alone, without and with gradient
+#       checkpointing (train_throughput.py --no-trl);
 #   (d) the learning benchmark's first 10 steps on the GPU, two seeds (benchmarks/learns.py --device cuda): held-out
 #       accuracy before -> after. Needs the embedded model's real weights (SmolLM2-135M); skipped without them;
 #   (t) the `gpu` test tier (the real-model tests marked gpu), one file at a time with its own time limit, so a
-#       slow file cannot hide the others' failures. Needs the real weights too. Not in the default --only.
+#       slow file cannot hide the others' failures; runs first when asked for; TIER_ONLY=REGEX picks files. Needs
+#       the real weights too. Not in the default --only.
 # Speed and memory are measured on random-weight models of real shapes (benchmarks/models.py) with fixed-length
 # generation, so no weights need to travel for (a)-(c).
 #
@@ -196,15 +197,16 @@ if [[ $SMOKE -eq 1 ]]; then
   OUTDIR="${OUTDIR:-$ROOT/runs/bench-gpu-smoke-$STAMP}"
   DEV=cpu
   ROLL_MODELS=(random:tiny); ROLL_ARGS=(--n 2 --max-new 8)
-  TRAIN_MODEL=random:tiny; TRAIN_ARGS=(--steps 2 --max-tokens 8)
-  MEM_MODELS=(random:tiny); MEM_ARGS=(--steps 2 --max-tokens 8)
+  TRAIN_MODEL=random:tiny; TRAIN_ARGS=(--steps 2 --max-tokens 8 --queries 2)
+  MEM_MODELS=(random:tiny); MEM_ARGS=(--steps 2 --max-tokens 8 --no-trl)
   LEARN_STEPS=1; LEARN_ARGS=(--model random:tiny --minutes 5 --eval-n 2 --passk-n 0)
 else
   OUTDIR="${OUTDIR:-$ROOT/runs/bench-gpu-$STAMP}"
   DEV=cuda
   ROLL_MODELS=(random:smollm2-135m random:qwen2-0.5b); ROLL_ARGS=(--n 16)
-  TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps 5 --max-tokens 128)
-  MEM_MODELS=(random:qwen2-0.5b random:qwen2-1.5b); MEM_ARGS=(--steps 3 --max-tokens 128)
+  # issue 55's GPU shape: 64 completions (8 queries x group 8) x 512 tokens on the 0.5B shape; (c) adds 1.5B
+  TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps 3 --max-tokens 512 --queries 8)
+  MEM_MODELS=(random:qwen2-1.5b); MEM_ARGS=(--steps 2 --max-tokens 512 --queries 8 --no-trl)
   LEARN_STEPS=10; LEARN_ARGS=(--minutes 30 --eval-n 200 --passk-n 0)
 fi
 mkdir -p "$OUTDIR" || exit 1
@@ -245,6 +247,14 @@ step() {
     SUMMARY+=("FAILED  $what (exit $rc; $log.log)"); FAILED=1; fi
 }
 wants() { [[ ",$ONLY," == *",$1,"* ]]; }
+
+if wants t; then
+  # `-P` as in pyout (which `timeout` cannot run: a shell function), so the tests import the installed masgraph
+  for f in $(grep -l "mark.gpu" tests/integration/*.py | grep -E -- "${TIER_ONLY:-.}" | sort); do
+    step "t-$(basename "$f" .py)" "(t) gpu test tier: $f" timeout "${TIER_FILE_S:-240}" "$PY" -P -m pytest -q -rA \
+      --tb=short -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu -k "not litellm" "$f"
+  done
+fi
 
 if wants a; then
   # the CPU figure this repo recorded (benchmarks/results/rollout_throughput.md), next to the GPU's
@@ -289,13 +299,6 @@ if wants d; then
   fi
 fi
 
-if wants t; then
-  # `-P` as in pyout (which `timeout` cannot run: a shell function), so the tests import the installed masgraph
-  for f in $(grep -l "mark.gpu" tests/integration/*.py | sort); do
-    step "t-$(basename "$f" .py)" "(t) gpu test tier: $f" timeout "${TIER_FILE_S:-240}" "$PY" -P -m pytest -q -rA \
-      --tb=short -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu -k "not litellm" "$f"
-  done
-fi
 
 echo
 echo "=== summary ($OUTDIR)"

@@ -7,9 +7,9 @@ queries per step, completion cap, temperature, LoRA (r, alpha, q/v), learning ra
 coefficient and dtype (pinned for both sides with --dtype: fp32 on a CPU, bf16 on a GPU by default; masgraph's
 own dtype probe is not used), and gradient checkpointing on both sides or on neither (--gradient-checkpointing;
 off by default, though TRL's GRPOConfig turns it on by default). Every setting of both sides is printed and
-recorded. One optimizer step = rollouts of 4 queries × 8 completions + one update, on both sides. Tokens are
-counted the same way on both: completion tokens generated per step (EOS included) divided by the step's
-wall-clock. The first step of each side is warm-up and not counted.
+recorded. One optimizer step = rollouts of 4 queries (--queries) × 8 completions + one update, on both sides.
+Tokens are counted the same way on both: completion tokens generated per step (EOS included) divided by the
+step's wall-clock. The first step of each side is warm-up and not counted.
 
 On a GPU (--device, default auto: the GPU when torch sees one) each side's peak device memory per training step
 is reported too (torch.cuda.max_memory_allocated, reset at the start of each step: rollouts + update); each side
@@ -105,7 +105,9 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
     # zero_variance: keep — train on every row, as TRL does (skipping all-equal groups would do less work)
     fg = with_overrides(spec.train.flow_grpo, {"batching": {"zero_variance": "keep",
                                                             "micro_batch_tokens": args.micro_batch_tokens}})
-    cfg = spec.train.model_copy(update={"steps": args.steps, "eval_every": 0, "eval_n": 1, "checkpoint_every": 10_000,
+    queries = args.queries or spec.train.queries_per_step
+    cfg = spec.train.model_copy(update={"steps": args.steps, "queries_per_step": queries, "eval_every": 0,
+                                        "eval_n": 1, "checkpoint_every": 10_000,
                                         "flow_grpo": fg, "gradient_checkpointing": args.gradient_checkpointing})
     main = spec.policies["main"]
     sampling = main.sampling.model_copy(update={"max_tokens": args.max_tokens or main.sampling.max_tokens})
@@ -236,6 +238,8 @@ def main() -> int:
     p.add_argument("--device", default="auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="completion cap of both sides (default: graphs/single.yaml's, 32)")
+    p.add_argument("--queries", type=int, default=None,
+                   help="queries per step on both sides, each a group of 8 completions (default: single.yaml's, 4)")
     p.add_argument("--fixed-length", action="store_true",
                    help="every completion runs to --max-tokens on both sides (always on for a random model)")
     p.add_argument("--gradient-checkpointing", action="store_true",
@@ -261,7 +265,8 @@ def main() -> int:
         return run_side(args)
     resolve(args.model, args.device)  # a random model is built once here, not by each side
     train = load_spec(ROOT / "graphs" / "single.yaml").train
-    step_rows = train.flow_grpo.group_size * train.queries_per_step  # before the masgraph side's minutes, not after
+    # checked before the masgraph side's minutes, not after
+    step_rows = train.flow_grpo.group_size * (args.queries or train.queries_per_step)
     if args.trl_micro_batch is not None and (args.trl_micro_batch < 1 or step_rows % args.trl_micro_batch):
         p.error(f"--trl-micro-batch must divide a step's {step_rows} rows (e.g. 8 or 16)")
 
