@@ -49,3 +49,34 @@ def test_a_signal_stops_work_that_holds_the_event_loop_within_seconds(tmp_path, 
         proc.kill()
     assert proc.returncode == code and waited < 10, (proc.returncode, waited)  # was: the 30 s, then exit 0
     assert "Traceback" not in proc.stderr.read()
+
+
+FAILS_THEN_STOPPED = '''
+import asyncio, os, signal, sys
+from masgraph.cli.interrupt import drive_then_close
+from masgraph.errors import MasgraphError
+
+async def work():
+    raise MasgraphError("learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is X")
+
+async def aclose():  # the SIGTERM arrives while the backends close
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(5)
+
+try:
+    sys.exit(drive_then_close(work, aclose, None, False, None))
+except MasgraphError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
+'''
+
+
+def test_a_sigterm_while_an_error_is_on_its_way_out_keeps_the_error(tmp_path):
+    """torchrun stops the other learner ranks (SIGTERM) once one dies; rank 0, which saw the same loss, may be closing
+    its backends by then: its error line (naming the last checkpoint) must not turn into a silent interruption (CI's
+    kill-one-rank test lost it so, 2026-12-04)."""
+    (tmp_path / "work.py").write_text(FAILS_THEN_STOPPED)
+    done = subprocess.run([sys.executable, str(tmp_path / "work.py")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.strip() == ("error: learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint "
+                                   "is X"), done.stderr
