@@ -39,6 +39,14 @@ def sortable(key: tuple) -> tuple:
     return tuple((0, x, "") if isinstance(x, int | float) else (1, 0, str(x)) for x in key)
 
 
+def cascade_pays(weights: HFModel) -> bool:
+    """Whether rows decode through the cascade on these weights: where their attention allows it (installed at load),
+    on a CPU. Elsewhere a device reads a prefix's copy per row in microseconds, while the cascade's own ops per layer
+    and prefix nearly double a decode step's (3,825 vs 1,996 aten ops at 64 rows of the 0.5B shape, each a kernel
+    launch and a Python call on a GPU: benchmarks/results/decode_ops.md)."""
+    return weights.attention and weights.device.type == "cpu"
+
+
 class HFBackend:
     """Serves chat completions from a local transformers model.
 
@@ -83,10 +91,10 @@ class HFBackend:
         or those of one adapter and static prefix ("prefix": the layout before). On this project's 2-core CPU
         "batch" measured no faster than "adapter" on the AgentFlow graph (results/rollout_throughput.md,
         2026-12-02): it is kept for devices where a decode step costs the same at any batch size (not measured)."""
-        self.cascade = self.weights.attention  # installed when the weights loaded
+        self.cascade = cascade_pays(self.weights)
         """Rows on a cached static prefix attend its KV where it is, once per distinct prefix (cascade attention,
-        masgraph/backends/hf/cascade.py), instead of a copy per row; on where the model's attention allows it (off
-        only to compare with the layout before)."""
+        masgraph/backends/hf/cascade.py), instead of a copy per row (`cascade_pays`: on a CPU; off only to compare
+        with the layout before)."""
         self.pass_overhead = pass_cost(self.weights.model)
         """A batch's prompt parts of different lengths run as passes over rows of similar length, `plan` weighing
         this many positions per pass (masgraph/backends/hf/buckets.py); None: one pass, left-padded to the longest

@@ -112,3 +112,14 @@ def test_the_stats_count_the_padding_the_prompt_passes_ran(tiny_model):
     run = backend.stats["prompt_positions_run"] - before["prompt_positions_run"]
     lengths = [len(backend.encode(r.messages, 2)[0]) for r in (short, long)]
     assert run == computed + lengths[1] - lengths[0]  # the short row's left padding beside the long one
+
+
+def test_off_a_cpu_the_rows_decode_without_the_cascade(tiny_model):
+    """On a GPU the cascade's ops per layer and prefix cost more launches than reading each row's prefix copy
+    (benchmarks/results/decode_ops.md): a backend on weights of another device decodes without it."""
+    from masgraph.backends.hf.model import HFModel
+
+    weights = HFModel(str(tiny_model("qwen2")), "float32")
+    assert HFBackend(weights).cascade and backend_module.cascade_pays(weights)  # on this CPU
+    weights.device = torch.device("cuda")  # what a model loaded on a GPU reports (nothing runs on it here)
+    assert weights.attention and not backend_module.cascade_pays(weights)

@@ -1,0 +1,149 @@
+"""Aten ops per decode step: masgraph's hf backend (cascade attention on and off) vs transformers' `generate` (what
+TRL's GRPOTrainer samples with), at one shape, under a LoRA adapter, rows sampling at temperature 0.7.
+
+On a GPU a small model's decode step is bound by the host: each aten op is a Python call and a kernel launch
+(~10-30 µs), whatever its size. On the H200 a 64-row step of the 0.5B shape took ~0.2 s (results/gpu.md,
+2026-12-04), far above its kernels' time; this counts the ops behind that on a CPU, where the count is the same.
+The model is a random-weight model with the layer count, attention heads, key/value heads and vocabulary of
+`--shape` (benchmarks/models.py) but hidden size heads × 8 and a 128-wide MLP, so its compute is near zero and its
+ops are those of the full shape. Each arm generates `--tokens` and half that; the difference over the extra
+tokens is the ops of one decode step (the prompt pass cancels out). Wall-clock per step is printed too (this CPU,
+thin model: the host's per-op cost plus the sampling over the vocabulary; not a GPU figure).
+
+    .venv/bin/python benchmarks/decode_ops.py [--shape qwen2-0.5b] [--rows 64] [--tokens 32]
+"""
+
+# ruff: noqa: E402, I001  (`import masgraph` sets torch's thread wait policy, which libgomp reads when torch loads)
+from __future__ import annotations
+
+import masgraph  # noqa: F401
+
+import argparse
+import collections
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from masgraph.model import cache_dir
+from models import SHAPES, TOKENIZER_FILES, tokenizer_dir
+from results_file import results_file
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def thin(shape: str) -> Path:
+    """A random model with `shape`'s layers, heads, key/value heads and vocabulary, and near-zero compute."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
+    fields.update(hidden_size=fields["num_attention_heads"] * 8, intermediate_size=128, head_dim=8)
+    out = cache_dir() / "bench-models" / f"thin-{shape}-v1"
+    if not (out / "model.safetensors").exists():
+        config = AutoConfig.for_model(SHAPES[shape]["model_type"], **fields, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=2)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+        for f in TOKENIZER_FILES:
+            if (tokenizer_dir() / f).exists():
+                shutil.copy(tokenizer_dir() / f, out / f)
+    return out
+
+
+def per_step(run, tokens: int) -> tuple[float, float, collections.Counter[str]]:  # noqa: ANN001
+    """(ops per decode step, wall ms per decode step, ops per step by name) of `run(n)`, which generates n tokens
+    per row: from `tokens` and `tokens // 2` (the prompt pass cancels out)."""
+    half = tokens // 2
+    run(half)  # warm-up
+    walls, counts = {}, {}
+    for n in (half, tokens):
+        t0 = time.perf_counter()
+        run(n)
+        walls[n] = time.perf_counter() - t0
+        with Ops() as ops:
+            run(n)
+        counts[n] = ops.counts
+    steps = tokens - half
+    diff = collections.Counter({k: (counts[tokens][k] - counts[half].get(k, 0)) / steps for k in counts[tokens]})
+    return sum(diff.values()), (walls[tokens] - walls[half]) / steps * 1000, diff
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--rows", type=int, default=64, help="rows decoding at once (8 prompts x rows/8 samples)")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--record", type=Path, default=results_file("decode_ops"))
+    args = p.parse_args()
+    from masgraph.backends.base import Request
+    from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf.learner import HFLearner
+    from masgraph.learn.learner import LoraConfigSpec, WeightSync
+    from masgraph.spec import SamplingSpec
+
+    path = thin(args.shape)
+    learner = HFLearner(str(path), dtype="float32", device="cpu")
+    learner.add_adapter("main", LoraConfigSpec())
+    backend = HFBackend(learner.weights, max_batch_size=args.rows)
+    WeightSync(learner, [backend])()
+    backend.layout.eos_ids.clear()  # every row runs to its max_tokens, as generate's min_new_tokens below
+    system = "Solve the arithmetic problem. Give the answer as: Answer: <number>."
+    messages = [[{"role": "system", "content": system}, {"role": "user", "content": f"What is {q * 37} + {q * 91}?"}]
+                for q in range(8) for _ in range(args.rows // 8)]
+
+    def masgraph_run(cascade: bool):  # noqa: ANN202
+        def run(n: int) -> None:
+            backend.cascade = cascade
+            sampling = SamplingSpec(temperature=0.7, max_tokens=n)
+            backend.generate([Request(m, sampling=sampling, seed=i, adapter="main") for i, m in enumerate(messages)])
+        return run
+
+    tok = backend.tokenizer
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    model = learner.weights.model
+
+    def hf_run(n: int) -> None:
+        with learner.weights.use("main"), torch.no_grad():
+            model.generate(**batch, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=tok.pad_token_id)
+
+    arms = {"masgraph (cascade attention: the CPU default)": masgraph_run(True),
+            "masgraph (no cascade: the default elsewhere)": masgraph_run(False),
+            "transformers generate (TRL's sampler)": hf_run}
+    results = {}
+    for name, run in arms.items():
+        results[name] = per_step(run, args.tokens)
+        ops, ms, _ = results[name]
+        print(f"{name}: {ops:.0f} aten ops per decode step, {ms:.1f} ms per step here", flush=True)
+    peer = results["transformers generate (TRL's sampler)"][0]
+    rows = [f"| {name} | {ops:.0f} | {ops / peer:.2f}x | {ms:.1f} |" for name, (ops, ms, _) in results.items()]
+    top = "; ".join(f"{k} {v:.0f}" for k, v in results[next(iter(arms))][2].most_common(8))
+    with open(args.record, "a") as f:
+        f.write(f"\n### Aten ops per decode step, {args.shape} shape, {args.rows} rows "
+                f"({datetime.now():%Y-%m-%d %H:%M})\n\n`{' '.join([Path(sys.executable).name, *sys.argv])}` — thin "
+                f"random model of the shape's layers / heads / vocabulary (near-zero compute), LoRA r16 q/v active, "
+                f"T 0.7, ops of the last {args.tokens - args.tokens // 2} of {args.tokens} tokens per step.\n\n"
+                "| arm | aten ops per decode step | vs generate | ms per step, this CPU (thin model) |\n"
+                "|---|---|---|---|\n" + "\n".join(rows) + f"\n\nMost frequent in the first arm, per step: {top}.\n")
+    print(f"recorded in {args.record}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
