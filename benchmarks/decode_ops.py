@@ -1,8 +1,8 @@
 """Aten ops per decode step: masgraph's hf backend (cascade attention on and off) vs transformers' `generate` (what
 TRL's GRPOTrainer samples with), at one shape, under a LoRA adapter, rows sampling at temperature 0.7.
 
-On a GPU a small model's decode step is bound by the host: each aten op is a Python call and a kernel launch
-(~10-30 µs), whatever its size. On the H200 a 64-row step of the 0.5B shape took ~0.2 s (results/gpu.md,
+On a GPU a small model's decode step can be bound by the host: each aten op is a Python call and a kernel launch,
+whatever its size (tens of microseconds each: an estimate, not measured here). On the H200 a 64-row step of the 0.5B shape took ~0.2 s (results/gpu.md,
 2026-12-04), far above its kernels' time; this counts the ops behind that on a CPU, where the count is the same.
 The model is a random-weight model with the layer count, attention heads, key/value heads and vocabulary of
 `--shape` (benchmarks/models.py) but hidden size heads × 8 and a 128-wide MLP, so its compute is near zero and its
