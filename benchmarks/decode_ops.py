@@ -2,8 +2,9 @@
 TRL's GRPOTrainer samples with), at one shape, under a LoRA adapter, rows sampling at temperature 0.7.
 
 On a GPU a small model's decode step can be bound by the host: each aten op is a Python call and a kernel launch,
-whatever its size (tens of microseconds each: an estimate, not measured here). On the H200 a 64-row step of the 0.5B shape took ~0.2 s (results/gpu.md,
-2026-12-04), far above its kernels' time; this counts the ops behind that on a CPU, where the count is the same.
+whatever its size (tens of microseconds each: an estimate, not measured here). On the H200 a 64-row step of the
+0.5B shape took ~0.2 s (results/gpu.md, 2026-12-04), far above its kernels' time; this counts the ops behind that
+on a CPU, where the count is about the same (the CPU's oneDNN linear layers add a detach each).
 The model is a random-weight model with the layer count, attention heads, key/value heads and vocabulary of
 `--shape` (benchmarks/models.py) but hidden size heads × 8 and a 128-wide MLP, so its compute is near zero and its
 ops are those of the full shape. Each arm generates `--tokens` and half that; the difference over the extra
@@ -112,7 +113,7 @@ def main() -> int:
 
     def masgraph_run(cascade: bool):  # noqa: ANN202
         def run(n: int) -> None:
-            backend.cascade = cascade
+            backend.cascade = cascade and learner.weights.attention  # only where the model can run it
             sampling = SamplingSpec(temperature=0.7, max_tokens=n)
             backend.generate([Request(m, sampling=sampling, seed=i, adapter="main") for i, m in enumerate(messages)])
         return run
@@ -130,13 +131,13 @@ def main() -> int:
 
     arms = {"masgraph (cascade attention: the CPU default)": masgraph_run(True),
             "masgraph (no cascade: the default elsewhere)": masgraph_run(False),
-            "transformers generate (TRL's sampler)": hf_run}
+            "transformers generate, same model (TRL's sampler)": hf_run}
     results = {}
     for name, run in arms.items():
         results[name] = per_step(run, args.tokens)
         ops, ms, _ = results[name]
         print(f"{name}: {ops:.0f} aten ops per decode step, {ms:.1f} ms per step here", flush=True)
-    peer = results["transformers generate (TRL's sampler)"][0]
+    peer = results["transformers generate, same model (TRL's sampler)"][0]
     rows = [f"| {name} | {ops:.0f} | {ops / peer:.2f}x | {ms:.1f} |" for name, (ops, ms, _) in results.items()]
     top = "; ".join(f"{k} {v:.0f}" for k, v in results[next(iter(arms))][2].most_common(8))
     with open(args.record, "a") as f:

@@ -86,6 +86,7 @@ BINARY_WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typ
 PURE_SDISTS=(zss==1.2.0 cellpylib==2.4.0)   # no wheel published: built here (pure Python, any platform)
 C_SDISTS=(pycosat==0.6.6)                   # C extension, sdist only: built there (cp312), else a stub (see below)
 if [[ -n "$STAGE" ]]; then
+  STAGE="${STAGE%/}"  # DIR/ would put DIR-call2 inside DIR
   mkdir -p "$STAGE/sdist" "$STAGE/tokenizer" || exit 1
   plat=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -114,13 +115,15 @@ if [[ -n "$STAGE" ]]; then
   (cd "$STAGE/gguf" && sha256sum part-* > SHA256 && sha256sum < "$gguf" | cut -d' ' -f1 > WHOLE) || exit 1
   # one folder per device call, each under a call's 64 MiB with the tree (~5 MB): DIR itself (the wheels, the
   # tokenizer, the checksums and as many parts as fit), then DIR-call2, DIR-call3, ... with the other parts
-  room=$(( 60000000 - $(du -sb "$STAGE" | cut -f1) )) call=1
+  later=$(cd "$STAGE/gguf" && ls part-* | sed 1d | xargs -r stat -c %s | awk '{n += $1} END {print n + 0}')
+  room=$(( 60000000 - $(du -sb "$STAGE" | cut -f1) + later )) call=1  # what DIR holds beside its first part
   for part in $(cd "$STAGE/gguf" && ls part-* | sed 1d); do
     size=$(stat -c %s "$STAGE/gguf/$part")
     if (( size > room )); then call=$((call + 1)) room=60000000; fi
     if (( call > 1 )); then mkdir -p "$STAGE-call$call/gguf" && mv "$STAGE/gguf/$part" "$STAGE-call$call/gguf/" || exit 1; fi
     room=$((room - size))
   done
+  shopt -s nullglob
   du -sh "$STAGE" "$STAGE"-call*
   git -C "$ROOT" check-ignore -q "$STAGE/" 2>/dev/null ||
     echo "WARNING: $STAGE is not ignored by git: it would travel with the tree every call; first:" \

@@ -55,14 +55,14 @@ def drive_then_close(work: Callable[[], Awaitable[None]], aclose: Callable[[], C
         except asyncio.CancelledError:  # Ctrl-C or SIGTERM: what finished is saved by now; do not wait long
             closed = await closed_within(aclose(), CLOSE_GRACE_S)
             raise
-        except BaseException as failed:
+        except BaseException:
             try:
                 await aclose()
             except asyncio.CancelledError:
                 # a stop asked for while this error was on its way out (torchrun stopping the learner ranks because
                 # one died, as this rank saw the same loss): the error is what happened, and it names the checkpoint
-                raise failed from None
-            raise
+                pass
+            raise  # the error, as raised (its cause kept)
         await aclose()
 
     code = drive(main, run_dir, watch, display)

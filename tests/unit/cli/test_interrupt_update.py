@@ -57,7 +57,8 @@ from masgraph.cli.interrupt import drive_then_close
 from masgraph.errors import MasgraphError
 
 async def work():
-    raise MasgraphError("learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is X")
+    raise MasgraphError("learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is X") from \
+        RuntimeError("Connection closed by peer")
 
 async def aclose():  # the SIGTERM arrives while the backends close
     os.kill(os.getpid(), signal.SIGTERM)
@@ -67,6 +68,7 @@ try:
     sys.exit(drive_then_close(work, aclose, None, False, None))
 except MasgraphError as exc:
     print(f"error: {exc}", file=sys.stderr)
+    print(f"cause: {exc.__cause__!r}", file=sys.stderr)
     sys.exit(2)
 '''
 
@@ -78,5 +80,7 @@ def test_a_sigterm_while_an_error_is_on_its_way_out_keeps_the_error(tmp_path):
     (tmp_path / "work.py").write_text(FAILS_THEN_STOPPED)
     done = subprocess.run([sys.executable, str(tmp_path / "work.py")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert done.stderr.strip() == ("error: learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint "
-                                   "is X"), done.stderr
+    assert done.stderr.splitlines() == [
+        "error: learner rank 0 of 2: the gradient all-reduce failed; the last checkpoint is X",
+        "cause: RuntimeError('Connection closed by peer')",  # the error as raised, its cause kept
+    ], done.stderr
