@@ -23,7 +23,6 @@ import masgraph  # noqa: F401
 
 import argparse
 import collections
-import shutil
 import sys
 import time
 from datetime import datetime
@@ -32,8 +31,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from masgraph.model import cache_dir
-from models import SHAPES, TOKENIZER_FILES, resolve, tokenizer_dir
+from models import SHAPES, built, resolve
 from results_file import results_file
 
 
@@ -51,20 +49,9 @@ class Ops(TorchDispatchMode):
 
 def thin(shape: str) -> Path:
     """A random model with `shape`'s layers, heads, key/value heads and vocabulary, and near-zero compute."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
-    fields.update(hidden_size=fields["num_attention_heads"] * 8, intermediate_size=128, head_dim=8)
-    out = cache_dir() / "bench-models" / f"thin-{shape}-v1"
-    if not (out / "model.safetensors").exists():
-        config = AutoConfig.for_model(SHAPES[shape]["model_type"], **fields, bos_token_id=1, eos_token_id=2,
-                                      pad_token_id=2)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-        for f in TOKENIZER_FILES:
-            if (tokenizer_dir() / f).exists():
-                shutil.copy(tokenizer_dir() / f, out / f)
-    return out
+    fields = {**SHAPES[shape], "hidden_size": SHAPES[shape]["num_attention_heads"] * 8, "intermediate_size": 128,
+              "head_dim": 8}
+    return built(f"thin-{shape}", fields)
 
 
 def per_step(run, tokens: int) -> tuple[float, float, collections.Counter[str]]:  # noqa: ANN001
@@ -129,16 +116,16 @@ def main() -> int:
             model.generate(**batch, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=n,
                            min_new_tokens=n, pad_token_id=tok.pad_token_id)
 
+    peer = "transformers generate, same model (TRL's sampler)"
     arms = {"masgraph (cascade attention: the CPU default)": masgraph_run(True),
-            "masgraph (no cascade: the default elsewhere)": masgraph_run(False),
-            "transformers generate, same model (TRL's sampler)": hf_run}
+            "masgraph (no cascade: the default elsewhere)": masgraph_run(False), peer: hf_run}
     results = {}
     for name, run in arms.items():
         results[name] = per_step(run, args.tokens)
         ops, ms, _ = results[name]
         print(f"{name}: {ops:.0f} aten ops per decode step, {ms:.1f} ms per step here", flush=True)
-    peer = results["transformers generate, same model (TRL's sampler)"][0]
-    rows = [f"| {name} | {ops:.0f} | {ops / peer:.2f}x | {ms:.1f} |" for name, (ops, ms, _) in results.items()]
+    rows = [f"| {name} | {ops:.0f} | {ops / results[peer][0]:.2f}x | {ms:.1f} |"
+            for name, (ops, ms, _) in results.items()]
     top = "; ".join(f"{k} {v:.0f}" for k, v in results[next(iter(arms))][2].most_common(8))
     with open(args.record, "a") as f:
         model_kind = ("full random-weight model" if args.full else

@@ -62,13 +62,19 @@ def resolve(name: str, device: str = "cpu") -> str:
     if shape not in SHAPES:
         raise SystemExit(f"--model {name}: unknown shape; use one of "
                          f"{', '.join('random:' + s for s in SHAPES)}, a model name or a local HF directory")
-    out = cache_dir() / "bench-models" / f"random-{shape}-v{VERSION}"
+    return str(built(f"random-{shape}", SHAPES[shape], device))
+
+
+def built(name: str, fields: dict[str, Any], device: str = "cpu") -> Path:
+    """The cached directory of a random-weight model of config `fields` (`model_type` among them), with the SmolLM2
+    tokenizer: built once, as `name`, on `device` when it is a GPU."""
+    out = cache_dir() / "bench-models" / f"{name}-v{VERSION}"
     if (out / "model.safetensors").exists():
-        return str(out)
-    return str(_build(shape, out, device))
+        return out
+    return _build(name, fields, out, device)
 
 
-def _build(shape: str, out: Path, device: str) -> Path:
+def _build(name: str, fields: dict[str, Any], out: Path, device: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -78,9 +84,9 @@ def _build(shape: str, out: Path, device: str) -> Path:
                          f"({', '.join(TOKENIZER_FILES)}) there, or point MASGRAPH_BENCH_TOKENIZER at a directory "
                          "holding them")
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}  # the SmolLM2 tokenizer's
-    fields = dict(SHAPES[shape])
+    fields = dict(fields)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, **ids)
-    print(f"building random:{shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+    print(f"building {name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
           f"{config.vocab_size}) into {out}", file=sys.stderr, flush=True)
     torch.manual_seed(0)
     build_on = torch.device(device if device.startswith("cuda") and torch.cuda.is_available() else "cpu")
@@ -88,7 +94,7 @@ def _build(shape: str, out: Path, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config = GenerationConfig(**ids)
     try:
-        with building_dir(out, prefix=f".random-{shape}-") as tmp:
+        with building_dir(out, prefix=f".{name}-") as tmp:
             model.save_pretrained(tmp)
             for f in TOKENIZER_FILES:
                 if (src / f).exists():
