@@ -134,8 +134,13 @@ def test_calls_batched_together_are_each_charged_their_share_of_the_batch():
     assert [t.status for t in traces] == ["ok"] * rows, [t.steps[0].error for t in traces if t.status != "ok"]
     for t in traces:
         [step] = t.steps
-        assert step.llm[0].latency_s > limit  # longer than the limit, wall clock
-        assert step.work_s < limit and t.work_s == pytest.approx(step.work_s, abs=d)
+        [call] = step.llm
+        assert call.latency_s > limit  # longer than the limit, wall clock
+        assert step.work_s < limit
+        # the episode is charged a share of the batch too; its wall time outside the call is all work, and on a busy
+        # machine that part grows (0.1 s on CI once), so it is taken out rather than bounded
+        outside = t.duration_s - call.latency_s
+        assert t.work_s - outside < call.latency_s / 2, (t.work_s, outside, call.latency_s)
 
 
 @pytest.mark.slow
