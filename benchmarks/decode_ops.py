@@ -117,8 +117,8 @@ def main() -> int:
                            min_new_tokens=n, pad_token_id=tok.pad_token_id)
 
     peer = "transformers generate, same model (TRL's sampler)"
-    arms = {"masgraph (cascade attention: the CPU default)": masgraph_run(True),
-            "masgraph (no cascade: the default elsewhere)": masgraph_run(False), peer: hf_run}
+    arms = {"masgraph (cascade attention: the default)": masgraph_run(True),
+            "masgraph (no cascade: a prefix copy per row)": masgraph_run(False), peer: hf_run}
     results = {}
     for name, run in arms.items():
         results[name] = per_step(run, args.tokens)

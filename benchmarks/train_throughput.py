@@ -106,7 +106,10 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
     fg = with_overrides(spec.train.flow_grpo, {"batching": {"zero_variance": "keep",
                                                             "micro_batch_tokens": args.micro_batch_tokens}})
     queries = args.queries or spec.train.queries_per_step
+    # every rollout of a step in flight and decoding in one batch, as TRL generates a step's rows in one `generate`
+    concurrency = max(spec.train.concurrency, queries * spec.train.flow_grpo.group_size)
     cfg = spec.train.model_copy(update={"steps": args.steps, "queries_per_step": queries, "eval_every": 0,
+                                        "concurrency": concurrency,
                                         "eval_n": 1, "checkpoint_every": 10_000,
                                         "flow_grpo": fg, "gradient_checkpointing": args.gradient_checkpointing})
     main = spec.policies["main"]
@@ -143,7 +146,8 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "kl_coef": cfg.flow_grpo.ppo.kl_coef, "micro_batch": cfg.flow_grpo.batching.micro_batch,
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
-              "zero_variance": cfg.flow_grpo.batching.zero_variance, "resident_gib": loaded,
+              "zero_variance": cfg.flow_grpo.batching.zero_variance, "concurrency": cfg.concurrency,
+              "resident_gib": loaded,
               "threads": thread_env(), "linear_kernel": linear_kernel(device, loop.learner.dtype)}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
 

@@ -318,7 +318,8 @@ class TrainBase(BaseModel):
     """Decode rollouts in the hf backend's deterministic mode: bit-exact runs and kill -9 resumes, at ~0.4x the
     rollout throughput of batched decoding (measured). Held-out evaluation is always deterministic."""
     concurrency: int = Field(16, ge=1)
-    """Episodes in flight during rollouts and evaluation."""
+    """Episodes in flight during rollouts and evaluation; the in-process hf backend batches up to as many rows (at
+    least 32), so a step's rollouts decode together rather than in waves."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
     """Experiment trackers that also get each step's metrics (every numeric key of metrics.jsonl, at its step) and
     this config as hyperparameters: offline, in the run dir (RUN/tensorboard, RUN/wandb, RUN/mlruns); a tracker that

@@ -178,7 +178,8 @@ class TrainLoop:
         self.serving = serve_learner(spec, self.learner, train_graph, seed=self.cfg.seed,
                                      deterministic=self.cfg.deterministic, run_dir=self.run_dir,
                                      max_lora_rank=lora.rank, ray=ray, rollouts=backend,
-                                     evaluation=eval_backend, apart=bool(self.staleness))
+                                     evaluation=eval_backend, apart=bool(self.staleness),
+                                     batch=self.cfg.concurrency)
         self.backend, self.eval_backend = self.serving.rollouts, self.serving.evaluation
         # after an update the evaluation backend serves its new versions at once; the rollout backend too, unless
         # the next step's rollouts are decoding on it: then it gets them as the step after starts its rollouts

@@ -30,7 +30,7 @@ def _vllm(policy: PolicySpec, **options: Any) -> Backend:
 
 
 def _hf_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool = False, seed: int = 0,
-                   replica: bool = False, weights: Any = None, **_: Any) -> Any:
+                   replica: bool = False, weights: Any = None, max_batch_size: int = 32, **_: Any) -> Any:
     """An hf backend serving the learner's own weights (publishing a version copies nothing), or with `replica` its
     own copy of the learner's base model, in its dtype and on its device (rollouts that decode while the learner
     updates, or beside a learner sharded across ranks: each published version is loaded into the copy), or that
@@ -45,7 +45,8 @@ def _hf_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool
                             "adapters to rollouts), or leave both out for the in-process hf pair")
     if replica and weights is None:
         weights = HFModel(own.name, learner.dtype, device=str(own.device))
-    return HFBackend(weights if replica else own, deterministic=deterministic, seed=seed)
+    return HFBackend(weights if replica else own, deterministic=deterministic, seed=seed,
+                     max_batch_size=max_batch_size)
 
 
 def _vllm_for_learner(policy: PolicySpec | None, learner: Any, deterministic: bool = False, seed: int = 0,

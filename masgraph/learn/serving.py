@@ -61,7 +61,7 @@ def rollout_kind(spec: GraphSpec, registry: Registry | None = None) -> str:
 def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int = 0, deterministic: bool = False,
                   run_dir: str | Path | None = None, max_lora_rank: int = 16, ray: RayConfig | None = None,
                   rollouts: SyncedBackend | None = None, evaluation: SyncedBackend | None = None,
-                  registry: Registry | None = None, apart: bool = False) -> Serving:
+                  registry: Registry | None = None, apart: bool = False, batch: int = 32) -> Serving:
     """The backends that serve `learner`'s adapters to a run of `graph` (the graph as training rolls it out).
 
     Given `rollouts` (and optionally `evaluation`), those are used as they are. Otherwise rollouts run on Ray
@@ -72,6 +72,9 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     `apart`: rollouts must not see the learner's weights change under them (they decode while it updates, and each
     new version reaches them only when published): in process they get their own copy of the base model, and
     evaluation may not share their backend (it scores the newest version while they decode an older one).
+
+    `batch`: the episodes in flight (`train.concurrency`); an in-process backend batches up to that many rows (at
+    least 32), so rollouts of more episodes than its default decode together rather than in waves.
 
     A learner whose base is sharded across ranks (`learner.sharded`) cannot decode in one process: in-process
     rollouts and evaluation then decode on a copy of the base of their own (one copy for both unless `apart`); with
@@ -87,7 +90,7 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         return _apart(Serving(rollouts, evaluation or rollouts), apart)
     in_process = registry.backends["hf"].for_learner
     options = {"deterministic": deterministic, "seed": seed, "log_dir": str(run_dir) if run_dir else None,
-               "max_lora_rank": max_lora_rank}
+               "max_lora_rank": max_lora_rank, "max_batch_size": max(32, batch)}
     if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
         from masgraph.runtime.engine import BackendOptions
         from masgraph.runtime.ray_engine import RayEngine

@@ -80,11 +80,14 @@ def test_one_step_trains_two_adapters_and_leaves_the_base_alone(root, runner_for
     torch.stack([lp.sum() for lp in single]).sum().backward()
     for a, b in zip(batched, single):
         assert torch.allclose(a, b, atol=2e-4), (a, b)
+    # fp32 sums in another order (one batched pass vs one pass per row): on a CPU measured up to 2.0e-5 of the
+    # largest entry (5.5e-5 at 2.77, 2026-12-02, on rollouts of the inverse-CDF sampler); on an H200, whose fp32
+    # kernels change their reduction order with the batch's shape, 2.25e-4 (2026-12-04, results/gpu.md). A lost
+    # prefix gradient is O(1) of the largest entry (0.62 globally, 2026-12-03): either bound is far below it.
+    scale = 1e-4 if learner.weights.device.type == "cpu" else 1e-3
     for p, g in zip(lora, grads_batched):
-        # fp32 sums in another order (one batched pass vs one pass per row): measured up to 2.0e-5 of the largest
-        # entry (5.5e-5 at 2.77, 2026-12-02, on rollouts of the inverse-CDF sampler); a lost prefix gradient is O(1)
         worst = int(((g - p.grad).abs() - 1e-3 * p.grad.abs()).argmax())  # the entry furthest past rtol
-        assert torch.allclose(g, p.grad, rtol=1e-3, atol=1e-4 * float(g.abs().max()) + 1e-8), (
+        assert torch.allclose(g, p.grad, rtol=1e-3, atol=scale * float(g.abs().max()) + 1e-8), (
             f"worst entry {g.flatten()[worst]:.6e} vs {p.grad.flatten()[worst]:.6e}; largest deviation "
             f"{float((g - p.grad).abs().max()) / float(g.abs().max()):.2e} of the largest entry")
     learner.weights.model.zero_grad(set_to_none=True)

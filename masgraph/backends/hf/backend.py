@@ -40,11 +40,11 @@ def sortable(key: tuple) -> tuple:
 
 
 def cascade_pays(weights: HFModel) -> bool:
-    """Whether rows decode through the cascade on these weights: where their attention allows it (installed at load),
-    on a CPU. Elsewhere a device reads a prefix's copy per row in microseconds, while the cascade's own ops per layer
-    and prefix nearly double a decode step's (3,825 vs 1,996 aten ops at 64 rows of the 0.5B shape, each a kernel
-    launch and a Python call on a GPU: benchmarks/results/decode_ops.md)."""
-    return weights.attention and weights.device.type == "cpu"
+    """Whether rows decode through the cascade on these weights: wherever their attention allows it (installed at
+    load), on a CPU and on a GPU alike. On a GPU its own ops nearly double a decode step's (3,705 vs 1,876 aten ops at
+    64 rows of the 0.5B shape), and still the step takes half the time of reading a prefix copy per row (58.6 vs
+    123.4 ms on an H200, bf16: benchmarks/results/decode_ops.md, 2026-12-04)."""
+    return weights.attention
 
 
 class HFBackend:
@@ -93,7 +93,7 @@ class HFBackend:
         2026-12-02): it is kept for devices where a decode step costs the same at any batch size (not measured)."""
         self.cascade = cascade_pays(self.weights)
         """Rows on a cached static prefix attend its KV where it is, once per distinct prefix (cascade attention,
-        masgraph/backends/hf/cascade.py), instead of a copy per row (`cascade_pays`: on a CPU; off only to compare
+        masgraph/backends/hf/cascade.py), instead of a copy per row (`cascade_pays`; off only to compare
         with the layout before)."""
         self.pass_overhead = pass_cost(self.weights.model)
         """A batch's prompt parts of different lengths run as passes over rows of similar length, `plan` weighing

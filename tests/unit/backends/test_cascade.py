@@ -114,12 +114,12 @@ def test_the_stats_count_the_padding_the_prompt_passes_ran(tiny_model):
     assert run == computed + lengths[1] - lengths[0]  # the short row's left padding beside the long one
 
 
-def test_off_a_cpu_the_rows_decode_without_the_cascade(tiny_model):
-    """On a GPU the cascade's ops per layer and prefix cost more launches than reading each row's prefix copy
-    (benchmarks/results/decode_ops.md): a backend on weights of another device decodes without it."""
+def test_the_rows_decode_through_the_cascade_on_a_gpu_too(tiny_model):
+    """On an H200 a 64-row decode step of the 0.5B shape took 58.6 ms with the cascade and 123.4 ms reading each
+    row's prefix copy, though the cascade adds ops (benchmarks/results/decode_ops.md): no device turns it off."""
     from masgraph.backends.hf.model import HFModel
 
     weights = HFModel(str(tiny_model("qwen2")), "float32")
     assert HFBackend(weights).cascade and backend_module.cascade_pays(weights)  # on this CPU
     weights.device = torch.device("cuda")  # what a model loaded on a GPU reports (nothing runs on it here)
-    assert weights.attention and not backend_module.cascade_pays(weights)
+    assert weights.attention and backend_module.cascade_pays(weights)
