@@ -79,6 +79,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--device", default="cpu", help="cpu (float32) or cuda[:N] (bfloat16)")
     p.add_argument("--full", action="store_true", help="the shape's full random-weight model, not the thin one")
+    p.add_argument("--prefixes", type=int, default=1,
+                   help="distinct system prompts among the rows (a graph's nodes: the cascade's prefix groups)")
     p.add_argument("--record", type=Path, default=results_file("decode_ops"))
     args = p.parse_args()
     from masgraph.backends.base import Request
@@ -94,8 +96,10 @@ def main() -> int:
     backend = HFBackend(learner.weights, max_batch_size=args.rows)
     WeightSync(learner, [backend])()
     backend.layout.eos_ids.clear()  # every row runs to its max_tokens, as generate's min_new_tokens below
-    system = "Solve the arithmetic problem. Give the answer as: Answer: <number>."
-    messages = [[{"role": "system", "content": system}, {"role": "user", "content": f"What is {q * 37} + {q * 91}?"}]
+    systems = [f"You are agent {k} of a graph. Solve the arithmetic problem. Give the answer as: Answer: <number>."
+               for k in range(args.prefixes)]
+    messages = [[{"role": "system", "content": systems[q % args.prefixes]},
+                 {"role": "user", "content": f"What is {q * 37} + {q * 91}?"}]
                 for q in range(8) for _ in range(args.rows // 8)]
 
     def masgraph_run(cascade: bool):  # noqa: ANN202
@@ -133,7 +137,8 @@ def main() -> int:
         f.write(f"\n### Aten ops per decode step, {args.shape} shape, {args.rows} rows, {args.device} {dtype} "
                 f"({datetime.now():%Y-%m-%d %H:%M})\n\n`{' '.join([Path(sys.executable).name, *sys.argv])}` — "
                 f"{model_kind}, LoRA r16 q/v active, "
-                f"T 0.7, ops of the last {args.tokens - args.tokens // 2} of {args.tokens} tokens per step.\n\n"
+                f"T 0.7, {args.prefixes} distinct system prompt(s), ops of the last "
+                f"{args.tokens - args.tokens // 2} of {args.tokens} tokens per step.\n\n"
                 f"| arm | aten ops per decode step | vs generate | ms per step, {args.device} |\n"
                 "|---|---|---|---|\n" + "\n".join(rows) + f"\n\nMost frequent in the first arm, per step: {top}.\n")
     print(f"recorded in {args.record}")

@@ -41,9 +41,9 @@ def sortable(key: tuple) -> tuple:
 
 def cascade_pays(weights: HFModel) -> bool:
     """Whether rows decode through the cascade on these weights: wherever their attention allows it (installed at
-    load), on a CPU and on a GPU alike. On a GPU its own ops nearly double a decode step's (3,705 vs 1,876 aten ops at
-    64 rows of the 0.5B shape), and still the step takes half the time of reading a prefix copy per row (58.6 vs
-    123.4 ms on an H200, bf16: benchmarks/results/decode_ops.md, 2026-12-04)."""
+    load), on a CPU and on a GPU alike: on an H200 a 64-row decode step of the 0.5B shape took half the time of
+    reading a prefix copy per row (58.6 vs 123.4 ms, bf16), though the cascade then nearly doubled its aten ops
+    (3,705 vs 1,876; fewer since: benchmarks/results/decode_ops.md, 2026-12-04)."""
     return weights.attention
 
 

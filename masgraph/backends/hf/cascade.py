@@ -4,9 +4,9 @@ distinct prefix, instead of a copy per row.
 Before, a batch's cached prefix KV was repeated per row (or stacked per row), so a decode step of 10 rows on
 ~1,300-token prefixes read ~600 MB of KV against ~60 MB for the prefix once: 257 vs 156 ms a step for SmolLM2-135M
 on a 2-core CPU (benchmarks/results/rollout_throughput.md). Here the batch's cache holds only each row's own
-positions (the rest of its prompt, then its completion); each attention layer attends the row's prefix (batch 1 per
-distinct prefix, every row of it as extra queries: one read) and the row's own keys apart, and merges the two by
-their log-sum-exp (exact up to rounding: softmax over the union of keys).
+positions (the rest of its prompt, then its completion); each attention layer scores the row's prefix (one batch
+entry per distinct prefix, every row of it as extra queries: one read) and the row's own keys apart, and takes one
+softmax over both side by side (the softmax over the union of keys).
 
 The model runs under the attention name `NAME` (registered with transformers; its mask is sdpa's), which is plain
 sdpa attention (`gqa.sdpa_attention`) unless a `Cascade` is active on the calling thread (`with cascade.active():`)."""
@@ -42,18 +42,17 @@ class Cascade:
         self.groups = list(groups)
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.row_mask: torch.Tensor | None = None
-        self._index = [torch.tensor(g, dtype=torch.long, device=device) for g in groups]
-        self._own: tuple[Any, ...] = ()  # (row_mask, q, rep, the mask they give): the same for every layer of a pass
+        self._layout: _Layout | None = None  # built on first use after each select
+        self._allowed: tuple[Any, ...] = ()  # (row_mask, q, rep, the mask they give): the same for every layer
         self._prefix32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its prefix KV in float32, once
 
     def select(self, rows: list[int]) -> None:
         """Keep batch rows `rows` (repeats allowed), as the decode cache's `batch_select_indices` does."""
         where = {r: g for g, members in enumerate(self.groups) for r in members}
-        device = self.offsets.device
         self.groups = [[i for i, r in enumerate(rows) if where[r] == g] for g in range(len(self.groups))]
-        self._index = [torch.tensor(g, dtype=torch.long, device=device) for g in self.groups]
-        pick = torch.tensor(rows, dtype=torch.long, device=device)
+        pick = torch.tensor(rows, dtype=torch.long, device=self.offsets.device)
         self.offsets = self.offsets.index_select(0, pick)
+        self._layout = None
         if self.row_mask is not None:
             self.row_mask = self.row_mask.index_select(0, pick)
 
@@ -61,7 +60,7 @@ class Cascade:
         """A cascade over batch rows `rows` only (a prompt pass over part of the batch), sharing this one's prefix
         and its float32 copies; `row_mask` (len(rows), n) says which of those rows' own positions are real."""
         part = copy.copy(self)
-        part._own = ()
+        part._allowed = ()
         part.select(rows)
         part.row_mask = row_mask
         return part
@@ -79,73 +78,94 @@ class Cascade:
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
                ) -> torch.Tensor:
         """Attention output (B, q, H, D) of `query` (B, H, q, D) over each row's prefix and its own `key`/`value`
-        (B, Hkv, n, D), the last q of which are the query tokens (causal among themselves)."""
+        (B, Hkv, n, D), the last q of which are the query tokens (causal among themselves): one softmax over the
+        row's prefix keys and its own keys side by side, in float32 (bf16 scores would round before the softmax).
+
+        A row's prefix scores come from one batched matmul of every group's rows against its prefix (`_Layout`):
+        the prefix is read once per group, and the ops per layer do not grow with the number of groups."""
         assert self.row_mask is not None and self.row_mask.shape == (query.shape[0], key.shape[2]), \
             "the decode loop sets row_mask (rows x own positions) before each forward pass"
         B, H, q, D = query.shape
         hkv = key.shape[1]
         rep = H // hkv
         # (B, Hkv, q * rep, D), query-major: head h = kv * rep + r, as transformers' repeat_kv orders them
-        qs = query.reshape(B, hkv, rep, q, D).transpose(2, 3).reshape(B, hkv, q * rep, D)
-        m_own, s_own, o_own = _partial(qs, key, value, self._own_mask(q, rep), scale)
-        m_pre = torch.full_like(m_own, float("-inf"))
-        s_pre, o_pre = torch.zeros_like(s_own), torch.zeros_like(o_own)
+        qs = query.reshape(B, hkv, rep, q, D).transpose(2, 3).reshape(B, hkv, q * rep, D).float() * scale
+        key, value = key.float(), value.float()
         if layer not in self._prefix32:  # (G, Hkv, P, D); a no-op for a float32 model
             self._prefix32[layer] = (self.prefix.layers[layer].keys.float(), self.prefix.layers[layer].values.float())
         k_pre, v_pre = self._prefix32[layer]
-        for g, rows in enumerate(self._index):
-            if not self.groups[g] or not k_pre.shape[2]:
-                continue
-            k = len(self.groups[g])
-            # the rows of one prefix as one batch of queries against its keys, read once
-            qg = qs.index_select(0, rows).transpose(0, 1).reshape(1, hkv, k * q * rep, D)
-            m, s, o = _partial(qg, k_pre[g:g + 1], v_pre[g:g + 1], self.prefix_mask[g][None, None, None, :], scale)
-            for into, part in ((m_pre, m), (s_pre, s), (o_pre, o)):
-                into.index_copy_(0, rows, part.reshape(hkv, k, q * rep, part.shape[-1]).transpose(0, 1))
-        m = torch.maximum(m_own, m_pre)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a padding query attends nothing: its output is 0
-        w_own, w_pre = torch.exp(m_own - m), torch.exp(m_pre - m)
-        total = s_own * w_own + s_pre * w_pre
-        # never a NaN, even where nothing is attended: a padding position's keys and values are read (times 0) later
-        out = (o_own * w_own + o_pre * w_pre) / torch.where(total > 0, total, torch.ones_like(total))
+        allowed = self._mask(q, rep, k_pre.shape[2])
+        size = max(1, _MAX_SCORES // max(1, B * hkv * allowed.shape[-1]))  # a long prefill's queries in chunks
+        parts = [self._chunk(qs[:, :, s:s + size], key, value, k_pre, v_pre, allowed[:, :, s:s + size])
+                 for s in range(0, q * rep, size)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
         return out.to(query.dtype).reshape(B, hkv, q, rep, D).transpose(1, 2).reshape(B, q, H, D)
 
+    def _chunk(self, qs: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
+               v_pre: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, c, D) for the queries `qs` (B, Hkv, c, D), scaled: prefix keys first, then the row's own."""
+        P = k_pre.shape[2]
+        scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, c, n)
+        layout = self._rows()
+        if P:
+            scores = torch.cat([layout.to_rows(torch.matmul(layout.to_groups(qs), k_pre.transpose(-1, -2))), scores],
+                               -1)
+        # a query with nothing to attend (left padding) gets 0, not NaN: its keys and values are read (times 0) later
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        out = torch.matmul(p[..., P:], value)
+        if P:
+            out = out + layout.to_rows(torch.matmul(layout.to_groups(p[..., :P]), v_pre))
+        return out
 
-    def _own_mask(self, q: int, rep: int) -> torch.Tensor:
-        """(B, 1, q * rep, n): which of its own keys each query attends (real, not after the query token); built once
-        per forward pass, not per layer."""
+    def _rows(self) -> _Layout:
+        if self._layout is None:
+            self._layout = _Layout(self.groups, len(self.offsets), self.offsets.device)
+        return self._layout
+
+    def _mask(self, q: int, rep: int, P: int) -> torch.Tensor:
+        """(B, 1, q * rep, P + n): which keys each query attends: its row's prefix (real positions, not its left
+        padding), then its own keys (real, not after the query token); built once per forward pass, not per layer."""
         mask = self.row_mask
         assert mask is not None
-        if not self._own or self._own[0] is not mask or self._own[1:3] != (q, rep):
+        if not self._allowed or self._allowed[0] is not mask or self._allowed[1:3] != (q, rep):
             B, n = mask.shape
             own = mask[:, None, :] & (
                 torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None])
-            self._own = (mask, q, rep, own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n))
-        return self._own[3]
+            own = own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n)
+            pre = self.prefix_mask[:, -P:] if P else self.prefix_mask[:, :0]
+            pre = pre.index_select(0, self._rows().group_of)[:, None, None, :].expand(B, 1, q * rep, P)
+            self._allowed = (mask, q, rep, torch.cat([pre, own], -1))
+        return self._allowed[3]
 
 
-def _partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax attention of `query` (b, Hkv, Q, D) over `key`/`value` (b, Hkv, n, D) where `allowed` (broadcast to
-    (b, Hkv, Q, n)), unnormalised: the scores' max m (-inf where nothing is allowed), sum s of exp(score - m), and
-    the exp-weighted sum o of the values; in float32, `_MAX_SCORES` scores at a time (a long prefill's queries in
-    chunks)."""
-    query, key, value = query.float(), key.float(), value.float()  # bf16 scores would round before the softmax
-    b, hkv, Q = query.shape[:3]
-    n = key.shape[2]
-    size = max(1, _MAX_SCORES // max(1, b * hkv * n))
-    parts = []
-    for start in range(0, Q, size):
-        part = allowed if allowed.shape[2] == 1 else allowed[:, :, start:start + size]
-        scores = torch.matmul(query[:, :, start:start + size], key.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~part, float("-inf"))
-        m = scores.amax(-1, keepdim=True)
-        p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
-        parts.append((m, p.sum(-1, keepdim=True), torch.matmul(p, value)))
-    if len(parts) == 1:
-        return parts[0]
-    m, s, o = zip(*parts)
-    return torch.cat(m, 2), torch.cat(s, 2), torch.cat(o, 2)
+class _Layout:
+    """The batch rows laid out by prefix group, R slots a group (R: the largest group; a short group's spare slots
+    compute on row 0 and are never read back): `to_groups` takes (B, Hkv, c, X) to (G, Hkv, R * c, X), a batch of
+    one query set per prefix; `to_rows` takes the result back. With one group holding every row in order, no index
+    is read at all."""
+
+    def __init__(self, groups: list[list[int]], rows: int, device: torch.device | str):
+        self.G, self.R = len(groups), max([1, *map(len, groups)])
+        self.plain = self.G == 1 and groups[0] == list(range(rows))
+        slot = {r: g * self.R + i for g, members in enumerate(groups) for i, r in enumerate(members)}
+        self.gather = torch.tensor([members[i] if i < len(members) else 0 for members in groups for i in range(self.R)],
+                                   dtype=torch.long, device=device)
+        self.scatter = torch.tensor([slot[r] for r in range(rows)], dtype=torch.long, device=device)
+        self.group_of = torch.div(self.scatter, self.R, rounding_mode="floor")
+
+    def to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        c, X = x.shape[2:]
+        if self.plain:
+            return x.transpose(0, 1).reshape(1, x.shape[1], -1, X)
+        x = x.index_select(0, self.gather).reshape(self.G, self.R, x.shape[1], c, X)
+        return x.transpose(1, 2).reshape(self.G, x.shape[2], self.R * c, X)
+
+    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
+        G, hkv, Rc, X = y.shape
+        y = y.reshape(G, hkv, self.R, Rc // self.R, X).transpose(1, 2)
+        if self.plain:
+            return y.reshape(self.R, hkv, Rc // self.R, X)
+        return y.reshape(G * self.R, hkv, Rc // self.R, X).index_select(0, self.scatter)
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
