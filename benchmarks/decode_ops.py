@@ -79,8 +79,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--device", default="cpu", help="cpu (float32) or cuda[:N] (bfloat16)")
     p.add_argument("--full", action="store_true", help="the shape's full random-weight model, not the thin one")
-    p.add_argument("--prefixes", type=int, default=1,
-                   help="distinct system prompts among the rows (a graph's nodes: the cascade's prefix groups)")
+    p.add_argument("--prefixes", type=int, default=1, choices=range(1, 9), metavar="1..8",
+                   help="distinct system prompts among the rows' 8 questions (a graph's nodes: the cascade's groups)")
     p.add_argument("--record", type=Path, default=results_file("decode_ops"))
     args = p.parse_args()
     from masgraph.backends.base import Request

@@ -55,8 +55,9 @@ class BackendKind:
     options: tuple[str, ...] = ()
     """Which run options (deterministic, max_batch_size, batch_wait_ms, seed) its factory takes."""
     for_learner: Callable[..., Backend] | None = None
-    """(policy spec or None, learner, deterministic=, seed=, log_dir=, max_lora_rank=) -> a backend serving the
-    learner's adapters to training rollouts (`masgraph.serving`); None: this kind cannot serve a learner."""
+    """(policy spec or None, learner, deterministic=, seed=, log_dir=, max_lora_rank=, max_batch_size=, replica=,
+    weights=) -> a backend serving the learner's adapters to training rollouts (`masgraph.serving`); a factory takes
+    the keywords it needs and `**kwargs` for the rest; None: this kind cannot serve a learner."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class Cascade:
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.row_mask: torch.Tensor | None = None
         self._layout: _Layout | None = None  # built on first use after each select
-        self._allowed: tuple[Any, ...] = ()  # (row_mask, q, rep, the mask they give): the same for every layer
+        self._masks: tuple[Any, ...] = ()  # (row_mask, q, P, the keys blocked): the same for every layer
         self._prefix32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its prefix KV in float32, once
 
     def select(self, rows: list[int]) -> None:
@@ -60,7 +60,7 @@ class Cascade:
         """A cascade over batch rows `rows` only (a prompt pass over part of the batch), sharing this one's prefix
         and its float32 copies; `row_mask` (len(rows), n) says which of those rows' own positions are real."""
         part = copy.copy(self)
-        part._allowed = ()
+        part._masks = ()
         part.select(rows)
         part.row_mask = row_mask
         return part
@@ -94,24 +94,32 @@ class Cascade:
         if layer not in self._prefix32:  # (G, Hkv, P, D); a no-op for a float32 model
             self._prefix32[layer] = (self.prefix.layers[layer].keys.float(), self.prefix.layers[layer].values.float())
         k_pre, v_pre = self._prefix32[layer]
-        allowed = self._mask(q, rep, k_pre.shape[2])
-        size = max(1, _MAX_SCORES // max(1, B * hkv * allowed.shape[-1]))  # a long prefill's queries in chunks
-        parts = [self._chunk(qs[:, :, s:s + size], key, value, k_pre, v_pre, allowed[:, :, s:s + size])
-                 for s in range(0, q * rep, size)]
+        layout = self._rows()
+        if layout.live is not None:  # groups whose rows have all finished are not read
+            k_pre, v_pre = k_pre.index_select(0, layout.live), v_pre.index_select(0, layout.live)
+        blocked = self._blocked(q, rep, k_pre.shape[2])
+        # a long prefill's query positions in chunks of at most `_MAX_SCORES` scores (the group layout's rows count)
+        size = max(1, _MAX_SCORES // max(1, layout.slots * hkv * rep * blocked.shape[-1]))
+        parts = [self._chunk(qs[:, :, s * rep:(s + size) * rep], key, value, k_pre, v_pre, blocked[:, :, s:s + size])
+                 for s in range(0, q, size)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
         return out.to(query.dtype).reshape(B, hkv, q, rep, D).transpose(1, 2).reshape(B, q, H, D)
 
     def _chunk(self, qs: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
-               v_pre: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """(B, Hkv, c, D) for the queries `qs` (B, Hkv, c, D), scaled: prefix keys first, then the row's own."""
+               v_pre: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, c * rep, D) for the queries `qs` (B, Hkv, c * rep, D), scaled, of c query positions: prefix keys
+        first, then the row's own; `blocked` (B, 1, c, 1, P + n) the keys they do not attend."""
         P = k_pre.shape[2]
-        scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, c, n)
+        scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, c * rep, n)
         layout = self._rows()
         if P:
             scores = torch.cat([layout.to_rows(torch.matmul(layout.to_groups(qs), k_pre.transpose(-1, -2))), scores],
                                -1)
-        # a query with nothing to attend (left padding) gets 0, not NaN: its keys and values are read (times 0) later
-        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        B, hkv, c_rep, keys = scores.shape
+        # the lowest finite score, not -inf: a query with nothing to attend (left padding) gets the mean of its values,
+        # never NaN (its own keys and values are read later, times 0), and a NaN from the model is not hidden
+        scores = scores.view(B, hkv, blocked.shape[2], -1, keys).masked_fill(blocked, torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores.view(B, hkv, c_rep, keys), -1)
         out = torch.matmul(p[..., P:], value)
         if P:
             out = out + layout.to_rows(torch.matmul(layout.to_groups(p[..., :P]), v_pre))
@@ -122,36 +130,42 @@ class Cascade:
             self._layout = _Layout(self.groups, len(self.offsets), self.offsets.device)
         return self._layout
 
-    def _mask(self, q: int, rep: int, P: int) -> torch.Tensor:
-        """(B, 1, q * rep, P + n): which keys each query attends: its row's prefix (real positions, not its left
-        padding), then its own keys (real, not after the query token); built once per forward pass, not per layer."""
+    def _blocked(self, q: int, rep: int, P: int) -> torch.Tensor:
+        """(B, 1, q, 1, P + n): the keys each query position does not attend: its row's prefix padding, then its own
+        padding and the keys after it; the same for the rep query heads of a key/value head (broadcast, not copied),
+        built once per forward pass, not per layer."""
         mask = self.row_mask
         assert mask is not None
-        if not self._allowed or self._allowed[0] is not mask or self._allowed[1:3] != (q, rep):
+        if not self._masks or self._masks[0] is not mask or self._masks[1:3] != (q, P):
             B, n = mask.shape
             own = mask[:, None, :] & (
                 torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None])
-            own = own[:, None, :, None].expand(B, 1, q, rep, n).reshape(B, 1, q * rep, n)
             pre = self.prefix_mask[:, -P:] if P else self.prefix_mask[:, :0]
-            pre = pre.index_select(0, self._rows().group_of)[:, None, None, :].expand(B, 1, q * rep, P)
-            self._allowed = (mask, q, rep, torch.cat([pre, own], -1))
-        return self._allowed[3]
+            pre = pre.index_select(0, self._rows().group_of)[:, None, :].expand(B, q, P)
+            self._masks = (mask, q, P, ~torch.cat([pre, own], -1)[:, None, :, None, :])
+        return self._masks[3]
 
 
 class _Layout:
     """The batch rows laid out by prefix group, R slots a group (R: the largest group; a short group's spare slots
-    compute on row 0 and are never read back): `to_groups` takes (B, Hkv, c, X) to (G, Hkv, R * c, X), a batch of
-    one query set per prefix; `to_rows` takes the result back. With one group holding every row in order, no index
-    is read at all."""
+    compute on row 0 and are never read back; a group with no rows left gets none): `to_groups` takes (B, Hkv, c, X)
+    to (G, Hkv, R * c, X), a batch of one query set per prefix; `to_rows` takes the result back. With one group
+    holding every row in order, no index is read at all."""
 
     def __init__(self, groups: list[list[int]], rows: int, device: torch.device | str):
+        live = [g for g, members in enumerate(groups) if members]
+        self.live = None if len(live) == len(groups) else torch.tensor(live, dtype=torch.long, device=device)
+        """The prefix groups with rows, where some have none (their prefixes are left out of the matmuls)."""
+        groups = [groups[g] for g in live]
         self.G, self.R = len(groups), max([1, *map(len, groups)])
+        self.slots = self.G * self.R
         self.plain = self.G == 1 and groups[0] == list(range(rows))
         slot = {r: g * self.R + i for g, members in enumerate(groups) for i, r in enumerate(members)}
         self.gather = torch.tensor([members[i] if i < len(members) else 0 for members in groups for i in range(self.R)],
                                    dtype=torch.long, device=device)
         self.scatter = torch.tensor([slot[r] for r in range(rows)], dtype=torch.long, device=device)
-        self.group_of = torch.div(self.scatter, self.R, rounding_mode="floor")
+        self.group_of = torch.tensor([live[slot[r] // self.R] for r in range(rows)], dtype=torch.long, device=device)
+        """Each row's prefix group, as `Cascade.groups` numbers them."""
 
     def to_groups(self, x: torch.Tensor) -> torch.Tensor:
         c, X = x.shape[2:]
