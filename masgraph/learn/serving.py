@@ -73,8 +73,8 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
     new version reaches them only when published): in process they get their own copy of the base model, and
     evaluation may not share their backend (it scores the newest version while they decode an older one).
 
-    `batch`: the episodes in flight (`train.concurrency`); an in-process backend batches up to that many rows (at
-    least 32), so rollouts of more episodes than its default decode together rather than in waves.
+    `batch`: the episodes in flight (`train.concurrency`); an in-process backend, or each Ray worker's, batches up to
+    that many rows (at least 32), so rollouts of more episodes than its default decode together rather than in waves.
 
     A learner whose base is sharded across ranks (`learner.sharded`) cannot decode in one process: in-process
     rollouts and evaluation then decode on a copy of the base of their own (one copy for both unless `apart`); with
@@ -96,7 +96,7 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
         from masgraph.runtime.ray_engine import RayEngine
 
         engine = RayEngine(_learner_dtype(graph, learner), _learner_env(ray, learner),
-                           BackendOptions(deterministic, seed=seed))
+                           BackendOptions(deterministic, max(32, batch), seed=seed))
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])
     else:
         kind = registry.backends[rollout_kind(spec, registry)]

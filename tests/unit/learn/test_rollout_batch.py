@@ -39,3 +39,23 @@ def test_a_train_loop_passes_its_concurrency_to_its_backends(tiny_model, tmp_pat
                                    "train": spec.train.model_copy(update={"concurrency": 48})})
     loop = TrainLoop(compile_spec(spec), get_task("long_arithmetic"), tmp_path)
     assert loop.backend._batcher.max_batch_size == loop.eval_backend._batcher.max_batch_size == 48
+
+
+def test_ray_workers_are_told_the_batch_too(tiny_model, monkeypatch):
+    """Rollouts on Ray workers: each worker's backend gets the same batch size (no Ray started: the engine is
+    replaced by one that keeps what it was given)."""
+    import masgraph.runtime.ray_engine as ray_engine
+
+    given = {}
+
+    class Kept:
+        def __init__(self, graph, ray, options):
+            given["options"], self.pool = options, object()
+
+    monkeypatch.setattr(ray_engine, "RayEngine", Kept)
+    path = str(tiny_model("qwen2"))
+    spec = load_spec(ROOT / "graphs" / "single.yaml")
+    spec = spec.model_copy(update={"policies": {"main": spec.policies["main"].model_copy(update={"model": path})}})
+    learner = HFLearner(path, dtype="float32")
+    serve_learner(spec, learner, compile_spec(spec), ray=ray_engine.RayConfig(), batch=64)
+    assert given["options"].max_batch_size == 64
