@@ -85,6 +85,7 @@ def main() -> int:
     args = p.parse_args()
     from masgraph.backends.base import Request
     from masgraph.backends.hf import HFBackend
+    from masgraph.backends.hf.backend import cascade_pays
     from masgraph.backends.hf.learner import HFLearner
     from masgraph.learn.learner import LoraConfigSpec, WeightSync
     from masgraph.spec import SamplingSpec
@@ -104,7 +105,7 @@ def main() -> int:
 
     def masgraph_run(cascade: bool):  # noqa: ANN202
         def run(n: int) -> None:
-            backend.cascade = cascade and learner.weights.attention  # only where the model can run it
+            backend.cascade = cascade and cascade_pays(learner.weights)  # only where the model can run it
             sampling = SamplingSpec(temperature=0.7, max_tokens=n)
             backend.generate([Request(m, sampling=sampling, seed=i, adapter="main") for i, m in enumerate(messages)])
         return run

@@ -89,14 +89,15 @@ def serve_learner(spec: GraphSpec, learner: Learner, graph: Graph, *, seed: int 
                                 "learner's own weights (it changes them meanwhile): give a backend with its own copy")
         return _apart(Serving(rollouts, evaluation or rollouts), apart)
     in_process = registry.backends["hf"].for_learner
+    max_batch_size = max(32, batch)
     options = {"deterministic": deterministic, "seed": seed, "log_dir": str(run_dir) if run_dir else None,
-               "max_lora_rank": max_lora_rank, "max_batch_size": max(32, batch)}
+               "max_lora_rank": max_lora_rank, "max_batch_size": max_batch_size}
     if ray is not None:  # rollouts on Ray workers, each its own replica; the learner and evaluation stay here
         from masgraph.runtime.engine import BackendOptions
         from masgraph.runtime.ray_engine import RayEngine
 
         engine = RayEngine(_learner_dtype(graph, learner), _learner_env(ray, learner),
-                           BackendOptions(deterministic, max(32, batch), seed=seed))
+                           BackendOptions(deterministic, max_batch_size, seed=seed))
         served = Serving(engine.pool, evaluation or engine.pool, engine, [engine])
     else:
         kind = registry.backends[rollout_kind(spec, registry)]

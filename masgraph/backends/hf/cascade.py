@@ -93,37 +93,15 @@ class Cascade:
         key, value = key.float(), value.float()
         if layer not in self._prefix32:  # (G, Hkv, P, D); a no-op for a float32 model
             self._prefix32[layer] = (self.prefix.layers[layer].keys.float(), self.prefix.layers[layer].values.float())
-        k_pre, v_pre = self._prefix32[layer]
         layout = self._rows()
-        if layout.live is not None:  # groups whose rows have all finished are not read
-            k_pre, v_pre = k_pre.index_select(0, layout.live), v_pre.index_select(0, layout.live)
+        k_pre, v_pre = layout.live_prefix(layer, self._prefix32[layer])
         blocked = self._blocked(q, rep, k_pre.shape[2])
         # a long prefill's query positions in chunks of at most `_MAX_SCORES` scores (the group layout's rows count)
         size = max(1, _MAX_SCORES // max(1, layout.slots * hkv * rep * blocked.shape[-1]))
-        parts = [self._chunk(qs[:, :, s * rep:(s + size) * rep], key, value, k_pre, v_pre, blocked[:, :, s:s + size])
+        parts = [_chunk(layout, qs[:, :, s * rep:(s + size) * rep], key, value, k_pre, v_pre, blocked[:, :, s:s + size])
                  for s in range(0, q, size)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
         return out.to(query.dtype).reshape(B, hkv, q, rep, D).transpose(1, 2).reshape(B, q, H, D)
-
-    def _chunk(self, qs: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
-               v_pre: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-        """(B, Hkv, c * rep, D) for the queries `qs` (B, Hkv, c * rep, D), scaled, of c query positions: prefix keys
-        first, then the row's own; `blocked` (B, 1, c, 1, P + n) the keys they do not attend."""
-        P = k_pre.shape[2]
-        scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, c * rep, n)
-        layout = self._rows()
-        if P:
-            scores = torch.cat([layout.to_rows(torch.matmul(layout.to_groups(qs), k_pre.transpose(-1, -2))), scores],
-                               -1)
-        B, hkv, c_rep, keys = scores.shape
-        # the lowest finite score, not -inf: a query with nothing to attend (left padding) gets the mean of its values,
-        # never NaN (its own keys and values are read later, times 0), and a NaN from the model is not hidden
-        scores = scores.view(B, hkv, blocked.shape[2], -1, keys).masked_fill(blocked, torch.finfo(scores.dtype).min)
-        p = torch.softmax(scores.view(B, hkv, c_rep, keys), -1)
-        out = torch.matmul(p[..., P:], value)
-        if P:
-            out = out + layout.to_rows(torch.matmul(layout.to_groups(p[..., :P]), v_pre))
-        return out
 
     def _rows(self) -> _Layout:
         if self._layout is None:
@@ -166,6 +144,16 @@ class _Layout:
         self.scatter = torch.tensor([slot[r] for r in range(rows)], dtype=torch.long, device=device)
         self.group_of = torch.tensor([live[slot[r] // self.R] for r in range(rows)], dtype=torch.long, device=device)
         """Each row's prefix group, as `Cascade.groups` numbers them."""
+        self._live_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def live_prefix(self, layer: int, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's prefix keys and values (G, Hkv, P, D) of the groups with rows: `kv` itself when every group has
+        rows, else the live groups' copy, made once per layout (per `select`), not per step."""
+        if self.live is None:
+            return kv
+        if layer not in self._live_kv:
+            self._live_kv[layer] = (kv[0].index_select(0, self.live), kv[1].index_select(0, self.live))
+        return self._live_kv[layer]
 
     def to_groups(self, x: torch.Tensor) -> torch.Tensor:
         c, X = x.shape[2:]
@@ -180,6 +168,26 @@ class _Layout:
         if self.plain:
             return y.reshape(self.R, hkv, Rc // self.R, X)
         return y.reshape(G * self.R, hkv, Rc // self.R, X).index_select(0, self.scatter)
+
+
+def _chunk(layout: _Layout, qs: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
+           v_pre: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, c * rep, D) for the queries `qs` (B, Hkv, c * rep, D), scaled, of c query positions: prefix keys
+    first, then the row's own; `blocked` (B, 1, c, 1, P + n) the keys they do not attend."""
+    P = k_pre.shape[2]
+    scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, c * rep, n)
+    if P:
+        scores = torch.cat([layout.to_rows(torch.matmul(layout.to_groups(qs), k_pre.transpose(-1, -2))), scores],
+                           -1)
+    B, hkv, c_rep, keys = scores.shape
+    # the lowest finite score, not -inf: a query with nothing to attend (left padding) gets the mean of its values,
+    # never NaN (its own keys and values are read later, times 0), and a NaN from the model is not hidden
+    scores = scores.view(B, hkv, blocked.shape[2], -1, keys).masked_fill(blocked, torch.finfo(scores.dtype).min)
+    p = torch.softmax(scores.view(B, hkv, c_rep, keys), -1)
+    out = torch.matmul(p[..., P:], value)
+    if P:
+        out = out + layout.to_rows(torch.matmul(layout.to_groups(p[..., :P]), v_pre))
+    return out
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

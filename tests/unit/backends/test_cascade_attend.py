@@ -57,6 +57,7 @@ CASES = {
                                        chunk=5 * 2 * 3 * 13 * 2),
     "select: repeats, a group emptied": dict(groups=[[1, 3], [0], [2, 4]], H=6, hkv=2, q=1, mask=PADDED, own=OWN,
                                              select=[3, 3, 2, 1]),
+    "select: the middle group emptied": dict(groups=[[1, 3], [0], [2, 4]], H=6, hkv=2, q=1, select=[3, 2, 4]),
     "select: one group, out of order": dict(groups=[[1, 3], [0, 2, 4]], H=4, hkv=2, q=1, mask=PADDED[:2], own=OWN,
                                             select=[3, 1]),
     "subset": dict(groups=[[1, 3], [0], [2, 4]], H=6, hkv=2, q=2, mask=PADDED, subset=[4, 0, 3]),

@@ -16,12 +16,17 @@ from masgraph.loader import load_spec
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def single_on(path: str, **train):
+    """graphs/single.yaml with its policy on the model at `path`, `train` set on its train section."""
+    spec = load_spec(ROOT / "graphs" / "single.yaml")
+    return spec.model_copy(update={"policies": {"main": spec.policies["main"].model_copy(update={"model": path})},
+                                   "train": spec.train.model_copy(update=train)})
+
+
 @pytest.mark.parametrize(("concurrency", "rows"), [(64, 64), (8, 32)])
 def test_rollouts_and_evaluation_batch_the_episodes_in_flight(tiny_model, concurrency, rows):
     path = str(tiny_model("qwen2"))
-    spec = load_spec(ROOT / "graphs" / "single.yaml")
-    policy = spec.policies["main"].model_copy(update={"model": path})
-    spec = spec.model_copy(update={"policies": {"main": policy}})
+    spec = single_on(path)
     learner = HFLearner(path, dtype="float32")
     served = serve_learner(spec, learner, compile_spec(spec), batch=concurrency)
     # below the default the default stands: one episode's node may send several calls at once
@@ -33,10 +38,7 @@ def test_a_train_loop_passes_its_concurrency_to_its_backends(tiny_model, tmp_pat
     from masgraph.tasks import get_task
     from masgraph.trainers.loop import TrainLoop
 
-    spec = load_spec(ROOT / "graphs" / "single.yaml")
-    policy = spec.policies["main"].model_copy(update={"model": str(tiny_model("qwen2"))})
-    spec = spec.model_copy(update={"policies": {"main": policy},
-                                   "train": spec.train.model_copy(update={"concurrency": 48})})
+    spec = single_on(str(tiny_model("qwen2")), concurrency=48)
     loop = TrainLoop(compile_spec(spec), get_task("long_arithmetic"), tmp_path)
     assert loop.backend._batcher.max_batch_size == loop.eval_backend._batcher.max_batch_size == 48
 
@@ -54,8 +56,7 @@ def test_ray_workers_are_told_the_batch_too(tiny_model, monkeypatch):
 
     monkeypatch.setattr(ray_engine, "RayEngine", Kept)
     path = str(tiny_model("qwen2"))
-    spec = load_spec(ROOT / "graphs" / "single.yaml")
-    spec = spec.model_copy(update={"policies": {"main": spec.policies["main"].model_copy(update={"model": path})}})
+    spec = single_on(path)
     learner = HFLearner(path, dtype="float32")
     serve_learner(spec, learner, compile_spec(spec), ray=ray_engine.RayConfig(), batch=64)
     assert given["options"].max_batch_size == 64
