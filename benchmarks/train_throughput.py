@@ -124,6 +124,9 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
         loop = TrainLoop(graph, get_task(TASK), Path(run_dir), dtype=dtype, sinks=[steps_sink, peak])
         if args.fixed:
             no_eos(loop.backend, loop.eval_backend)
+        if args.captured:  # rollouts through the captured step (a CUDA graph on a GPU); it compiles in step 0
+            for b in {id(b): b for b in (loop.backend, loop.eval_backend)}.values():
+                b.capture_decode()
         loaded = resident(device)
         peak.start()
         asyncio.run(loop.run())
@@ -147,6 +150,7 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
               "zero_variance": cfg.flow_grpo.batching.zero_variance, "concurrency": cfg.concurrency,
+              "captured_decode": args.captured and loop.backend.captured.compiles,  # shapes it compiled
               "resident_gib": loaded,
               "threads": thread_env(), "linear_kernel": linear_kernel(device, loop.learner.dtype)}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
@@ -256,6 +260,8 @@ def main() -> int:
                    help="TRL's rows per forward / backward pass (per_device_train_batch_size, the step's rows "
                    "accumulated: gradient_accumulation_steps); must divide the step's rows; default all in one pass")
     p.add_argument("--no-trl", action="store_true", help="run masgraph alone (its tokens/s and memory)")
+    p.add_argument("--captured", action="store_true",
+                   help="masgraph's rollouts through the captured decode step (masgraph/backends/hf/captured.py)")
     p.add_argument("--record", type=Path, default=results_file("train_throughput"),
                    help="markdown file the results section is appended to (default results/train_throughput.md)")
     p.add_argument("--side", choices=["masgraph", "trl"], help=argparse.SUPPRESS)  # one side, in its own process

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import logging
 import tempfile
 import threading
 import time
@@ -17,14 +16,16 @@ import torch
 from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Request
 from masgraph.backends.hf.batcher import Batcher
 from masgraph.backends.hf.buckets import pass_cost
+from masgraph.backends.hf.captured import CapturedDecoder
 from masgraph.backends.hf.cascade import Cascade
 from masgraph.backends.hf.decode import decode, prefill_shared
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.backends.hf.layout import TokenLayout, prefill, stack_prefixes
 from masgraph.backends.hf.model import HFModel
+from masgraph.backends.hf.streamed import TokenText
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
-from masgraph.streaming import TextSink, sink_for
+from masgraph.streaming import sink_for
 from masgraph.threads import fit_threads, full_threads
 
 if TYPE_CHECKING:
@@ -103,13 +104,17 @@ class HFBackend:
         """A row that finished (EOS or its max_tokens) leaves its decode batch at the end of that step; off only to
         compare with the layout before (the row rode along until the batch's longest row ended: on a CPU a step
         costs in proportion to its rows)."""
+        self.captured: CapturedDecoder | None = None
+        """Where set (`capture_decode()`), a batch of one adapter decodes through a step traced once and replayed
+        (masgraph/backends/hf/captured.py: a CUDA graph on a GPU) instead of the eager loop. Off by default: made
+        for a GPU's host-bound decode and not yet measured on one."""
         self.versions: dict[str | None, int] = {None: 0}
         """Adapter -> the version this backend serves (what completions are stamped with)."""
         # seedless requests only (the scheduler seeds every one); on the model's device, as multinomial needs
         self._rng = torch.Generator(device=self.weights.device).manual_seed(seed)
         self._prefix_kv: dict[tuple, Any] = {}
         self._batch_stop = threading.local()  # .event: the stop flag of the batch this thread runs, if any
-        self._streamed: dict[int, _TokenText] = {}
+        self._streamed: dict[int, TokenText] = {}
         """id(request) -> where its tokens go as they decode, for the requests whose text streams."""
         self._batcher: Batcher[Request, Completion] = Batcher(
             self._run_batch, max_batch_size, batch_wait_ms, thread_name="masgraph-hf",
@@ -190,7 +195,7 @@ class HFBackend:
         streamed = {}
         for r in requests:
             if (sink := sink_for(r)) is not None:
-                streamed[id(r)] = _TokenText(asyncio.get_running_loop(), self.tokenizer, self.layout.eos_ids, sink)
+                streamed[id(r)] = TokenText(asyncio.get_running_loop(), self.tokenizer, self.layout.eos_ids, sink)
         if not streamed:
             return await self._batcher.submit(requests)
         self._streamed.update(streamed)
@@ -277,6 +282,11 @@ class HFBackend:
         self.stats["generate_s"] += time.perf_counter() - t0
         return results
 
+    def capture_decode(self, backend: str | None = None) -> None:
+        """Decode one-adapter batches through a traced, replayed step from now on (`captured`); `backend`:
+        torch.compile's (default: inductor's CUDA graphs on a GPU, the traced step run eagerly elsewhere)."""
+        self.captured = CapturedDecoder(self.model, backend)
+
     def _check_adapter(self, adapter: str | None) -> None:
         if adapter is not None and adapter not in self.versions:
             raise BackendError(f"adapter {adapter!r} is not loaded on {self.model_name}; loaded: "
@@ -312,6 +322,8 @@ class HFBackend:
         adapters = [r.adapter for r in requests]
         for adapter in set(adapters):
             self._check_adapter(adapter)
+        if self.captured is not None and len(set(adapters)) == 1:
+            return self._decode_captured([list(p) + s for p, s in zip(prefixes, suffixes)], requests, stop)
         histories = list(zip(adapters, prefixes))  # what each row's cached KV was computed from
         distinct = list(dict.fromkeys(histories))
         # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
@@ -367,7 +379,6 @@ class HFBackend:
                      names: dict[str, Any], stop: threading.Event | None, cascade: Cascade | None = None
                      ) -> list[tuple[list[int], list[float], str]]:
         """The shared prompt parts (one row per cluster), then every row's own prompt and completion."""
-        device = self.weights.device
         B = len(suffixes)
         clusters = len(firsts)
         if clusters < B:
@@ -380,47 +391,31 @@ class HFBackend:
             self.stats["prompt_tokens_computed"] += sum(shared[k] for k in firsts)
             self.stats["prompt_positions_run"] += run
             self.stats["prompt_tokens_shared"] += sum(shared) - sum(shared[k] for k in firsts)
-        gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
-                for r in requests]
-        streamed = [self._streamed.get(id(r)) for r in requests]
-        on_token = [t.token if t is not None else None for t in streamed] if any(streamed) else None
+        gens, on_token = self._row_sources(requests)
         self.stats["prompt_tokens_computed"] += sum(map(len, suffixes))
         self.stats["decode_loops"] += 1
         return decode(self.model, cache, len(prefix), suffixes, requests, gens, self.pad_id, self.layout.eos_ids,
                       stop, on_token, past_mask, self.stats, names, cascade, self.pass_overhead, self.drop_finished)
 
 
-class _TokenText:
-    """One streamed request: each token the decode thread picks is handed to the event loop, which detokenizes
-    the tokens so far as the completion's text is (EOS and special tokens left out) and gives it to the sink.
-    A text ending in a partial UTF-8 character waits for the next token."""
+    def _decode_captured(self, prompts: list[list[int]], requests: list[Request], stop: threading.Event | None
+                         ) -> list[tuple[list[int], list[float], str]]:
+        """Rows of one adapter, each prompt whole, through the captured step (`captured`)."""
+        assert self.captured is not None
+        gens, on_token = self._row_sources(requests)
+        self.stats["prompt_tokens_computed"] += sum(map(len, prompts))
+        self.stats["decode_loops"] += 1
+        with self.weights.use(requests[0].adapter):
+            return self.captured.decode(prompts, requests, gens, self.pad_id, self.layout.eos_ids, stop, on_token,
+                                        self.stats)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer: Any, eos_ids: set[int], sink: TextSink):
-        self.loop, self.tokenizer, self.eos_ids, self.sink = loop, tokenizer, eos_ids, sink
-        self.ids: list[int] = []
-        self.broken = False
-
-    def token(self, tok: int) -> None:
-        """On the decode thread: one call into the loop, nothing else (the step's time is the batch's)."""
-        if self.broken:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._add, tok)
-        except RuntimeError:  # the loop has closed: nobody reads the stream
-            self.broken = True
-
-    def _add(self, tok: int) -> None:
-        if self.broken or tok in self.eos_ids:
-            return
-        self.ids.append(tok)
-        try:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):
-                self.sink.update(text)
-        except Exception as exc:  # streaming is a view: the completion goes on without it
-            self.broken = True
-            logging.getLogger(__name__).warning("streaming a completion's text failed (%s: %s); the answer "
-                                                "arrives whole", type(exc).__name__, exc)
+    def _row_sources(self, requests: list[Request]) -> tuple[list[torch.Generator], list | None]:
+        """Each row's generator (its seed's, or the backend's) and token sink (None where nothing streams)."""
+        device = self.weights.device
+        gens = [torch.Generator(device=device).manual_seed(r.seed) if r.seed is not None else self._rng
+                for r in requests]
+        streamed = [self._streamed.get(id(r)) for r in requests]
+        return gens, [t.token if t is not None else None for t in streamed] if any(streamed) else None
 
 
 def _generate_error(exc: Exception) -> BackendError:

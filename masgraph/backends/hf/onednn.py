@@ -93,8 +93,9 @@ class _FrozenLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through oneDNN when the parameters are frozen fp32 on a CPU that runs it faster."""
-    if not eligible(x, weight, bias) or kernel() != "onednn":
+    """`F.linear(x, weight, bias)`, through oneDNN when the parameters are frozen fp32 on a CPU that runs it faster
+    (not inside a traced step, masgraph/backends/hf/captured.py: the compiler picks its own kernels)."""
+    if torch.compiler.is_compiling() or not eligible(x, weight, bias) or kernel() != "onednn":
         return F.linear(x, weight, bias)
     if x.requires_grad and torch.is_grad_enabled():
         return _FrozenLinear.apply(x, weight, bias)
