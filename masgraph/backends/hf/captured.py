@@ -56,6 +56,9 @@ class CapturedDecoder:
         # one graph per (adapter, training flag, batch shape): more than dynamo's default of 8 in a multi-adapter run
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.step = torch.compile(_step, backend=self.backend, mode=mode, fullgraph=True, dynamic=False)
+        self.graphs = mode == "reduce-overhead"
+        """CUDA graphs: each step is marked as a new one (a replay then overwrites the last step's logits, read by
+        then), as torch documents for inference loops."""
         self._caches: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.compiles = 0
         """Shapes first seen (each compiles the step once per adapter)."""
@@ -117,6 +120,8 @@ class CapturedDecoder:
                 write = width + step - 1  # the cache position the previous pick is written to
                 mask[:, write] = 1
                 last = last + 1
+                if self.graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 logits = self.step(self.model, cache, toks[:, None], mask, last, at[write:write + 1])
             toks, lps = sample(logits.float(), reqs, gens, done, temps)
             picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one sync
