@@ -150,7 +150,7 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
               "zero_variance": cfg.flow_grpo.batching.zero_variance, "concurrency": cfg.concurrency,
-              "captured_decode": args.captured and loop.backend.captured.compiles,  # shapes it compiled
+              "captured_decode": args.captured and loop.backend.captured.shapes,  # shapes it compiled
               "resident_gib": loaded,
               "threads": thread_env(), "linear_kernel": linear_kernel(device, loop.learner.dtype)}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items

@@ -21,7 +21,7 @@ import torch
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf.batcher import Stopped
-from masgraph.backends.hf.decode import sample
+from masgraph.backends.hf.decode import Completions, sample
 from masgraph.threads import fit_threads
 
 LENGTH_STEP = 128
@@ -60,8 +60,9 @@ class CapturedDecoder:
         """CUDA graphs: each step is marked as a new one (a replay then overwrites the last step's logits, read by
         then), as torch documents for inference loops."""
         self._caches: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self.compiles = 0
-        """Shapes first seen (each compiles the step once per adapter)."""
+        self.shapes = 0
+        """Static caches made: a batch shape first seen, or seen again after its cache was dropped (on a GPU each
+        is a new CUDA graph, per adapter)."""
 
     def cache(self, rows: int, length: int) -> Any:
         """The static cache for `rows` slots x `length` positions, emptied (one kept per shape, `KEEP` shapes)."""
@@ -70,7 +71,7 @@ class CapturedDecoder:
         key = (rows, length)
         cache = self._caches.pop(key, None)
         if cache is None:
-            self.compiles += 1
+            self.shapes += 1
             cache = StaticCache(config=self.model.config, max_cache_len=length)
         else:
             cache.reset()
@@ -101,10 +102,8 @@ class CapturedDecoder:
             mask[i, width - len(row):width] = 1
         pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         temps = torch.tensor([r.sampling.temperature or 1.0 for r in reqs], device=device)[:, None]
-        emits = list(on_token) if on_token is not None else [None] * B
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        finish = ["length"] * B
+        emits = (list(on_token) if on_token is not None else [None] * B) + [None] * (S - B)
+        out = Completions(limits, eos_ids)
         done = [False] * B + [True] * (S - B)  # a spare slot samples greedily and is never read back
         at = torch.arange(length, device=device)  # cache positions: a step takes a view, no copy from the host
         started = time.perf_counter()
@@ -124,19 +123,7 @@ class CapturedDecoder:
                     torch.compiler.cudagraph_mark_step_begin()
                 logits = self.step(self.model, cache, toks[:, None], mask, last, at[write:write + 1])
             toks, lps = sample(logits.float(), reqs, gens, done, temps)
-            picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one sync
-            for i in range(B):
-                if done[i]:
-                    continue
-                tok = int(picked_ids[i])
-                out_ids[i].append(tok)
-                out_lp[i].append(picked_lps[i])
-                if (emit := emits[i]) is not None:
-                    emit(tok)
-                if tok in eos_ids:
-                    done[i], finish[i] = True, "stop"
-                elif len(out_ids[i]) >= limits[i]:
-                    done[i] = True
+            out.take(toks, lps, range(S), done, emits)  # the step's one sync; spare slots are done from the start
             if step == 0 and phases is not None:
                 phases["prompt_positions_run"] = phases.get("prompt_positions_run", 0) + ids.numel()
                 now = time.perf_counter()
@@ -146,4 +133,4 @@ class CapturedDecoder:
                 break
         if phases is not None:
             phases["decode_s"] += time.perf_counter() - started
-        return list(zip(out_ids, out_lp, finish))
+        return out.rows()

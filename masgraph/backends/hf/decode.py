@@ -47,12 +47,10 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     B = len(suffixes)
     ids, mask, pos = new_positions(suffixes, pad_id, device, prefix_len, past_mask, cascade)
     limits = [r.sampling.max_tokens for r in requests]
+    out = Completions(limits, eos_ids)
     temps = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=device)[:, None]  # (B, 1)
     attend = cascade.active if cascade is not None else contextlib.nullcontext
     ones = torch.ones((B, 1), dtype=mask.dtype, device=device)
-    out_ids: list[list[int]] = [[] for _ in range(B)]
-    out_lp: list[list[float]] = [[] for _ in range(B)]
-    finish = ["length"] * B
     # the batch's rows: which request row each is, and its request, generator and token sink; a row that finished
     # leaves the batch at the end of its step (a finished row riding along costs a step as much as a live one)
     alive, reqs, gens = list(range(B)), list(requests), list(generators)
@@ -77,20 +75,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
                 logits = model(input_ids=ids, attention_mask=None if cascade is not None else mask, position_ids=pos,
                                past_key_values=cache, use_cache=True, logits_to_keep=1, **extra).logits[:, -1, :]
         toks, lps = sample(logits.float(), reqs, gens, done, temps)
-        # the step's one device-to-host copy (float64 holds every token id and float32 logprob exactly)
-        picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()
-        for j, (tok, lp) in enumerate(zip(picked_ids, picked_lps)):
-            if done[j]:
-                continue
-            i, tok = alive[j], int(tok)
-            out_ids[i].append(tok)
-            out_lp[i].append(lp)
-            if (emit := emits[j]) is not None:
-                emit(tok)
-            if tok in eos_ids:
-                done[j], finish[i] = True, "stop"
-            elif len(out_ids[i]) >= limits[i]:
-                done[j] = True
+        out.take(toks, lps, alive, done, emits)
         if step == 0:
             reserve(cache, max(limits))
             compact = drop_finished and all(type(layer) is Reserved for layer in getattr(cache, "layers", []))
@@ -117,7 +102,41 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
             done = [False] * len(keep)
     if phases is not None:
         phases["decode_s"] += time.perf_counter() - started
-    return list(zip(out_ids, out_lp, finish))
+    return out.rows()
+
+
+class Completions:
+    """Each request row's completion as it decodes: token ids, their logprobs, and why it finished ("stop" at one of
+    `eos_ids`, "length" at its `limits[i]` tokens)."""
+
+    def __init__(self, limits: list[int], eos_ids: set[int]):
+        self.limits, self.eos_ids = limits, eos_ids
+        self.ids: list[list[int]] = [[] for _ in limits]
+        self.logprobs: list[list[float]] = [[] for _ in limits]
+        self.finish = ["length"] * len(limits)
+
+    def take(self, toks: torch.Tensor, lps: torch.Tensor, alive: Sequence[int], done: list[bool],
+             emits: Sequence[Callable[[int], None] | None]) -> None:
+        """A step's picks, (batch,) tensors: batch row j (request row `alive[j]`) gets its pick unless `done[j]`,
+        which it sets when the row finishes; `emits[j]`, where given, is called with the pick. The step's one
+        device-to-host copy (float64 holds every token id and float32 logprob exactly)."""
+        picked_ids, picked_lps = torch.stack([toks.double(), lps.double()]).tolist()
+        for j, (tok, lp) in enumerate(zip(picked_ids, picked_lps)):
+            if done[j]:
+                continue
+            i, tok = alive[j], int(tok)
+            self.ids[i].append(tok)
+            self.logprobs[i].append(lp)
+            if (emit := emits[j]) is not None:
+                emit(tok)
+            if tok in self.eos_ids:
+                done[j], self.finish[i] = True, "stop"
+            elif len(self.ids[i]) >= self.limits[i]:
+                done[j] = True
+
+    def rows(self) -> list[tuple[list[int], list[float], str]]:
+        """(completion ids, their logprobs, finish reason) per request row."""
+        return list(zip(self.ids, self.logprobs, self.finish))
 
 
 def new_positions(rows: list[list[int]], pad_id: int, device: torch.device | str, prefix_len: int = 0,

@@ -49,16 +49,16 @@ def test_the_captured_step_decodes_what_the_eager_loop_decodes(backend):
     backend.capture_decode("eager")
     traced = counters["stats"]["unique_graphs"]
     captured = backend.generate(reqs)
-    assert backend.captured.compiles == 1  # the captured path ran (one static cache made)
+    assert backend.captured.shapes == 1  # the captured path ran (one static cache made)
     assert counters["stats"]["unique_graphs"] - traced == 1  # traced once for its 8 steps: each step replays it
     _same(captured, eager)  # fp32: the same tokens, logprobs within 1e-5 (another attention kernel, masked)
     assert [len(c.completion_ids) for c in captured] == [2, 9, 4, 9, 1, 6]  # finished rows' picks dropped
     again = backend.generate(reqs)
-    assert backend.captured.compiles == 1 and len(backend.captured._caches) == 1  # the same shape: its cache reused
+    assert backend.captured.shapes == 1 and len(backend.captured._caches) == 1  # the same shape: its cache reused
     _same(again, captured, atol=0.0)
     assert counters["stats"]["unique_graphs"] - traced == 1
     backend.generate(_requests(3))  # 3 rows: 4 slots, another shape
-    assert backend.captured.compiles == 2
+    assert backend.captured.shapes == 2
     assert slots(3) == 4 and slots(1) == 1 and slots(64) == 64 and LENGTH_STEP > 0
 
 
@@ -72,7 +72,7 @@ def test_an_adapter_changed_in_place_is_read_by_the_replayed_step(backend):
         for p in lora:
             p.mul_(-3.0)  # as an optimizer step does: the same tensors, new values
     after = backend.generate(reqs)
-    assert backend.captured.compiles == 1  # both batches took the captured step, one shape
+    assert backend.captured.shapes == 1  # both batches took the captured step, one shape
     backend.captured = None
     _same(after, backend.generate(reqs))  # the eager loop under the changed weights
     assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
@@ -85,10 +85,10 @@ def test_several_adapters_in_one_batch_take_the_eager_loop(backend):
     eager = backend.generate(reqs)
     backend.capture_decode("eager")
     _same(backend.generate(reqs), eager, atol=0.0)
-    assert backend.captured.compiles == 0
+    assert backend.captured.shapes == 0
     backend.one_loop_per = "adapter"  # one loop per adapter (the default): each captured
     _same(backend.generate(reqs), eager)
-    assert backend.captured.compiles == 1  # 3 rows of each adapter: one shape
+    assert backend.captured.shapes == 1  # 3 rows of each adapter: one shape
 
 
 def test_a_stopped_batch_ends_at_its_next_step(backend):
@@ -97,4 +97,4 @@ def test_a_stopped_batch_ends_at_its_next_step(backend):
     stop.set()
     with pytest.raises(Stopped):
         backend.generate(_requests(2), stop)
-    assert backend.captured.compiles == 1  # stopped in the captured loop
+    assert backend.captured.shapes == 1  # stopped in the captured loop
