@@ -99,6 +99,13 @@ def linear_kernel(device: torch.device, dtype: str) -> str:
     return onednn.kernel() if device.type == "cpu" and dtype == "float32" else "default"
 
 
+def traced_graphs() -> int:
+    """Graphs torch.compile traced in this process (each a compile; the captured decode step's count)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict, list[dict], list[str], list]:
     """Flow-GRPO through TrainLoop (rollouts via the Runner); returns config, per-step records, prompts, items."""
     spec = load_spec(ROOT / "graphs" / "single.yaml")
@@ -150,7 +157,10 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
               "micro_batch_tokens": cfg.flow_grpo.batching.micro_batch_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
               "zero_variance": cfg.flow_grpo.batching.zero_variance, "concurrency": cfg.concurrency,
-              "captured_decode": args.captured and loop.backend.captured.shapes,  # shapes it compiled
+              # the captured step's static caches made, and the graphs dynamo traced (more than the shapes x adapters:
+              # something recompiled between steps)
+              "captured_decode": args.captured and {"shapes": loop.backend.captured.shapes,
+                                                    "graphs": traced_graphs()},
               "resident_gib": loaded,
               "threads": thread_env(), "linear_kernel": linear_kernel(device, loop.learner.dtype)}
     return config, [r for r in records if r["step"] > 0], [prompts[it.id] for it in items], items
