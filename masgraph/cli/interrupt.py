@@ -127,9 +127,10 @@ def run_cancellable(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Ends the process after an interrupted run, whose results are saved by now: runs the atexit hooks (a vLLM
-    server's stop, log flushing) and exits without joining worker threads still computing (a model batch, a tool
-    call: Python's exit would wait for each) or the interpreter's teardown (seconds on a busy machine)."""
+    """Ends the process after an interrupted run or as a learner rank (masgraph/cli/main.py), its results saved by
+    now: runs the atexit hooks (a vLLM server's stop, log flushing) and exits without joining worker threads still
+    computing (a model batch, a tool call: Python's exit would wait for each) or the interpreter's teardown (seconds
+    on a busy machine; where a learner rank's gloo group was freed and aborted)."""
     import atexit
 
     for stream in (sys.stdout, sys.stderr):

@@ -283,8 +283,9 @@ class HFBackend:
         return results
 
     def capture_decode(self, backend: str | None = None) -> None:
-        """Decode one-adapter batches through a traced, replayed step from now on (`captured`); `backend`:
-        torch.compile's (default: inductor's CUDA graphs on a GPU, the traced step run eagerly elsewhere)."""
+        """Decode one-adapter batches through a traced, replayed step from now on (`captured`), in its first
+        shapes (masgraph/backends/hf/captured.py); `backend`: torch.compile's (default: inductor's CUDA graphs on a
+        GPU, the traced step run eagerly elsewhere). A model with sliding-window layers is refused (MasgraphError)."""
         self.captured = CapturedDecoder(self.model, backend)
 
     def _check_adapter(self, adapter: str | None) -> None:
@@ -323,7 +324,9 @@ class HFBackend:
         for adapter in set(adapters):
             self._check_adapter(adapter)
         if self.captured is not None and len(set(adapters)) == 1:
-            return self._decode_captured([list(p) + s for p, s in zip(prefixes, suffixes)], requests, stop)
+            done = self._decode_captured([list(p) + s for p, s in zip(prefixes, suffixes)], requests, stop)
+            if done is not None:  # None: a shape past the captured ones, decoded below
+                return done
         histories = list(zip(adapters, prefixes))  # what each row's cached KV was computed from
         distinct = list(dict.fromkeys(histories))
         # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
@@ -399,15 +402,18 @@ class HFBackend:
 
 
     def _decode_captured(self, prompts: list[list[int]], requests: list[Request], stop: threading.Event | None
-                         ) -> list[tuple[list[int], list[float], str]]:
-        """Rows of one adapter, each prompt whole, through the captured step (`captured`)."""
+                         ) -> list[tuple[list[int], list[float], str]] | None:
+        """Rows of one adapter, each prompt whole, through the captured step (`captured`); None where it declines
+        the batch's shape."""
         assert self.captured is not None
         gens, on_token = self._row_sources(requests)
-        self.stats["prompt_tokens_computed"] += sum(map(len, prompts))
-        self.stats["decode_loops"] += 1
         with self.weights.use(requests[0].adapter):
-            return self.captured.decode(prompts, requests, gens, self.pad_id, self.layout.eos_ids, stop, on_token,
+            done = self.captured.decode(prompts, requests, gens, self.pad_id, self.layout.eos_ids, stop, on_token,
                                         self.stats)
+        if done is not None:
+            self.stats["prompt_tokens_computed"] += sum(map(len, prompts))
+            self.stats["decode_loops"] += 1
+        return done
 
     def _row_sources(self, requests: list[Request]) -> tuple[list[torch.Generator], list | None]:
         """Each row's generator (its seed's, or the backend's) and token sink (None where nothing streams)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from torch._dynamo.utils import counters
 
 from masgraph.backends.base import Request
 from masgraph.backends.hf import HFBackend
+from masgraph.backends.hf import captured as captured_module
 from masgraph.backends.hf.batcher import Stopped
-from masgraph.backends.hf.captured import LENGTH_STEP, slots
+from masgraph.backends.hf.captured import CapturedDecoder, slots
+from masgraph.errors import MasgraphError
 from masgraph.spec import SamplingSpec
 from tests.unit.backends.adapters import perturbed
 
@@ -59,7 +62,26 @@ def test_the_captured_step_decodes_what_the_eager_loop_decodes(backend):
     assert counters["stats"]["unique_graphs"] - traced == 1
     backend.generate(_requests(3))  # 3 rows: 4 slots, another shape
     assert backend.captured.shapes == 2
-    assert slots(3) == 4 and slots(1) == 1 and slots(64) == 64 and LENGTH_STEP > 0
+    assert slots(3) == 4 and slots(1) == 1 and slots(64) == 64 and slots(65) == 128
+
+
+def test_a_shape_past_the_captured_ones_decodes_in_the_eager_loop(backend, monkeypatch):
+    """A decoder captures its first `SHAPES` shapes and keeps their caches (a cache made again would be a new CUDA
+    graph each time, and dynamo's recompile limit is an error under fullgraph); another shape goes eager."""
+    monkeypatch.setattr(captured_module, "SHAPES", 1)
+    eager = backend.generate(_requests(3))
+    backend.capture_decode("eager")
+    backend.generate(_requests())  # 6 rows: the one captured shape
+    _same(backend.generate(_requests(3)), eager, atol=0.0)  # 3 rows: another shape, the eager loop's own result
+    assert backend.captured.shapes == 1 and backend.captured.declined == 1
+
+
+def test_a_model_with_sliding_window_layers_is_refused():
+    """Its cache layers count positions in Python ints: the step would be traced again at every position."""
+    model = SimpleNamespace(config=SimpleNamespace(sliding_window=16), device=torch.device("cpu"))
+    with pytest.raises(MasgraphError, match="sliding-window"):
+        CapturedDecoder(model)
+    CapturedDecoder(SimpleNamespace(config=SimpleNamespace(sliding_window=None), device=torch.device("cpu")))
 
 
 def test_an_adapter_changed_in_place_is_read_by_the_replayed_step(backend):
