@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from masgraph.backends.base import Request
-from masgraph.backends.hf.batcher import Stopped
-from masgraph.backends.hf.decode import Completions, sample
+from masgraph.backends.hf.decode import Completions, check_stop, sample
 from masgraph.threads import fit_threads
 
 LENGTH_STEP = 128
@@ -105,8 +104,7 @@ class CapturedDecoder:
         if cache is None:
             self.declined += 1
             return None
-        if stop is not None and stop.is_set():
-            raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
+        check_stop(stop)  # before the prefill, as the eager loop checks before its first pass
         # the spare slots repeat row 0 (a slot of padding alone would attend nothing); their picks are dropped
         rows = list(prompts) + [prompts[0]] * (S - B)
         reqs, gens = list(requests) + [requests[0]] * (S - B), list(generators) + [generators[0]] * (S - B)
@@ -127,8 +125,7 @@ class CapturedDecoder:
                             use_cache=True, logits_to_keep=1).logits[:, -1, :]
         last, toks = pos[:, -1:], ids[:, -1]  # (the prompt's last ids: replaced by the first picks, never fed)
         for step in range(max(limits)):
-            if stop is not None and stop.is_set():
-                raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
+            check_stop(stop)
             fit_threads()  # one thread while other processes hold the cores (masgraph/threads.py; a CPU's concern)
             if step:
                 write = width + step - 1  # the cache position the previous pick is written to

@@ -63,8 +63,7 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     run = ids.numel()
     started = time.perf_counter()
     for step in range(max(limits)):
-        if stop is not None and stop.is_set():  # a host-side flag: no device sync
-            raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
+        check_stop(stop)
         fit_threads()  # one thread while other processes hold the cores (masgraph/threads.py)
         if cascade is not None:
             cascade.row_mask = mask
@@ -103,6 +102,12 @@ def decode(model: Any, cache: Any, prefix_len: int, suffixes: list[list[int]], r
     if phases is not None:
         phases["decode_s"] += time.perf_counter() - started
     return out.rows()
+
+
+def check_stop(stop: threading.Event | None) -> None:
+    """Raise `Stopped` where `stop` is set (a host-side flag: no device sync)."""
+    if stop is not None and stop.is_set():
+        raise Stopped("the batch was stopped: every request of it was cancelled, or the backend closed")
 
 
 class Completions:
