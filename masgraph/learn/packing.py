@@ -37,6 +37,11 @@ class PackPlan:
     groups: int
     """Distinct middle segments (0: no middle pass; the tails start right after the prefix)."""
 
+    def positions(self, rows: Sequence[TokenRow]) -> int:
+        """Positions a host's tail pass lays out: the prefix and left-padded middles, then the left-padded tails."""
+        seqs = [len(rows[h].prompt_ids) + len(rows[h].completion_ids) for h in self.hosts]
+        return max(self.start) + max(n - s for n, s in zip(seqs, self.start))
+
     def stats(self, rows: Sequence[TokenRow]) -> dict[str, int]:
         """Rows, sequences computed, and tokens received vs computed by this plan (prefix once, middles once per
         group, tails once per host)."""

@@ -17,7 +17,7 @@ from masgraph.backends.base import BackendError, Completion, LoraConfigSpec, Req
 from masgraph.backends.hf.batcher import Batcher
 from masgraph.backends.hf.buckets import pass_cost
 from masgraph.backends.hf.captured import CapturedDecoder
-from masgraph.backends.hf.cascade import Cascade
+from masgraph.backends.hf.cascade import Cascade, gaps_fit
 from masgraph.backends.hf.decode import decode, prefill_shared
 from masgraph.backends.hf.dtype import pick_dtype
 from masgraph.backends.hf.layout import TokenLayout, prefill, stack_prefixes
@@ -255,15 +255,20 @@ class HFBackend:
             per = "adapter"
         loop = {"batch": lambda i: (), "adapter": lambda i: (requests[i].adapter,),
                 "prefix": lambda i: (requests[i].adapter, prefixes[i])}[per]
+        # a windowed model whose window a row's pad gap could reach: rows of one prefix and prompt length only (no gap;
+        # the layout's length bounded by prefix + shared middle + the rest, each part at most its longest + completion)
+        suffix = max(len(p) - len(x) for p, x in zip(prompts, prefixes))
+        gapless = not gaps_fit(self.model.config, max(map(len, prefixes)) + 2 * suffix
+                               + max(r.sampling.max_tokens for r in requests))
         groups: dict[tuple, list[int]] = {}
         for i in range(len(requests)):
-            groups.setdefault(loop(i), []).append(i)
+            groups.setdefault(loop(i) + ((prefixes[i], len(prompts[i])) if gapless else ()), []).append(i)
         decoded: dict[int, tuple[list[int], list[float], str]] = {}
         together: dict[int, int] = {}
         for rows in groups.values():
             for chunk in ([[i] for i in rows] if self.deterministic else [rows]):  # batch 1: batch-invariant
                 outs = self._decode([prefixes[i] for i in chunk], [prompts[i][len(prefixes[i]):] for i in chunk],
-                                    [requests[i] for i in chunk], stop)
+                                    [requests[i] for i in chunk], stop, share=not gapless)
                 decoded.update(zip(chunk, outs))
                 together.update((i, len(chunk)) for i in chunk)
         results = []
@@ -313,9 +318,9 @@ class HFBackend:
         return cache
 
     def _decode(self, prefixes: list[tuple[int, ...]], suffixes: list[list[int]], requests: list[Request],
-                stop: threading.Event | None = None) -> list[tuple[list[int], list[float], str]]:
+                stop: threading.Event | None = None, share: bool = True) -> list[tuple[list[int], list[float], str]]:
         """Decode rows whose prompts are `prefixes[i]` (a static prefix whose KV is cached per adapter; may be
-        empty) + `suffixes[i]`, each under its request's adapter."""
+        empty) + `suffixes[i]`, each under its request's adapter; `share`: prefill prompt parts rows share once."""
         from transformers import DynamicCache
 
         device = self.weights.device
@@ -332,7 +337,7 @@ class HFBackend:
         # rows whose prompts share more than their static prefix (a question's samples, an episode's next turn) have
         # that part prefilled once per cluster, its KV picked for every row of the cluster (learn/packing.py's rule)
         cluster, shared = list(range(B)), [0] * B
-        if self.share_prompts and B > 1 and min(map(len, suffixes)) > 1:
+        if share and self.share_prompts and B > 1 and min(map(len, suffixes)) > 1:
             base = 0
             for h in distinct:  # within one history only: rows on another prefix or adapter attend other KV
                 rows = [i for i in range(B) if histories[i] == h]

@@ -216,6 +216,17 @@ def windowed(config: Any) -> bool:
     return bool(getattr(config, "use_sliding_window", getattr(config, "sliding_window", None)))
 
 
+def gaps_fit(config: Any, length: int) -> bool:
+    """Whether rows laid out over `length` positions (the longest row: cached prefix, left-padded middle and suffix,
+    completion) may hold pad gaps between their real tokens and still attend what each would attend alone: every
+    layer attends the whole context, or `length` fits the sliding window. transformers' window mask and window cache
+    count positions, pads included, so a gap inside the window pushes a row's earliest real tokens out of it."""
+    if not windowed(config):
+        return True
+    window = getattr(config, "sliding_window", None)
+    return isinstance(window, int) and length <= window
+
+
 def install(model: Any) -> bool:
     """Run `model` under `NAME` if it is of a `PLAIN` type, runs under sdpa now and every layer attends the whole
     context (no sliding window); returns whether it does. Registration with transformers happens once per process."""

@@ -13,6 +13,7 @@ import torch
 
 from masgraph.backends.base import LoraConfigSpec, TokenRow
 from masgraph.backends.hf import buckets
+from masgraph.backends.hf.cascade import gaps_fit
 from masgraph.backends.hf.layout import left_pad, pad_token_id, picked_rows, prefill
 from masgraph.backends.hf.logprobs import check_head, model_head, selected_logprobs
 from masgraph.backends.hf.model import HFModel
@@ -112,6 +113,8 @@ class HFLearner:
             self._release(store, keep=(adapter,))
         known = store.known(adapter, rows) if store else 0
         plan = plan_rows(rows, share=share, pack=self.pack, known=known)
+        if share and not gaps_fit(self.weights.model.config, plan.positions(rows)):
+            plan = plan_rows(rows, share=False, pack=self.pack)  # whole sequences, left-padded: no gap in a window
         reused = store.reused if store else 0
         with self.weights.use(adapter):
             out = sequence_logprobs(self.weights.model, rows, self._pad_id, plan=plan,
