@@ -167,11 +167,13 @@ def run_masgraph(args: argparse.Namespace, model: str, dtype: str) -> tuple[dict
 
 
 def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch.device, micro_batch: int | None = None
-            ) -> tuple[dict, list[float], list[int], list[float]]:
-    """TRL GRPOTrainer on the same prompts/items/reward; returns config, step times, completion tokens per step and
-    peak device memory per step (GiB; empty on a CPU). `micro_batch`: rows per forward / backward pass, the step's
-    rows accumulated over passes (TRL's `per_device_train_batch_size` with `gradient_accumulation_steps`; one
-    generation batch and one optimizer step per step either way); default all of a step's rows in one pass."""
+            ) -> tuple[dict, list[float], list[int], list[float], list[float]]:
+    """TRL GRPOTrainer on the same prompts/items/reward; returns config, step times, completion tokens per step,
+    peak device memory per step (GiB; empty on a CPU) and the seconds of each step in TRL's `_generate` (its
+    rollouts; the rest of the step is its scoring, reference pass and update). `micro_batch`: rows per forward /
+    backward pass, the step's rows accumulated over passes (TRL's `per_device_train_batch_size` with
+    `gradient_accumulation_steps`; one generation batch and one optimizer step per step either way); default all of
+    a step's rows in one pass."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -186,17 +188,20 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
         return [task.score(by_q[p], parse_answer(c)[0]) for p, c in zip(prompts, completions)]
 
     times: list[float] = []
+    generating: list[float] = []
     peak = PeakMemory(device)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             peak.start()
+            generating.append(0.0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             peak.stop()
             times.append(time.perf_counter() - self.t0)
-            print(f"[TRL] step {len(times)} of {steps}: {times[-1]:.1f} s", flush=True)  # a cut-off run keeps these
+            print(f"[TRL] step {len(times)} of {steps}: {times[-1]:.1f} s (generation {generating[-1]:.1f} s)",
+                  flush=True)  # a cut-off run keeps these
 
     path = mg["path"]
     dtype = getattr(torch, mg["dtype"].removeprefix("torch."))
@@ -222,6 +227,16 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
                               train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora,
                               callbacks=[Timer()])
+        generate = trainer._generate
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return generate(*a, **kw)
+            finally:
+                generating[-1] += time.perf_counter() - t0
+
+        trainer._generate = timed
         loaded = resident(device)
         trainer.train()
     trl_config = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -235,7 +250,7 @@ def run_trl(steps: int, mg: dict, prompts: list[str], items: list, device: torch
     trl_config["device"] = str(trainer.args.device)
     trl_config["resident_gib"] = loaded
     trl_config["threads"] = thread_env()
-    return trl_config, times, tokens, peak.steps
+    return trl_config, times, tokens, peak.steps, generating
 
 
 def gib(values: list[float]) -> str:
@@ -333,6 +348,11 @@ def main() -> int:
         rows.append(f"| TRL GRPOTrainer | {trl_tok} | {trl_s:.1f} | {trl_tok / trl_s:.2f} | "
                     f"{trl_s / (len(times) - 1):.1f} | {gib(trl_peak)} |")
         lines.append(f"- TRL config: `{json.dumps(trl_config)}`")
+        gen = tr.get("generating", [])[1:len(times)]
+        if gen:
+            trl_split = ", ".join(f"{g:.1f} + {t - g:.1f}" for g, t in zip(gen, times[1:]))
+            print(f"TRL seconds per counted step, generation + the rest: {trl_split}")
+            lines.append(f"- TRL seconds per counted step, generation (`_generate`) + the rest: {trl_split}")
     with open(args.record, "a") as f:
         stamp = time.strftime('%Y-%m-%d %H:%M')
         peer = "" if tr is None else f" vs TRL {tr['version']} GRPOTrainer"
@@ -378,10 +398,11 @@ def run_side(args: argparse.Namespace) -> int:
     import trl
 
     mg = pickle.loads(args.io.read_bytes())
-    config, times, tokens, peak = run_trl(args.steps, mg["config"], mg["prompts"], mg["items"],
-                                          resolve_device(args.device), args.trl_micro_batch)
+    config, times, tokens, peak, generating = run_trl(args.steps, mg["config"], mg["prompts"], mg["items"],
+                                                      resolve_device(args.device), args.trl_micro_batch)
     config = json.loads(json.dumps(config, default=str))
     args.io.write_bytes(pickle.dumps({"config": config, "times": times, "tokens": tokens, "peak": peak,
+                                      "generating": generating,
                                       "version": trl.__version__}))
     return 0
 
