@@ -15,13 +15,21 @@ against 4.5 s passive). libgomp reads its policy once, when it loads, so the cho
   does nothing). The deterministic mode holds the thread count (`hold`): on a CPU the count decides the order of
   parallel sums, so a changing count would make repeated runs differ.
 
+libgomp keeps each thread's team of workers for its next parallel region, and counts the workers of every team. Once
+two threads of this process have had teams of two (the decode thread, the thread that loaded the model or runs the
+update), the workers outnumber the cores and libgomp cuts every wait to 100 spins whatever `GOMP_SPINCOUNT` says,
+so each parallel region pays a sleep and a wake. `released_team` lets a thread's workers go when it is done with a
+phase of kernels (a batch's decode, an update, the model's load), so the next thread's team waits as configured.
+
 Measured in `benchmarks/omp_wait.py` (docs/performance.md has the figures).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, MutableMapping
@@ -190,3 +198,43 @@ def hold_threads() -> None:
     g = guard()
     if g is not None:
         g.hold()
+
+
+_pause: Callable[[int], int] | None = None
+_pause_looked = False
+
+
+def release_team() -> None:
+    """Let the calling thread's OpenMP workers go (`omp_pause_resource_all`, soft pause, in the libgomp torch loaded);
+    its next parallel region starts a new team. A no-op without libgomp (another OpenMP runtime, another OS) or inside
+    a parallel region."""
+    global _pause, _pause_looked
+    if not _pause_looked and "torch" in sys.modules:  # torch loads libgomp
+        _pause_looked = True
+        _pause = _find_pause()
+    if _pause is not None:
+        _pause(1)  # omp_pause_soft
+
+
+def _find_pause() -> Callable[[int], int] | None:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line and line.rstrip().endswith((".so", ".so.1"))}
+        for path in sorted(paths):
+            pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+            if pause is not None:
+                pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+                return pause
+    except OSError:  # no /proc (not Linux), a library that does not load
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def released_team() -> Iterator[None]:
+    """Within: a phase of the calling thread's kernels; on leaving, its OpenMP workers go (`release_team`), so the
+    thread that works next (the update after the rollouts, the decode after the update) waits as configured."""
+    try:
+        yield
+    finally:
+        release_team()

@@ -35,6 +35,7 @@ from masgraph.runtime.ray_engine import RayConfig
 from masgraph.runtime.runner import RunConfig, Runner, mean, summarize
 from masgraph.spec import GraphSpec
 from masgraph.tasks import Task, TaskSplitWarning, task_ref
+from masgraph.threads import released_team
 from masgraph.topology.policy import TopologyPolicy
 from masgraph.topology.space import DecisionSpace
 from masgraph.trace import EVALUATION, Trace
@@ -333,8 +334,7 @@ class TrainLoop:
         t_update = time.perf_counter()
         if (dp := data_parallel.current()) is not None:  # the other learner ranks join this update (cli/learners.py)
             dp.broadcast(self.step, "the next update's step")
-        metrics = (await in_thread(self.algo.train_step, traces, self.step) if overlap
-                   else self.algo.train_step(traces, self.step))
+        metrics = await in_thread(self._update, traces) if overlap else self._update(traces)
         t_update = time.perf_counter() - t_update
         scored = {t.episode_id: t.meta[META] for t in traces if t.meta.get(META)}  # kept for inspection
         for episode_id, calls in self.algo.credit().items():
@@ -353,6 +353,12 @@ class TrainLoop:
                 "time/train_s": self.train_seconds,
                 "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
                 **({"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if on_gpu else {})}
+
+    def _update(self, traces: list[Trace]) -> dict[str, Any]:
+        """The algorithm's update on this step's traces; the thread's OpenMP workers go at its end, so the decode
+        thread's team waits as configured (masgraph/threads.py)."""
+        with released_team():
+            return self.algo.train_step(traces, self.step)
 
     async def _collect(self, step: int, cursor: int, sinks: list[Sink]) -> tuple[list[Trace], int, int]:
         """Step `step`'s rollouts from data cursor `cursor`, with the algorithm's resampling rounds: the traces, the

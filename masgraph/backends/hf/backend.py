@@ -26,7 +26,7 @@ from masgraph.backends.hf.streamed import TokenText
 from masgraph.errors import MasgraphError
 from masgraph.learn.packing import share_middles
 from masgraph.streaming import sink_for
-from masgraph.threads import fit_threads, full_threads
+from masgraph.threads import fit_threads, full_threads, release_team, released_team
 
 if TYPE_CHECKING:
     from masgraph.backends.base import AdapterSource
@@ -192,6 +192,7 @@ class HFBackend:
     async def complete(self, requests: list[Request]) -> list[Completion]:
         """Completions of `requests` (batched with every other caller's); a request whose text streams (see
         masgraph/streaming.py) has its tokens sent to its sink as they decode."""
+        release_team()  # this (event loop) thread's OpenMP workers go while the batcher's thread decodes (threads.py)
         streamed = {}
         for r in requests:
             if (sink := sink_for(r)) is not None:
@@ -238,7 +239,8 @@ class HFBackend:
         deterministic mode), whatever their static prompt prefixes (their cached KVs stacked, left-padded), the rest
         of each prompt left-padded and KV-cached. `stop` (default: the batcher's, when run from it) set ends the
         batch at its next decode step with `Stopped`."""
-        with full_threads(self.deterministic):  # its sums in one order whatever the load (masgraph/threads.py)
+        # its sums in one order whatever the load; its OpenMP workers let go at the end (masgraph/threads.py)
+        with full_threads(self.deterministic), released_team():
             return self._generate(requests, stop)
 
     def _generate(self, requests: list[Request], stop: threading.Event | None) -> list[Completion]:
