@@ -111,6 +111,12 @@ class LoadGuard:
             with self._lock:
                 self._working[me] = time.monotonic()
 
+    def leave(self) -> None:
+        """The calling thread is done working for now: the teams working at once no longer count it (a thread that
+        next works alone then gets the full count at once, not after `WORKING_S`)."""
+        with self._lock:
+            self._working.pop(threading.get_ident(), None)
+
     def hold(self) -> None:
         """Keep every thread at the full count from now on (the deterministic mode)."""
         self.held = True
@@ -207,8 +213,10 @@ _pause_looked = False
 def release_team() -> None:
     """Let the calling thread's OpenMP workers go (`omp_pause_resource_all`, soft pause, in the libgomp torch loaded);
     its next parallel region starts a new team. A no-op without libgomp (another OpenMP runtime, another OS) or inside
-    a parallel region."""
+    a parallel region. The thread also stops counting as a working team (`LoadGuard.leave`)."""
     global _pause, _pause_looked
+    if (g := guard()) is not None:
+        g.leave()
     if not _pause_looked and "torch" in sys.modules:  # torch loads libgomp
         _pause_looked = True
         _pause = _find_pause()

@@ -151,3 +151,31 @@ def test_two_teams_of_this_process_share_the_count_and_an_update_counts_while_it
     assert beside == 1
     guard._working.clear()  # the update left long ago
     assert _in_thread(guard.apply) == 2
+
+
+def test_a_thread_done_with_its_phase_leaves_the_teams_at_once():
+    """The rollouts' thread finishes its batch and the update starts on another thread: the update gets the full
+    count from its first pass, not `WORKING_S` later (the decode thread's last fit would count it as working)."""
+
+    def beside(leave: bool) -> int:
+        guard = LoadGuard(period_s=0.0, read=Ticks(), cores=2, full=2)
+        fitted, finish = threading.Event(), threading.Event()
+
+        def decode():  # stays alive throughout: a thread's id may be reused once it ends
+            guard.apply()
+            if leave:
+                guard.leave()
+            fitted.set()
+            finish.wait(10)
+
+        t = threading.Thread(target=decode)
+        t.start()
+        fitted.wait(10)
+        try:
+            return _in_thread(guard.apply)
+        finally:
+            finish.set()
+            t.join()
+
+    assert beside(leave=False) == 1  # within WORKING_S of its last fit the decode thread counts as working
+    assert beside(leave=True) == 2
