@@ -19,7 +19,8 @@ libgomp keeps each thread's team of workers for its next parallel region, and co
 two threads of this process have had teams of two (the decode thread, the thread that loaded the model or runs the
 update), the workers outnumber the cores and libgomp cuts every wait to 100 spins whatever `GOMP_SPINCOUNT` says,
 so each parallel region pays a sleep and a wake. `released_team` lets a thread's workers go when it is done with a
-phase of kernels (a batch's decode, an update, the model's load), so the next thread's team waits as configured.
+phase of kernels (a batch's decode, an update), and `release_team` the event loop's thread when it hands a batch to
+the decode thread, so the thread that works next waits as configured.
 
 Measured in `benchmarks/omp_wait.py` (docs/performance.md has the figures).
 """
