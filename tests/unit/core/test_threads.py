@@ -3,6 +3,7 @@ thread while other processes hold the cores; the deterministic mode keeps its co
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -128,27 +129,37 @@ def test_the_guard_sees_other_processes_and_not_its_own_work():
             p.wait()
 
 
+def _beside(guard: LoadGuard, work) -> int:  # noqa: ANN001
+    """`guard.apply()`'s count on a fresh thread while another thread, which ran `work()` first, is still alive (a
+    thread's id may be reused once it ends)."""
+    ready, finish = threading.Event(), threading.Event()
+
+    def other():
+        work()
+        ready.set()
+        finish.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    ready.wait(10)
+    try:
+        return _in_thread(guard.apply)
+    finally:
+        finish.set()
+        t.join()
+
+
 def test_two_teams_of_this_process_share_the_count_and_an_update_counts_while_it_runs():
     assert threads_for(0.0, 2, 2, teams=2) == 1
     assert threads_for(0.0, 8, 8, teams=2) == 4
     guard = LoadGuard(period_s=0.0, read=Ticks(), cores=2, full=2)
-    inside, release = threading.Event(), threading.Event()
+    with contextlib.ExitStack() as stack:
 
-    def update():  # fits its count once, then works for a long while (a logprob pass and its backward)
-        with guard.working():
+        def update():  # fits its count once, then works for a long while (a logprob pass and its backward)
+            stack.enter_context(guard.working())  # left when the test's stack closes, after the decode step
             guard.apply()
-            inside.set()
-            release.wait(10)
 
-    t = threading.Thread(target=update)
-    t.start()
-    inside.wait(10)
-    try:
-        beside = _in_thread(guard.apply)  # a decode step beside the update
-    finally:
-        release.set()
-        t.join()
-    assert beside == 1
+        assert _beside(guard, update) == 1  # a decode step beside the update
     guard._working.clear()  # the update left long ago
     assert _in_thread(guard.apply) == 2
 
@@ -156,26 +167,8 @@ def test_two_teams_of_this_process_share_the_count_and_an_update_counts_while_it
 def test_a_thread_done_with_its_phase_leaves_the_teams_at_once():
     """The rollouts' thread finishes its batch and the update starts on another thread: the update gets the full
     count from its first pass, not `WORKING_S` later (the decode thread's last fit would count it as working)."""
+    decoded = LoadGuard(period_s=0.0, read=Ticks(), cores=2, full=2)
+    assert _beside(decoded, decoded.apply) == 1  # within WORKING_S of its last fit the decode thread counts
 
-    def beside(leave: bool) -> int:
-        guard = LoadGuard(period_s=0.0, read=Ticks(), cores=2, full=2)
-        fitted, finish = threading.Event(), threading.Event()
-
-        def decode():  # stays alive throughout: a thread's id may be reused once it ends
-            guard.apply()
-            if leave:
-                guard.leave()
-            fitted.set()
-            finish.wait(10)
-
-        t = threading.Thread(target=decode)
-        t.start()
-        fitted.wait(10)
-        try:
-            return _in_thread(guard.apply)
-        finally:
-            finish.set()
-            t.join()
-
-    assert beside(leave=False) == 1  # within WORKING_S of its last fit the decode thread counts as working
-    assert beside(leave=True) == 2
+    left = LoadGuard(period_s=0.0, read=Ticks(), cores=2, full=2)
+    assert _beside(left, lambda: (left.apply(), left.leave())) == 2
