@@ -8,13 +8,23 @@ machine (`measured.remembered`), or set by `MASGRAPH_LINEAR=onednn|blas`.
 
 Only frozen weights are routed (the LoRA base layers, a tied or frozen output head): their backward needs the input's
 gradient alone, `grad @ W`, another oneDNN linear with the transposed weight. Trainable weights, other devices and
-dtypes, and sharded (DTensor) weights keep `F.linear`."""
+dtypes, and sharded (DTensor) weights keep `F.linear`.
+
+A product over a few rows (a decode step: `PACK_ROWS` or fewer) reads a copy of the frozen weight in oneDNN's own
+blocked layout, made at its first such call and kept while the weight's storage and version stay (`packed`): a plain
+weight is reordered into that layout inside every call, which at a few rows costs about as much as the product
+(a decode-shaped product ran 1.2-1.5x faster packed at 32 rows and 2x at 8, 1.07x at 4,096: one measurement in
+benchmarks/results/linear_kernel.md, 2026-12-05). More than one row gives the same numbers either way (the same
+kernel). A copy doubles its weight's memory, so passes over many rows (prompt passes, the learner's) keep the plain
+weight, and a weight is packed only while the machine keeps `HEADROOM` free beside the copy."""
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +36,10 @@ from masgraph.errors import MasgraphError
 ENV = "MASGRAPH_LINEAR"
 """`onednn` or `blas` overrides the measured choice (this process and its children)."""
 KERNELS = frozenset({"onednn", "blas"})
+PACK_ROWS = 128
+"""Products over at most this many rows read the packed weight."""
+HEADROOM = 2 << 30
+"""Bytes of memory a weight's packed copy must leave available (`/proc/meminfo`'s MemAvailable); else it runs plain."""
 
 
 def available() -> bool:
@@ -56,17 +70,54 @@ def use(choice: str) -> None:
 
 def _measure(reps: int = 20, margin: float = 1.1) -> str:
     """"onednn" if it runs a decode-shaped (32 rows) plus an update-shaped (512 rows) fp32 linear layer `margin`x
-    faster than `F.linear` on this CPU, else "blas" (each timed by `measured.best_time`)."""
+    faster than `F.linear` on this CPU (its weight `packed`, as layers run it), else "blas" (each timed by
+    `measured.best_time`)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the global generator: that would move the caller's seed
     weight = torch.randn(1536, 576, generator=gen, device="cpu")
     inputs = [torch.randn(rows, 576, generator=gen, device="cpu") for rows in (32, 512)]
-    times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, weight, None), reps) for x in inputs)
-             for name, fn in (("blas", F.linear), ("onednn", _onednn))}
+    times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, w, None), reps) for x in inputs)
+             for name, fn, w in (("blas", F.linear, weight), ("onednn", _onednn, packed(weight)))}
     return "onednn" if times["onednn"] * margin < times["blas"] else "blas"
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_packs: dict[int, tuple[weakref.ref, int, int, torch.Tensor | None]] = {}
+"""id(weight) -> (the weight, its data_ptr and version when packed, the copy or None): not an attribute of the
+weight, which would then no longer pickle (a oneDNN tensor has no storage)."""
+_packs_lock = threading.Lock()
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout (the same products as the plain weight), made once and kept while the
+    weight's storage and in-place version stay (dropped with the weight); `weight` itself where the copy would not
+    leave `HEADROOM` free, and for a non-contiguous view (a transposed weight, a new view each call)."""
+    if not weight.is_contiguous():
+        return weight
+    key = (weight.data_ptr(), weight._version)
+    with _packs_lock:
+        kept = _packs.get(id(weight))
+        if kept is not None and kept[0]() is weight and kept[1:3] == key:
+            return weight if kept[3] is None else kept[3]
+        size = weight.numel() * weight.element_size()
+        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if _available_bytes() > size + HEADROOM \
+            else None
+        if kept is None or kept[0]() is not weight:
+            weakref.finalize(weight, _packs.pop, id(weight), None)
+        _packs[id(weight)] = (weakref.ref(weight), *key, copy)
+    return weight if copy is None else copy
+
+
+def _available_bytes() -> int:
+    """MemAvailable in bytes; unbounded where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 1 << 62
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -84,7 +135,7 @@ class _FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(weight)
-        return _onednn(x, weight, bias)
+        return _onednn(x, _weight_for(x, weight), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -99,7 +150,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if x.requires_grad and torch.is_grad_enabled():
         return _FrozenLinear.apply(x, weight, bias)
-    return _onednn(x, weight, bias)
+    return _onednn(x, _weight_for(x, weight), bias)
+
+
+def _weight_for(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The packed weight for a product over `PACK_ROWS` rows or fewer, else the weight itself."""
+    return packed(weight) if x.numel() <= PACK_ROWS * x.shape[-1] else weight
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,42 @@ def test_measuring_leaves_the_callers_seed_alone():
     torch.manual_seed(3)
     assert onednn._measure(reps=5) in onednn.KERNELS
     assert torch.equal(torch.rand(4), want)
+
+
+def test_a_frozen_weight_runs_from_one_packed_copy_kept_until_the_weight_changes(kernel):
+    kernel("onednn")
+    torch.manual_seed(0)
+    layer = _frozen(48, 96, True)
+    x = torch.randn(5, 48)
+    copy = onednn.packed(layer.weight)
+    assert copy is not layer.weight and copy.layout == torch._mkldnn  # oneDNN's own blocked layout
+    assert onednn.packed(layer.weight) is copy  # made once
+    seen = []
+    real = onednn._onednn
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onednn, "_onednn", lambda x, w, b: seen.append(w) or real(x, w, b))
+        got = onednn.linear(x, layer.weight, layer.bias)
+        onednn.linear(x.requires_grad_(), layer.weight, layer.bias).sum().backward()  # the forward of a gradient pass
+        many = torch.randn(onednn.PACK_ROWS + 1, 48)
+        onednn.linear(many, layer.weight, layer.bias)  # a pass over many rows: the plain weight, no reorder to save
+    assert seen[0] is copy and seen[1] is copy
+    assert seen[-1] is layer.weight
+    assert torch.equal(real(many, copy, layer.bias), real(many, layer.weight, layer.bias))  # either way, one kernel
+    assert torch.equal(got, real(x.detach(), layer.weight, layer.bias))  # the same kernel: the same numbers
+    layer.weight.mul_(2.0)  # an in-place change (a load into the weight): the copy is made again from the new values
+    torch.testing.assert_close(onednn.linear(x.detach(), layer.weight, layer.bias),
+                               F.linear(x.detach(), layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert onednn.packed(layer.weight) is not copy
+    key = id(layer.weight)
+    del layer, copy, seen
+    assert key not in onednn._packs  # dropped with its weight
+
+
+def test_no_packed_copy_without_memory_to_spare_or_for_a_transposed_view(kernel, monkeypatch):
+    kernel("onednn")
+    layer = _frozen(16, 8, False)
+    assert onednn.packed(layer.weight.t()) is not None and onednn.packed(layer.weight.t()).layout == torch.strided
+    monkeypatch.setattr(onednn, "_available_bytes", lambda: onednn.HEADROOM)  # nothing beyond the headroom
+    assert onednn.packed(layer.weight) is layer.weight
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(onednn.linear(x, layer.weight), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
