@@ -1,8 +1,10 @@
 """The CPU's fp32 linear kernel: torch's default (a BLAS sgemm) vs oneDNN (`masgraph/backends/hf/onednn.py`).
 
 Part 1, the kernels: every linear shape of the embedded model (SmolLM2-135M: q/o 576x576, k/v 576x192, gate/up
-576x1536, down 1536x576, the output head 576x49152) at a decode step's rows (32) and an update pass's (2560), forward
-and the input's gradient (the only backward a frozen LoRA base layer runs); arms alternate, best of `--trials`.
+576x1536, down 1536x576, the output head 576x49152) at a decode step's rows (8 and 32) and an update pass's (2560),
+forward and the input's gradient (the only backward a frozen LoRA base layer runs); arms alternate, best of
+`--trials`. The forward runs oneDNN twice: with the plain weight, and with the weight packed in oneDNN's blocked
+layout once beforehand (`onednn.packed`, what a decode step's products read).
 Part 2 (`--steps N`), a training step: `benchmarks/train_throughput.py --no-trl` in a fresh process per arm with
 `MASGRAPH_LINEAR=blas` and `=onednn`, arms alternating `--runs` times; seconds per counted step, rollouts + update.
 
@@ -36,7 +38,7 @@ from results_file import results_file
 HERE = Path(__file__).resolve().parent
 SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": (1536, 576), "head": (576, 49152)}
 """(in, out) features of SmolLM2-135M's linear layers."""
-ROWS = {"decode": 32, "update": 2560}
+ROWS = {"decode-8": 8, "decode": 32, "update": 2560}
 
 
 def best(fn, trials: int, seconds: float = 0.15) -> float:
@@ -62,17 +64,22 @@ def kernels(trials: int) -> list[dict]:
             x, w, g = (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen),
                        torch.randn(m, n, generator=gen))
             flop = 2 * m * k * n
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
             arms = {("forward", "blas"): lambda x=x, w=w: F.linear(x, w),
                     ("forward", "onednn"): lambda x=x, w=w: onednn._onednn(x, w, None),
+                    ("forward", "packed"): lambda x=x, w=packed: onednn._onednn(x, w, None),
                     ("input grad", "blas"): lambda g=g, w=w: g @ w,
                     ("input grad", "onednn"): lambda g=g, w=w: onednn._onednn(g, w.t(), None)}
             for what in ("forward", "input grad"):
-                if phase == "decode" and what == "input grad":
+                if phase.startswith("decode") and what == "input grad":
                     continue  # decoding has no backward
-                t = {kern: best(arms[(what, kern)], trials) for kern in ("blas", "onednn")}
+                t = {kern: best(arms[(what, kern)], trials) for kern in ("blas", "onednn", "packed")
+                     if (what, kern) in arms}
                 rows.append({"phase": phase, "rows": m, "layer": name, "pass": what,
                              "blas": flop / t["blas"] / 1e9, "onednn": flop / t["onednn"] / 1e9,
-                             "ratio": t["blas"] / t["onednn"]})
+                             "ratio": t["blas"] / t["onednn"],
+                             "packed": flop / t["packed"] / 1e9 if "packed" in t else None,
+                             "packed_ratio": t["onednn"] / t["packed"] if "packed" in t else None})
     return rows
 
 
@@ -99,15 +106,20 @@ def main() -> None:
     if not onednn.available():
         sys.exit("error: this torch build has no oneDNN linear op")
     rows = kernels(args.trials)
-    table = ["| phase | rows | layer | pass | BLAS GFLOPS | oneDNN GFLOPS | oneDNN speed-up |",
-             "|---|---|---|---|---|---|---|"]
+    table = ["| phase | rows | layer | pass | BLAS GFLOPS | oneDNN GFLOPS | oneDNN speed-up | oneDNN packed GFLOPS "
+             "| packed / plain speed-up |", "|---|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['phase']} | {r['rows']} | {r['layer']} | {r['pass']} | {r['blas']:.1f} | {r['onednn']:.1f} | "
-              f"{r['ratio']:.2f}x |" for r in rows]
+              f"{r['ratio']:.2f}x | " + (f"{r['packed']:.1f} | {r['packed_ratio']:.2f}x |" if r["packed"] else
+                                         "— | — |") for r in rows]
     print("\n".join(table), flush=True)
     lines = []
     for phase in ROWS:
         mean = statistics.geometric_mean(r["ratio"] for r in rows if r["phase"] == phase)
         lines.append(f"- {phase} shapes: oneDNN {mean:.2f}x BLAS's speed (geometric mean)")
+        packs = [r["packed_ratio"] for r in rows if r["phase"] == phase and r["packed_ratio"]]
+        lines.append(f"- {phase} shapes, forward: oneDNN with the weight packed "
+                     f"{statistics.geometric_mean(packs):.2f}x its speed with the plain weight "
+                     f"(geometric mean; {min(packs):.2f}-{max(packs):.2f}x)")
     if args.steps:
         steps: dict[str, list[tuple[float, float]]] = {"blas": [], "onednn": []}
         for run in range(args.runs):

@@ -13,7 +13,7 @@ dtypes, and sharded (DTensor) weights keep `F.linear`.
 A product over a few rows (a decode step: `PACK_ROWS` or fewer) reads a copy of the frozen weight in oneDNN's own
 blocked layout, made at its first such call and kept while the weight's storage and version stay (`packed`): a plain
 weight is reordered into that layout inside every call, which at a few rows costs about as much as the product
-(a decode-shaped product ran 1.2-1.5x faster packed at 32 rows and 2x at 8, 1.07x at 4,096: one measurement in
+(the embedded model's shapes ran 1.14-1.24x faster packed at 32 rows, 1.38-1.55x at 8, 1.02-1.05x at 2,560:
 benchmarks/results/linear_kernel.md, 2026-12-05). More than one row gives the same numbers either way (the same
 kernel). A copy doubles its weight's memory, so passes over many rows (prompt passes, the learner's) keep the plain
 weight, and a weight is packed only while the machine keeps `HEADROOM` free beside the copy."""
@@ -70,13 +70,14 @@ def use(choice: str) -> None:
 
 def _measure(reps: int = 20, margin: float = 1.1) -> str:
     """"onednn" if it runs a decode-shaped (32 rows) plus an update-shaped (512 rows) fp32 linear layer `margin`x
-    faster than `F.linear` on this CPU (its weight `packed`, as layers run it), else "blas" (each timed by
-    `measured.best_time`)."""
+    faster than `F.linear` on this CPU (the 32 rows read the packed weight, as a decode step does), else "blas"
+    (each timed by `measured.best_time`)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the global generator: that would move the caller's seed
     weight = torch.randn(1536, 576, generator=gen, device="cpu")
     inputs = [torch.randn(rows, 576, generator=gen, device="cpu") for rows in (32, 512)]
-    times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, w, None), reps) for x in inputs)
-             for name, fn, w in (("blas", F.linear, weight), ("onednn", _onednn, packed(weight)))}
+    onednn = lambda x, w, b: _onednn(x, _weight_for(x, w), b)  # noqa: E731  (as the layers run it)
+    times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, weight, None), reps) for x in inputs)
+             for name, fn in (("blas", F.linear), ("onednn", onednn))}
     return "onednn" if times["onednn"] * margin < times["blas"] else "blas"
 
 

@@ -158,7 +158,8 @@ def test_a_frozen_weight_runs_from_one_packed_copy_kept_until_the_weight_changes
                                F.linear(x.detach(), layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert onednn.packed(layer.weight) is not copy
     key = id(layer.weight)
-    del layer, copy, seen
+    seen.clear()
+    del layer, copy
     assert key not in onednn._packs  # dropped with its weight
 
 
