@@ -4,7 +4,8 @@ Part 1, the kernels: every linear shape of the embedded model (SmolLM2-135M: q/o
 576x1536, down 1536x576, the output head 576x49152) at a decode step's rows (8 and 32) and an update pass's (2560),
 forward and the input's gradient (the only backward a frozen LoRA base layer runs); arms alternate, best of
 `--trials`. The forward runs oneDNN twice: with the plain weight, and with the weight packed in oneDNN's blocked
-layout once beforehand (`onednn.packed`, what a decode step's products read).
+layout once beforehand (`onednn.packed`, what a decode step's products read). In bf16 (decode rows, forward):
+`F.linear` (oneDNN with the plain weight) vs the packed weight, whose products are the same bit for bit.
 Part 2 (`--steps N`), a training step: `benchmarks/train_throughput.py --no-trl` in a fresh process per arm with
 `MASGRAPH_LINEAR=blas` and `=onednn`, arms alternating `--runs` times; seconds per counted step, rollouts + update.
 
@@ -83,6 +84,24 @@ def kernels(trials: int) -> list[dict]:
     return rows
 
 
+def bf16_rows(trials: int) -> list[dict]:
+    """bf16 forward at decode rows: `F.linear` vs oneDNN with the weight packed (what masgraph runs)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for phase, m in ROWS.items():
+        if not phase.startswith("decode"):
+            continue
+        for name, (k, n) in SHAPES.items():
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            w = torch.randn(n, k, generator=gen).bfloat16()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            t_f = best(lambda x=x, w=w: F.linear(x, w), trials)
+            t_p = best(lambda x=x, w=packed: onednn._onednn(x, w, None), trials)
+            rows.append({"phase": phase, "rows": m, "layer": name, "ratio": t_f / t_p,
+                         "same": torch.equal(F.linear(x, w), onednn._onednn(x, packed, None))})
+    return rows
+
+
 def step_arm(kernel: str, args: argparse.Namespace) -> list[tuple[float, float]]:
     """(rollout s, update s) per counted step of one `train_throughput.py --no-trl` run under `kernel`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +139,16 @@ def main() -> None:
         lines.append(f"- {phase} shapes, forward: oneDNN with the weight packed "
                      f"{statistics.geometric_mean(packs):.2f}x its speed with the plain weight "
                      f"(geometric mean; {min(packs):.2f}-{max(packs):.2f}x)")
+    bf16 = bf16_rows(args.trials) if onednn.bf16_through_onednn() else []
+    if bf16:
+        table += ["", "| bf16 phase | rows | layer | packed / F.linear speed-up | same numbers |",
+                  "|---|---|---|---|---|"]
+        table += [f"| {r['phase']} | {r['rows']} | {r['layer']} | {r['ratio']:.2f}x | {r['same']} |" for r in bf16]
+        print("\n".join(table[-len(bf16) - 2:]), flush=True)
+        for phase in dict.fromkeys(r["phase"] for r in bf16):
+            got = [r["ratio"] for r in bf16 if r["phase"] == phase]
+            lines.append(f"- bf16 {phase} shapes, forward: the packed weight {statistics.geometric_mean(got):.2f}x "
+                         f"F.linear's speed (geometric mean; {min(got):.2f}-{max(got):.2f}x)")
     if args.steps:
         steps: dict[str, list[tuple[float, float]]] = {"blas": [], "onednn": []}
         for run in range(args.runs):

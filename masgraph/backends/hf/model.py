@@ -58,9 +58,8 @@ class HFModel:
         self.attention = cascade.install(self.model)
         """Whether the model runs under masgraph's attention (`cascade.NAME`: sdpa, masked grouped-query passes on a
         CPU on the key/value heads, and cascade decoding where a backend asks for it); its type allows it or not."""
-        self.onednn_layers = onednn.install(self.model) if self.device.type == "cpu" and self.dtype == torch.float32 \
-            else 0
-        """Linear layers routed through oneDNN (`masgraph/backends/hf/onednn.py`; 0 where BLAS is faster)."""
+        self.onednn_layers = onednn.install(self.model, self.dtype) if self.device.type == "cpu" else 0
+        """Linear layers routed through oneDNN (`masgraph/backends/hf/onednn.py`; 0 where it gains nothing)."""
         self.base_model = self.model
         self.gradient_checkpointing = False
         self.full: dict[str, torch.Tensor] | None = None

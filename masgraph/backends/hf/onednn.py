@@ -1,4 +1,5 @@
-"""Frozen fp32 linear layers through oneDNN on a CPU, where it is measured faster than the BLAS `F.linear` uses.
+"""Frozen linear layers through oneDNN on a CPU: fp32 where it is measured faster than the BLAS `F.linear` uses;
+bf16 (which `F.linear` already runs through oneDNN) at a decode step's few rows, from a packed weight.
 
 PyTorch's CPU build runs an fp32 `F.linear` as a BLAS sgemm (MKL); oneDNN, which it also ships, picks its kernels by
 the CPU's instruction set at run time. On an AVX-512 AMD EPYC (this project's CI machines) oneDNN ran the model's
@@ -8,15 +9,18 @@ machine (`measured.remembered`), or set by `MASGRAPH_LINEAR=onednn|blas`.
 
 Only frozen weights are routed (the LoRA base layers, a tied or frozen output head): their backward needs the input's
 gradient alone, `grad @ W`, another oneDNN linear with the transposed weight. Trainable weights, other devices and
-dtypes, and sharded (DTensor) weights keep `F.linear`.
+dtypes (fp16), and sharded (DTensor) weights keep `F.linear`; bf16 layers keep it but at a few rows (below).
 
 A product over a few rows (a decode step: `PACK_ROWS` or fewer) reads a copy of the frozen weight in oneDNN's own
 blocked layout, made at its first such call and kept while the weight's storage and version stay (`packed`): a plain
-weight is reordered into that layout inside every call, which at a few rows costs about as much as the product
-(the embedded model's shapes ran 1.14-1.24x faster packed at 32 rows, 1.38-1.55x at 8, 1.02-1.05x at 2,560:
-benchmarks/results/linear_kernel.md, 2026-12-05). More than one row gives the same numbers either way (the same
-kernel). A copy doubles its weight's memory, so passes over many rows (prompt passes, the learner's) keep the plain
-weight, and a weight is packed only while the machine keeps `HEADROOM` free beside the copy."""
+weight is reordered into that layout inside every call, which at a few rows costs about as much as the product (the
+embedded model's shapes ran 1.14-1.45x faster packed at 32 rows, 1.38-2.00x at 8, 1.02-1.07x at 2,560 in fp32; in bf16
+1.14-1.42x at 32 rows and 1.18-1.95x at 8: benchmarks/results/linear_kernel.md, 2026-12-05). In fp32 more than one
+row gives the same numbers either way (the same kernel). In bf16 `F.linear` runs oneDNN with the plain weight, and the
+packed one gives its products bit for bit (checked from 1 to 128 rows on this project's machines;
+tests/unit/backends/test_onednn.py). A copy doubles its weight's memory, so passes over many rows (prompt passes, the
+learner's) keep the plain weight, and a weight is packed only while the machine keeps `HEADROOM` free beside the
+copy."""
 
 from __future__ import annotations
 
@@ -122,12 +126,19 @@ def _available_bytes() -> int:
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """A CPU fp32 input and plain (non-DTensor) CPU fp32 parameters that train nothing, outside CPU autocast (which
-    would run `F.linear` in bf16)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    """A CPU fp32 or bf16 input and plain (non-DTensor) CPU parameters of its dtype that train nothing, outside CPU
+    autocast (which would run `F.linear` in bf16)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
             and weight.device.type == "cpu" and weight.dim() == 2 and not weight.requires_grad
-            and type(weight.data) is torch.Tensor and (bias is None or not bias.requires_grad)
+            and type(weight.data) is torch.Tensor
+            and (bias is None or (not bias.requires_grad and bias.dtype == x.dtype))
             and not torch.is_autocast_enabled("cpu"))
+
+
+@functools.cache
+def bf16_through_onednn() -> bool:
+    """Whether this CPU runs bf16 products through oneDNN (`F.linear` then does too, with the plain weight)."""
+    return available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -145,11 +156,19 @@ class _FrozenLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through oneDNN when the parameters are frozen fp32 on a CPU that runs it faster
-    (not inside a traced step, masgraph/backends/hf/captured.py: the compiler picks its own kernels)."""
-    if torch.compiler.is_compiling() or not eligible(x, weight, bias) or kernel() != "onednn":
+    """`F.linear(x, weight, bias)`, through oneDNN when the parameters are frozen fp32 on a CPU that runs it faster,
+    and for a few rows of a frozen bf16 layer through its packed weight (`F.linear` runs those through oneDNN with
+    the plain weight: the same products, bit for bit on this project's machines, less the reorder); not inside a
+    traced step (masgraph/backends/hf/captured.py: the compiler picks its own kernels)."""
+    if torch.compiler.is_compiling() or not eligible(x, weight, bias):
         return F.linear(x, weight, bias)
-    if x.requires_grad and torch.is_grad_enabled():
+    grad = x.requires_grad and torch.is_grad_enabled()
+    if x.dtype == torch.bfloat16:
+        few = not grad and x.numel() <= PACK_ROWS * x.shape[-1] and bf16_through_onednn()
+        return _onednn(x, packed(weight), bias) if few else F.linear(x, weight, bias)
+    if kernel() != "onednn":
+        return F.linear(x, weight, bias)
+    if grad:
         return _FrozenLinear.apply(x, weight, bias)
     return _onednn(x, _weight_for(x, weight), bias)
 
@@ -163,11 +182,13 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-def install(model: torch.nn.Module) -> int:
-    """Route every plain `nn.Linear` of `model` through `linear` (each call checks eligibility again, so a layer
-    that later trains, moves or is sharded falls back by itself). Returns the number of layers routed; 0 where the
-    kernel chosen is BLAS (the model is left as it is)."""
-    if kernel() != "onednn":
+def install(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Route every plain `nn.Linear` of `model` (weights in `dtype`) through `linear` (each call checks eligibility
+    again, so a layer that later trains, moves or is sharded falls back by itself). Returns the number of layers
+    routed; 0 (the model left as it is) for fp32 where the kernel chosen is BLAS, for bf16 where this CPU does not
+    run bf16 through oneDNN, and for other dtypes."""
+    routed = {torch.float32: lambda: kernel() == "onednn", torch.bfloat16: bf16_through_onednn}.get(dtype)
+    if routed is None or not routed():
         return 0
     count = 0
     for module in model.modules():

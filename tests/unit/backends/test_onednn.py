@@ -87,13 +87,13 @@ def test_blas_leaves_the_model_alone(kernel):
     assert "mkldnn._linear_pointwise" not in ops.names
 
 
-def test_trainable_weights_bf16_and_autocast_keep_f_linear(kernel):
+def test_trainable_weights_and_autocast_keep_f_linear(kernel):
     kernel("onednn")
     trainable = torch.nn.Linear(16, 8)
     x = torch.randn(2, 16)
     with _Ops() as ops:
         onednn.linear(x, trainable.weight, trainable.bias).sum().backward()
-        onednn.linear(x.bfloat16(), trainable.weight.detach().bfloat16())
+        onednn.linear(x.bfloat16(), trainable.weight.detach().bfloat16().requires_grad_())
         frozen = _frozen(16, 8, True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert onednn.linear(x, frozen.weight, frozen.bias).dtype == torch.bfloat16  # as F.linear under autocast
@@ -172,3 +172,24 @@ def test_no_packed_copy_without_memory_to_spare_or_for_a_transposed_view(kernel,
     assert onednn.packed(layer.weight) is layer.weight
     x = torch.randn(3, 16)
     torch.testing.assert_close(onednn.linear(x, layer.weight), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn.bf16_through_onednn(), reason="this CPU does not run bf16 through oneDNN")
+def test_a_frozen_bf16_layer_reads_its_packed_weight_at_a_few_rows_with_f_linears_very_numbers(kernel):
+    kernel("blas")  # the fp32 choice does not decide bf16
+    torch.manual_seed(0)
+    layer = _frozen(48, 96, True).bfloat16()
+    model = torch.nn.Sequential(layer)
+    assert onednn.install(model, torch.bfloat16) == 1
+    few, many = torch.randn(3, 48).bfloat16(), torch.randn(onednn.PACK_ROWS + 1, 48).bfloat16()
+    seen = []
+    real = onednn._onednn
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onednn, "_onednn", lambda x, w, b: seen.append(w) or real(x, w, b))
+        got = model(few)
+        model(many)  # many rows: F.linear (no reorder worth a copy)
+        model(few.requires_grad_()).float().sum().backward()  # a gradient pass: F.linear and autograd
+    assert len(seen) == 1 and seen[0] is onednn.packed(layer.weight) and seen[0].layout == torch._mkldnn
+    assert torch.equal(got, F.linear(few.detach(), layer.weight, layer.bias))  # bit for bit
+    assert few.grad is not None
+    assert onednn.install(torch.nn.Sequential(_frozen(4, 4, False).half()), torch.float16) == 0
