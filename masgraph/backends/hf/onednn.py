@@ -79,9 +79,9 @@ def _measure(reps: int = 20, margin: float = 1.1) -> str:
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the global generator: that would move the caller's seed
     weight = torch.randn(1536, 576, generator=gen, device="cpu")
     inputs = [torch.randn(rows, 576, generator=gen, device="cpu") for rows in (32, 512)]
-    onednn = lambda x, w, b: _onednn(x, _weight_for(x, w), b)  # noqa: E731  (as the layers run it)
+    as_layers_run = lambda x, w, b: _onednn(x, _weight_for(x, w), b)  # noqa: E731
     times = {name: sum(best_time(lambda fn=fn, x=x: fn(x, weight, None), reps) for x in inputs)
-             for name, fn in (("blas", F.linear), ("onednn", onednn))}
+             for name, fn in (("blas", F.linear), ("onednn", as_layers_run))}
     return "onednn" if times["onednn"] * margin < times["blas"] else "blas"
 
 
@@ -164,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     grad = x.requires_grad and torch.is_grad_enabled()
     if x.dtype == torch.bfloat16:
-        few = not grad and x.numel() <= PACK_ROWS * x.shape[-1] and bf16_through_onednn()
+        few = not grad and _few_rows(x) and bf16_through_onednn()
         return _onednn(x, packed(weight), bias) if few else F.linear(x, weight, bias)
     if kernel() != "onednn":
         return F.linear(x, weight, bias)
@@ -173,9 +173,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _onednn(x, _weight_for(x, weight), bias)
 
 
+def _few_rows(x: torch.Tensor) -> bool:
+    """Whether a product over `x` runs over `PACK_ROWS` rows or fewer (a decode step's)."""
+    return x.numel() <= PACK_ROWS * x.shape[-1]
+
+
 def _weight_for(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The packed weight for a product over `PACK_ROWS` rows or fewer, else the weight itself."""
-    return packed(weight) if x.numel() <= PACK_ROWS * x.shape[-1] else weight
+    """The packed weight for a product over a few rows, else the weight itself."""
+    return packed(weight) if _few_rows(x) else weight
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
